@@ -1,0 +1,281 @@
+//! Backends: the data plane behind a communicator.
+//!
+//! A backend moves bytes between ranks. Everything else — argument
+//! validation, sequence numbers, the cross-rank consistency check, timeouts,
+//! ordering and abort — lives once above the [`Backend`] trait, in
+//! [`crate::actors`]. A backend never re-implements any of it.
+//!
+//! | name  | feature | needs | notes |
+//! |-------|---------|-------|-------|
+//! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
+//!
+//! Backends are selected by name at run time ([`create`]); an unknown name is
+//! [`Error::UnknownBackend`](crate::Error::UnknownBackend).
+//!
+//! Invariants:
+//! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
+//!   same op on every participant, with buffers whose sizes match the headers.
+//! - BE-2: after `execute` or `exchange_headers` returns an error, or its future
+//!   is dropped, the executor calls `abort` before anything else.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::{Error, Result};
+use crate::op::{OpKind, ReduceOp};
+use crate::tensor::{DType, Tensor};
+use crate::transport::Store;
+
+pub mod cpu;
+
+/// Names of the backends compiled into this binary.
+pub fn available() -> Vec<&'static str> {
+    vec!["cpu"]
+}
+
+/// Everything a backend needs to connect its ranks.
+#[derive(Clone)]
+pub struct BackendInit {
+    /// Communicator name.
+    pub comm: String,
+    /// Store key prefix unique to this communicator instance and epoch
+    /// (e.g. `comm/<name>#<k>/epoch/<e>`); every key a backend writes must start with it.
+    pub key_prefix: String,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Epoch.
+    pub epoch: u64,
+    /// The rendezvous store shared by the ranks.
+    pub store: Arc<dyn Store>,
+    /// The job secret, used to authenticate data links.
+    pub secret: Arc<[u8]>,
+    /// How long connecting to every peer may take.
+    pub connect_timeout: Duration,
+    /// IP address to listen on and advertise for data links.
+    pub bind_ip: std::net::IpAddr,
+}
+
+impl std::fmt::Debug for BackendInit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BackendInit")
+            .field("comm", &self.comm)
+            .field("key_prefix", &self.key_prefix)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("epoch", &self.epoch)
+            .field("bind_ip", &self.bind_ip)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Identifies the op being run, for frames, errors and tracing.
+#[derive(Debug, Clone)]
+pub struct OpCtx {
+    /// Communicator name.
+    pub comm: String,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Epoch.
+    pub epoch: u64,
+    /// Kind of op.
+    pub kind: OpKind,
+    /// Sequence number: the collective counter for collectives; for
+    /// point-to-point, the per-peer counter is carried in [`P2PTransfer::seq`].
+    pub seq: u64,
+}
+
+impl OpCtx {
+    /// A `PeerFailed` error for this op.
+    pub fn peer_failed(&self, failed: Vec<usize>, detail: impl Into<String>) -> Error {
+        Error::PeerFailed {
+            comm: self.comm.clone(),
+            rank: self.rank,
+            epoch: self.epoch,
+            op: self.kind.name(),
+            failed_ranks: failed,
+            detail: detail.into(),
+        }
+    }
+
+    /// A fatal `Mismatch` error for this op (ranks out of step).
+    pub fn mismatch(&self, detail: impl Into<String>) -> Error {
+        Error::Mismatch {
+            comm: self.comm.clone(),
+            rank: self.rank,
+            op: self.kind.name(),
+            seq: self.seq,
+            epoch: self.epoch,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// One point-to-point transfer of a batch.
+#[derive(Debug)]
+pub struct P2PTransfer {
+    /// The other rank.
+    pub peer: usize,
+    /// Per-(peer) p2p sequence number of the batch this transfer belongs to.
+    pub seq: u64,
+    /// `true` to send `buf` to `peer`, `false` to receive into it.
+    pub send: bool,
+    /// The payload (send) or destination (receive), sized by the caller.
+    pub buf: Tensor,
+}
+
+/// The buffers of one op, already validated and sized by the executor.
+///
+/// Every output buffer is allocated with its final size before `execute` is
+/// called (BE-1); the backend only fills it.
+#[derive(Debug)]
+pub enum OpData {
+    /// In-place all-reduce of `buf`. `op` is the combining operator
+    /// ([`ReduceOp::combine_op`]): pre/post scaling is done by the executor.
+    AllReduce {
+        /// Data in and result out.
+        buf: Tensor,
+        /// Combining operator.
+        op: ReduceOp,
+    },
+    /// Reduce into `buf` on `root`. On other ranks `buf` is scratch.
+    Reduce {
+        /// Data in; result out on root.
+        buf: Tensor,
+        /// Combining operator.
+        op: ReduceOp,
+        /// Root rank.
+        root: usize,
+    },
+    /// Reduce `input` (concatenation of one block per rank, sizes `counts`)
+    /// and leave block `rank` in `output`. `input` may be used as scratch.
+    ReduceScatter {
+        /// All blocks.
+        input: Tensor,
+        /// This rank's reduced block (`counts[rank]` elements).
+        output: Tensor,
+        /// Block sizes per rank.
+        counts: Vec<usize>,
+        /// Combining operator.
+        op: ReduceOp,
+    },
+    /// Gather every rank's `input` into `output` (blocks of `counts`).
+    AllGather {
+        /// This rank's block.
+        input: Tensor,
+        /// Concatenation of all blocks.
+        output: Tensor,
+        /// Block sizes per rank.
+        counts: Vec<usize>,
+    },
+    /// Broadcast `buf` from `root`.
+    Broadcast {
+        /// Data on root; destination elsewhere.
+        buf: Tensor,
+        /// Root rank.
+        root: usize,
+    },
+    /// Root sends block `r` of `input` (equal blocks) to rank `r`'s `output`.
+    Scatter {
+        /// Concatenated blocks on root; empty elsewhere.
+        input: Tensor,
+        /// This rank's block.
+        output: Tensor,
+        /// Root rank.
+        root: usize,
+    },
+    /// Every rank sends `input` to root, which stores rank `r`'s in block `r` of `output`.
+    Gather {
+        /// This rank's block.
+        input: Tensor,
+        /// Concatenated blocks on root; empty elsewhere.
+        output: Tensor,
+        /// Root rank.
+        root: usize,
+    },
+    /// Block `send_counts[j]` of `input` goes to rank `j`; block `recv_counts[j]`
+    /// of `output` comes from rank `j`.
+    AllToAll {
+        /// Concatenated send blocks.
+        input: Tensor,
+        /// Concatenated receive blocks.
+        output: Tensor,
+        /// Elements sent to each rank.
+        send_counts: Vec<usize>,
+        /// Elements received from each rank.
+        recv_counts: Vec<usize>,
+    },
+    /// Synchronise; the header exchange already did, nothing more to move.
+    Barrier,
+    /// A batch of point-to-point transfers, run concurrently; transfers with
+    /// the same peer and direction are matched in order.
+    P2P {
+        /// The transfers.
+        ops: Vec<P2PTransfer>,
+    },
+}
+
+/// The data plane of one communicator on one rank.
+///
+/// Called only by the communicator's executor, one op at a time, in issue
+/// order. See the module invariants BE-1 and BE-2.
+#[async_trait]
+pub trait Backend: Send {
+    /// Backend name, as given to `new_comm`.
+    fn name(&self) -> &'static str;
+
+    /// For each `(peer, seq, header)` in `outgoing`, send `header` to `peer`
+    /// and receive one header from `peer`, all concurrently. `seq` is stamped
+    /// on the frames and must match on the received one (the collective
+    /// sequence number for collectives, the per-peer point-to-point sequence
+    /// number for `P2P`). Returns the received `(peer, header)` in the order of
+    /// `outgoing`.
+    async fn exchange_headers(
+        &mut self,
+        ctx: &OpCtx,
+        outgoing: Vec<(usize, u64, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>>;
+
+    /// Move the data of one op. Called after the header check passed (BE-1).
+    async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()>;
+
+    /// Tell every peer this rank is aborting (best effort, bounded in time) and
+    /// close all links. Idempotent. `failed` lists the ranks believed dead.
+    async fn abort(&mut self, reason: &str, failed: &[usize]);
+
+    /// Close all links after a clean shutdown (every rank finalizing).
+    async fn finalize(&mut self);
+}
+
+/// Create and connect the backend called `name`.
+pub async fn create(name: &str, init: BackendInit) -> Result<Box<dyn Backend>> {
+    match name {
+        "cpu" => Ok(Box::new(cpu::CpuBackend::connect(init).await?)),
+        other => Err(Error::UnknownBackend {
+            name: other.to_string(),
+            available: available(),
+        }),
+    }
+}
+
+/// Whether `name` is a backend that this binary knows, before any I/O.
+pub fn check_name(name: &str) -> Result<()> {
+    if available().contains(&name) {
+        Ok(())
+    } else {
+        Err(Error::UnknownBackend {
+            name: name.to_string(),
+            available: available(),
+        })
+    }
+}
+
+/// Element size helper for backends.
+pub fn elem_size(t: &Tensor) -> usize {
+    DType::size(t.dtype())
+}

@@ -1,0 +1,194 @@
+//! Errors returned by Chorus.
+//!
+//! Every layer has its own `thiserror` enum: the control plane reports
+//! [`TransportError`](crate::transport::TransportError); everything a user can
+//! see from a communicator is an [`Error`]. Errors carry the context needed to
+//! act on them — the communicator's name, this rank, the operation and its
+//! sequence number, the epoch — and their messages say what to do.
+
+use std::time::Duration;
+
+use crate::tensor::DType;
+use crate::transport::TransportError;
+
+/// Result type used across the public API.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong on a communicator.
+///
+/// Errors are cheap to clone so that one failure (a dead peer, an abort) can
+/// complete every outstanding [`Work`](crate::Work) with the same cause.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `new_comm` was given a backend name that is not compiled in or does not exist.
+    #[error("unknown backend {name:?}; backends built into this binary: {available:?}")]
+    UnknownBackend {
+        /// The name that was asked for.
+        name: String,
+        /// The names that would have been accepted.
+        available: Vec<&'static str>,
+    },
+
+    /// The backend exists but cannot run here (missing library, no device).
+    #[error("backend {backend} is unavailable: {reason}")]
+    BackendUnavailable {
+        /// Backend name.
+        backend: &'static str,
+        /// Why it cannot be used, e.g. which library was not found.
+        reason: String,
+    },
+
+    /// A call was made with arguments that can never work, detected locally
+    /// before any communication (root out of range, wrong dtype for the op, sizes
+    /// that do not add up, ...).
+    #[error("invalid argument to {op} on communicator {comm:?} (rank {rank}): {reason}")]
+    InvalidArgument {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Operation name.
+        op: &'static str,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+
+    /// The ranks disagreed about an operation: different op, dtype, count, root or
+    /// split sizes. Reported on every participating rank instead of hanging or
+    /// exchanging corrupt data.
+    #[error(
+        "mismatch in {op} #{seq} on communicator {comm:?} (rank {rank}, epoch {epoch}): {detail}; \
+         every rank must issue the same collectives in the same order with matching arguments"
+    )]
+    Mismatch {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Operation name (as issued by this rank).
+        op: &'static str,
+        /// Sequence number of the operation.
+        seq: u64,
+        /// Epoch of the communicator.
+        epoch: u64,
+        /// Which ranks disagreed and on what.
+        detail: String,
+    },
+
+    /// The operation did not complete within its timeout. The communicator is
+    /// aborted afterwards (its links are in an unknown state).
+    #[error(
+        "{op} #{seq} on communicator {comm:?} (rank {rank}, epoch {epoch}) timed out after {after:?}; \
+         a peer is slow, hung or did not issue the same operation"
+    )]
+    Timeout {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Operation name.
+        op: &'static str,
+        /// Sequence number.
+        seq: u64,
+        /// Epoch of the communicator.
+        epoch: u64,
+        /// The timeout that expired.
+        after: Duration,
+    },
+
+    /// One or more peers failed (connection lost, process died, or a peer
+    /// reported its own failure).
+    #[error(
+        "peer failure on communicator {comm:?} (rank {rank}, epoch {epoch}) during {op}: ranks {failed_ranks:?}: {detail}"
+    )]
+    PeerFailed {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Epoch of the communicator.
+        epoch: u64,
+        /// Operation in flight when the failure was seen.
+        op: &'static str,
+        /// Ranks known to have failed.
+        failed_ranks: Vec<usize>,
+        /// What was observed.
+        detail: String,
+    },
+
+    /// The communicator was aborted (by `abort()`, or after an earlier fatal
+    /// error). Every outstanding and later operation completes with this error.
+    #[error("communicator {comm:?} (rank {rank}, epoch {epoch}) was aborted: {reason}")]
+    Aborted {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Epoch of the communicator.
+        epoch: u64,
+        /// Ranks known to have failed, if the abort was caused by a failure.
+        failed_ranks: Vec<usize>,
+        /// Why it was aborted.
+        reason: String,
+    },
+
+    /// The communicator was finalized; no further operations are accepted.
+    #[error("communicator {comm:?} (rank {rank}) is finalized; create a new communicator")]
+    Finalized {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+    },
+
+    /// The reduction op is not defined for this dtype (e.g. `BXor` on `f32`).
+    #[error(
+        "reduce op {op} is not supported for dtype {dtype}; bitwise ops need an integer dtype"
+    )]
+    UnsupportedOp {
+        /// The reduce op.
+        op: String,
+        /// The dtype it was applied to.
+        dtype: DType,
+    },
+
+    /// Bootstrap or configuration problem (missing environment, bad address...).
+    #[error("configuration error: {0}")]
+    Config(String),
+
+    /// The control plane (store, QUIC, authentication) failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+
+    /// A bug in Chorus: please report it.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// Whether the communicator can no longer be used after this error.
+    ///
+    /// `Mismatch` and `InvalidArgument` leave the communicator usable (the check
+    /// happens before any data moves); timeouts, peer failures and aborts do not.
+    pub fn is_fatal(&self) -> bool {
+        matches!(
+            self,
+            Error::Timeout { .. }
+                | Error::PeerFailed { .. }
+                | Error::Aborted { .. }
+                | Error::Transport(_)
+                | Error::Internal(_)
+        )
+    }
+
+    /// Ranks reported as failed by this error, if any.
+    pub fn failed_ranks(&self) -> &[usize] {
+        match self {
+            Error::PeerFailed { failed_ranks, .. } | Error::Aborted { failed_ranks, .. } => {
+                failed_ranks
+            }
+            _ => &[],
+        }
+    }
+}

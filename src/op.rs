@@ -1,0 +1,473 @@
+//! Operations: reduce ops, op kinds, and the cross-rank consistency header.
+//!
+//! Before any data moves, the participants of an operation exchange a small
+//! [`OpHeader`] (kind, dtype, counts, root, reduce op). Every participant sees
+//! the same set of headers and applies the same deterministic rule
+//! ([`check_collective`], [`check_p2p`]), so a disagreement is reported as
+//! [`Error::Mismatch`](crate::Error::Mismatch) on *every* rank — never a hang
+//! and never corrupt data.
+//!
+//! Invariants:
+//! - OP-1: the verdict of [`check_collective`] depends only on the multiset of
+//!   headers, so all ranks reach the same verdict.
+//! - OP-2: a parameter mismatch is found before any payload byte is sent, so
+//!   the communicator stays usable after it.
+
+use std::fmt;
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::tensor::DType;
+
+/// Reduction operator.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise product.
+    Product,
+    /// Element-wise minimum.
+    Min,
+    /// Element-wise maximum.
+    Max,
+    /// Sum divided by the number of ranks (integer division for integer dtypes).
+    Avg,
+    /// Bitwise AND (integer dtypes only).
+    BAnd,
+    /// Bitwise OR (integer dtypes only).
+    BOr,
+    /// Bitwise XOR (integer dtypes only).
+    BXor,
+    /// Each rank multiplies its input by its own scalar, then the results are
+    /// summed (NCCL's `ncclRedOpCreatePreMulSum`). For integer dtypes the scalar
+    /// is converted with `as` (truncating).
+    PremulSum(f64),
+}
+
+impl ReduceOp {
+    /// A code that identifies the operator (not the scalar) on the wire.
+    pub const fn code(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Product => 1,
+            ReduceOp::Min => 2,
+            ReduceOp::Max => 3,
+            ReduceOp::Avg => 4,
+            ReduceOp::BAnd => 5,
+            ReduceOp::BOr => 6,
+            ReduceOp::BXor => 7,
+            ReduceOp::PremulSum(_) => 8,
+        }
+    }
+
+    /// Operator name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Product => "product",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+            ReduceOp::BAnd => "band",
+            ReduceOp::BOr => "bor",
+            ReduceOp::BXor => "bxor",
+            ReduceOp::PremulSum(_) => "premul_sum",
+        }
+    }
+
+    /// Whether this operator is only defined for integers.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
+    }
+
+    /// Whether the operator can be applied to `dtype`.
+    pub const fn supports(self, dtype: DType) -> bool {
+        !(self.is_bitwise() && dtype.is_float())
+    }
+
+    /// The operator used to combine values between ranks: `Avg` and
+    /// `PremulSum` combine as `Sum` (with a local pre/post step).
+    pub const fn combine_op(self) -> ReduceOp {
+        match self {
+            ReduceOp::Avg | ReduceOp::PremulSum(_) => ReduceOp::Sum,
+            other => other,
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReduceOp::PremulSum(s) => write!(f, "premul_sum({s})"),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+/// The kinds of operation a communicator runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum OpKind {
+    /// all_reduce
+    AllReduce = 0,
+    /// reduce
+    Reduce = 1,
+    /// reduce_scatter and reduce_scatter_v
+    ReduceScatter = 2,
+    /// all_gather and all_gather_v
+    AllGather = 3,
+    /// broadcast
+    Broadcast = 4,
+    /// scatter
+    Scatter = 5,
+    /// gather
+    Gather = 6,
+    /// all_to_all (list form)
+    AllToAll = 7,
+    /// all_to_all_single and all_to_all_v_single
+    AllToAllSingle = 8,
+    /// barrier
+    Barrier = 9,
+    /// send / recv / batched point-to-point
+    P2P = 10,
+}
+
+impl OpKind {
+    /// Operation name as used in errors and tracing.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Reduce => "reduce",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGather => "all_gather",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Scatter => "scatter",
+            OpKind::Gather => "gather",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::AllToAllSingle => "all_to_all_single",
+            OpKind::Barrier => "barrier",
+            OpKind::P2P => "p2p",
+        }
+    }
+
+    fn from_code(c: u8) -> Option<OpKind> {
+        use OpKind::*;
+        [
+            AllReduce,
+            Reduce,
+            ReduceScatter,
+            AllGather,
+            Broadcast,
+            Scatter,
+            Gather,
+            AllToAll,
+            AllToAllSingle,
+            Barrier,
+            P2P,
+        ]
+        .get(c as usize)
+        .copied()
+    }
+}
+
+/// The consistency header one rank sends to each participant of an op.
+///
+/// For collectives the same header goes to every rank; for point-to-point the
+/// header sent to peer `p` lists only the transfers with `p`.
+#[derive(Debug, Clone, PartialEq, Archive, Serialize, Deserialize)]
+pub struct OpHeader {
+    /// Sequence number (collective counter, or per-peer p2p counter).
+    pub seq: u64,
+    /// Communicator epoch.
+    pub epoch: u64,
+    /// [`OpKind`] code.
+    pub kind: u8,
+    /// [`DType`] code.
+    pub dtype: u8,
+    /// [`ReduceOp::code`], or `u8::MAX` for ops without reduction.
+    pub redop: u8,
+    /// Root rank, or `u32::MAX` for rootless ops.
+    pub root: u32,
+    /// This rank's element count (meaning depends on the op, see `check_collective`).
+    pub count: u64,
+    /// Per-rank counts (split sizes) where the op has them, else empty.
+    pub counts: Vec<u64>,
+    /// For p2p: the transfers with the receiving peer, in issue order:
+    /// `(is_send, dtype code, count)` from the sender's point of view.
+    pub p2p: Vec<(bool, u8, u64)>,
+}
+
+impl OpHeader {
+    /// Encode with rkyv.
+    pub fn encode(&self) -> Vec<u8> {
+        rkyv::to_bytes::<rkyv::rancor::Error>(self)
+            .map(|b| b.to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Decode and validate untrusted bytes (copied into aligned memory first).
+    pub fn decode(bytes: &[u8]) -> Option<OpHeader> {
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        rkyv::from_bytes::<OpHeader, rkyv::rancor::Error>(&aligned).ok()
+    }
+
+    /// The op kind, if the code is valid.
+    pub fn op_kind(&self) -> Option<OpKind> {
+        OpKind::from_code(self.kind)
+    }
+
+    fn describe(&self) -> String {
+        let kind = self.op_kind().map(OpKind::name).unwrap_or("<invalid>");
+        let dtype = DType::from_code(self.dtype)
+            .map(DType::name)
+            .unwrap_or("<invalid>");
+        format!(
+            "{kind}(dtype={dtype}, count={}, root={}, redop={}, counts={:?})",
+            self.count,
+            if self.root == u32::MAX {
+                "-".to_string()
+            } else {
+                self.root.to_string()
+            },
+            self.redop,
+            self.counts
+        )
+    }
+}
+
+/// Why a header set was rejected; `fatal` when the ranks are out of step
+/// (different op kind or sequence), which leaves the links unusable.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeaderMismatch {
+    /// Human-readable description naming the disagreeing ranks.
+    pub detail: String,
+    /// Whether the streams between ranks are desynchronised.
+    pub fatal: bool,
+}
+
+/// Check the headers of a collective, indexed by rank (`headers[r]` is rank
+/// `r`'s header). Pure and deterministic (OP-1).
+pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
+    let Some(h0) = headers.first() else {
+        return Ok(());
+    };
+    let n = headers.len();
+    let fail = |detail: String| {
+        Err(HeaderMismatch {
+            detail,
+            fatal: false,
+        })
+    };
+    // Kind and sequence first: a difference there means the ranks are out of step.
+    for (r, h) in headers.iter().enumerate() {
+        if h.kind != h0.kind || h.seq != h0.seq || h.epoch != h0.epoch {
+            return Err(HeaderMismatch {
+                detail: format!(
+                    "rank 0 issued {} (seq {}, epoch {}) but rank {r} issued {} (seq {}, epoch {})",
+                    h0.describe(),
+                    h0.seq,
+                    h0.epoch,
+                    h.describe(),
+                    h.seq,
+                    h.epoch
+                ),
+                fatal: true,
+            });
+        }
+    }
+    let kind = match h0.op_kind() {
+        Some(k) => k,
+        None => {
+            return Err(HeaderMismatch {
+                detail: format!("invalid op kind code {}", h0.kind),
+                fatal: true,
+            })
+        }
+    };
+    let differ = |what: &str, f: &dyn Fn(&OpHeader) -> String| -> Result<(), HeaderMismatch> {
+        let v0 = f(h0);
+        for (r, h) in headers.iter().enumerate().skip(1) {
+            let v = f(h);
+            if v != v0 {
+                return fail(format!(
+                    "{what} differs: rank 0 has {v0}, rank {r} has {v} (rank 0: {}, rank {r}: {})",
+                    h0.describe(),
+                    h.describe()
+                ));
+            }
+        }
+        Ok(())
+    };
+    if kind != OpKind::Barrier {
+        differ("dtype", &|h| {
+            DType::from_code(h.dtype)
+                .map(|d| d.name().to_string())
+                .unwrap_or_else(|| format!("code {}", h.dtype))
+        })?;
+    }
+    match kind {
+        OpKind::AllReduce => {
+            differ("count", &|h| h.count.to_string())?;
+            differ("reduce op", &|h| h.redop.to_string())?;
+        }
+        OpKind::Reduce => {
+            differ("root", &|h| h.root.to_string())?;
+            differ("count", &|h| h.count.to_string())?;
+            differ("reduce op", &|h| h.redop.to_string())?;
+        }
+        OpKind::Broadcast => {
+            differ("root", &|h| h.root.to_string())?;
+            differ("count", &|h| h.count.to_string())?;
+        }
+        OpKind::ReduceScatter => {
+            differ("reduce op", &|h| h.redop.to_string())?;
+            differ("split sizes", &|h| format!("{:?}", h.counts))?;
+            if h0.counts.len() != n {
+                return fail(format!(
+                    "split sizes have {} entries for {n} ranks",
+                    h0.counts.len()
+                ));
+            }
+        }
+        OpKind::AllGather => {
+            differ("split sizes", &|h| format!("{:?}", h.counts))?;
+            if h0.counts.len() != n {
+                return fail(format!(
+                    "split sizes have {} entries for {n} ranks",
+                    h0.counts.len()
+                ));
+            }
+            for (r, h) in headers.iter().enumerate() {
+                if h.count != h0.counts[r] {
+                    return fail(format!(
+                        "rank {r} contributes {} elements but the split sizes say {}",
+                        h.count, h0.counts[r]
+                    ));
+                }
+            }
+        }
+        OpKind::Scatter | OpKind::Gather => {
+            differ("root", &|h| h.root.to_string())?;
+            differ("count", &|h| h.count.to_string())?;
+        }
+        OpKind::AllToAll => {
+            for (r, h) in headers.iter().enumerate() {
+                if h.counts.len() != n {
+                    return fail(format!(
+                        "rank {r} passed {} tensors for {n} ranks",
+                        h.counts.len()
+                    ));
+                }
+            }
+        }
+        OpKind::AllToAllSingle => {
+            // counts = send sizes (n) ++ recv sizes (n).
+            for (r, h) in headers.iter().enumerate() {
+                if h.counts.len() != 2 * n {
+                    return fail(format!(
+                        "rank {r} passed {} split sizes for {n} ranks",
+                        h.counts.len() / 2
+                    ));
+                }
+            }
+            for (i, hi) in headers.iter().enumerate() {
+                for (j, hj) in headers.iter().enumerate() {
+                    let sent = hi.counts[j];
+                    let expected = hj.counts[n + i];
+                    if sent != expected {
+                        return fail(format!(
+                            "rank {i} sends {sent} elements to rank {j}, which expects {expected}"
+                        ));
+                    }
+                }
+            }
+        }
+        OpKind::Barrier => {}
+        OpKind::P2P => {
+            return Err(HeaderMismatch {
+                detail: "point-to-point header in a collective slot".into(),
+                fatal: true,
+            })
+        }
+    }
+    Ok(())
+}
+
+/// Check a point-to-point exchange between this rank and `peer`.
+///
+/// `mine` is the header this rank sent to `peer`; `theirs` the one received.
+/// The transfers must pair up in order: each of my sends with one of their
+/// receives of the same dtype and count, and vice versa. Symmetric, so both
+/// ends reach the same verdict.
+pub fn check_p2p(
+    me: usize,
+    peer: usize,
+    mine: &OpHeader,
+    theirs: &OpHeader,
+) -> Result<(), HeaderMismatch> {
+    if theirs.kind != OpKind::P2P as u8 || theirs.seq != mine.seq || theirs.epoch != mine.epoch {
+        return Err(HeaderMismatch {
+            detail: format!(
+                "rank {me} issued point-to-point #{} with rank {peer}, which issued {} (seq {}, epoch {})",
+                mine.seq,
+                theirs.describe(),
+                theirs.seq,
+                theirs.epoch
+            ),
+            fatal: true,
+        });
+    }
+    let dir = |sends: bool| -> Vec<(u8, u64)> {
+        mine.p2p
+            .iter()
+            .filter(|t| t.0 == sends)
+            .map(|t| (t.1, t.2))
+            .collect()
+    };
+    let their = |sends: bool| -> Vec<(u8, u64)> {
+        theirs
+            .p2p
+            .iter()
+            .filter(|t| t.0 == sends)
+            .map(|t| (t.1, t.2))
+            .collect()
+    };
+    let show = |v: &[(u8, u64)]| -> String {
+        v.iter()
+            .map(|(d, c)| {
+                format!(
+                    "{}x{}",
+                    c,
+                    DType::from_code(*d).map(DType::name).unwrap_or("?")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (my_sends, their_recvs) = (dir(true), their(false));
+    if my_sends != their_recvs {
+        let (lo, hi) = (me.min(peer), me.max(peer));
+        let _ = (lo, hi);
+        return Err(HeaderMismatch {
+            detail: format!(
+                "rank {me} sends [{}] to rank {peer}, which receives [{}]",
+                show(&my_sends),
+                show(&their_recvs)
+            ),
+            fatal: false,
+        });
+    }
+    let (my_recvs, their_sends) = (dir(false), their(true));
+    if my_recvs != their_sends {
+        return Err(HeaderMismatch {
+            detail: format!(
+                "rank {peer} sends [{}] to rank {me}, which receives [{}]",
+                show(&their_sends),
+                show(&my_recvs)
+            ),
+            fatal: false,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,425 @@
+//! Host tensors: a flat, typed, 8-byte-aligned buffer.
+//!
+//! A [`Tensor`] owns its memory. Collectives take tensors by value and hand
+//! them back in their completion, so no buffer is ever shared between the user
+//! and an operation in flight (dropping a [`Work`](crate::Work) cannot leave a
+//! dangling buffer behind).
+//!
+//! Invariants:
+//! - T-1: storage is aligned to 8 bytes, so it can be viewed as a slice of any
+//!   supported element type.
+//! - T-2: `len_bytes() == len() * dtype().size()` always.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+/// Element types supported by Chorus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum DType {
+    /// IEEE 754 half precision.
+    F16 = 0,
+    /// bfloat16.
+    BF16 = 1,
+    /// 32-bit float.
+    F32 = 2,
+    /// 64-bit float.
+    F64 = 3,
+    /// Signed 8-bit integer.
+    I8 = 4,
+    /// Unsigned 8-bit integer.
+    U8 = 5,
+    /// Signed 32-bit integer.
+    I32 = 6,
+    /// Signed 64-bit integer.
+    I64 = 7,
+    /// Unsigned 32-bit integer.
+    U32 = 8,
+    /// Unsigned 64-bit integer.
+    U64 = 9,
+}
+
+impl DType {
+    /// Every dtype, in code order.
+    pub const ALL: [DType; 10] = [
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::I64,
+        DType::U32,
+        DType::U64,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+        }
+    }
+
+    /// Whether this is a floating-point type.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+
+    /// The wire code of this dtype.
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// Decode a wire code.
+    pub fn from_code(code: u8) -> Option<DType> {
+        DType::ALL.get(code as usize).copied()
+    }
+
+    /// Lower-case name, as used by PyTorch (`float32`, `bfloat16`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust type that can be stored in a [`Tensor`].
+///
+/// Implemented for `f32`, `f64`, [`half::f16`], [`half::bf16`], `i8`, `u8`,
+/// `i32`, `i64`, `u32` and `u64`. Sealed: the set matches [`DType`].
+pub trait Element: bytemuck::Pod + PartialEq + fmt::Debug + Send + Sync + sealed::Sealed {
+    /// The dtype tag of this type.
+    const DTYPE: DType;
+    /// Convert from `f64` (saturating/rounding as `as` does). Used by tests and
+    /// by `PremulSum` scalars.
+    fn from_f64(v: f64) -> Self;
+    /// Convert to `f64`.
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! element {
+    ($t:ty, $d:expr) => {
+        impl sealed::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            #[inline]
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+        }
+    };
+}
+element!(f32, DType::F32);
+element!(f64, DType::F64);
+element!(i8, DType::I8);
+element!(u8, DType::U8);
+element!(i32, DType::I32);
+element!(i64, DType::I64);
+element!(u32, DType::U32);
+element!(u64, DType::U64);
+
+impl sealed::Sealed for f16 {}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+impl sealed::Sealed for bf16 {}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
+
+/// A flat host buffer of `len()` elements of one [`DType`].
+///
+/// ```
+/// use chorus::{DType, Tensor};
+/// let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0]);
+/// assert_eq!(t.dtype(), DType::F32);
+/// assert_eq!(t.len(), 3);
+/// assert_eq!(t.as_slice::<f32>(), &[1.0, 2.0, 3.0]);
+/// ```
+#[derive(Clone, PartialEq)]
+pub struct Tensor {
+    dtype: DType,
+    len: usize,
+    // T-1: u64 storage keeps every view aligned.
+    storage: Vec<u64>,
+}
+
+impl Tensor {
+    /// A tensor of `len` zeroed elements.
+    pub fn zeros(dtype: DType, len: usize) -> Tensor {
+        let words = (len * dtype.size()).div_ceil(8);
+        Tensor {
+            dtype,
+            len,
+            storage: vec![0u64; words],
+        }
+    }
+
+    /// A tensor filled with `value`.
+    pub fn full<T: Element>(value: T, len: usize) -> Tensor {
+        let mut t = Tensor::zeros(T::DTYPE, len);
+        t.as_mut_slice::<T>().fill(value);
+        t
+    }
+
+    /// A tensor copying the given elements.
+    pub fn from_slice<T: Element>(data: &[T]) -> Tensor {
+        let mut t = Tensor::zeros(T::DTYPE, data.len());
+        t.as_mut_slice::<T>().copy_from_slice(data);
+        t
+    }
+
+    /// A tensor from a vector (copied once into aligned storage).
+    pub fn from_vec<T: Element>(data: Vec<T>) -> Tensor {
+        Tensor::from_slice(&data)
+    }
+
+    /// A tensor of `dtype` from raw little-endian bytes.
+    ///
+    /// Returns `None` when `bytes.len()` is not a multiple of the element size.
+    pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Option<Tensor> {
+        if bytes.len() % dtype.size() != 0 {
+            return None;
+        }
+        let mut t = Tensor::zeros(dtype, bytes.len() / dtype.size());
+        t.as_bytes_mut().copy_from_slice(bytes);
+        Some(t)
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes (T-2).
+    pub fn len_bytes(&self) -> usize {
+        self.len * self.dtype.size()
+    }
+
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        let n = self.len_bytes();
+        &bytemuck::cast_slice::<u64, u8>(&self.storage)[..n]
+    }
+
+    /// The raw bytes, mutably.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.len_bytes();
+        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.storage)[..n]
+    }
+
+    /// Typed view.
+    ///
+    /// # Panics
+    /// If `T` is not this tensor's element type; use [`Tensor::try_as_slice`]
+    /// to get an `Option` instead.
+    pub fn as_slice<T: Element>(&self) -> &[T] {
+        match self.try_as_slice() {
+            Some(s) => s,
+            None => panic!("tensor holds {}, not {}", self.dtype, T::DTYPE),
+        }
+    }
+
+    /// Typed view, or `None` on a dtype mismatch.
+    pub fn try_as_slice<T: Element>(&self) -> Option<&[T]> {
+        (T::DTYPE == self.dtype).then(|| bytemuck::cast_slice(self.as_bytes()))
+    }
+
+    /// Typed mutable view.
+    ///
+    /// # Panics
+    /// If `T` is not this tensor's element type.
+    pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "tensor holds {}, not {}",
+            self.dtype,
+            T::DTYPE
+        );
+        bytemuck::cast_slice_mut(self.as_bytes_mut())
+    }
+
+    /// Copy the elements out into a `Vec`.
+    ///
+    /// # Panics
+    /// If `T` is not this tensor's element type.
+    pub fn to_vec<T: Element>(&self) -> Vec<T> {
+        self.as_slice::<T>().to_vec()
+    }
+
+    /// Elements converted to `f64` (for checks and printing, any dtype).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        fn conv<T: Element>(t: &Tensor) -> Vec<f64> {
+            t.as_slice::<T>().iter().map(|v| v.to_f64()).collect()
+        }
+        match self.dtype {
+            DType::F16 => conv::<f16>(self),
+            DType::BF16 => conv::<bf16>(self),
+            DType::F32 => conv::<f32>(self),
+            DType::F64 => conv::<f64>(self),
+            DType::I8 => conv::<i8>(self),
+            DType::U8 => conv::<u8>(self),
+            DType::I32 => conv::<i32>(self),
+            DType::I64 => conv::<i64>(self),
+            DType::U32 => conv::<u32>(self),
+            DType::U64 => conv::<u64>(self),
+        }
+    }
+
+    /// A tensor of `dtype` from `f64` values (converted as `as` does).
+    pub fn from_f64s(dtype: DType, values: &[f64]) -> Tensor {
+        fn conv<T: Element>(values: &[f64]) -> Tensor {
+            Tensor::from_vec(values.iter().map(|&v| T::from_f64(v)).collect::<Vec<T>>())
+        }
+        match dtype {
+            DType::F16 => conv::<f16>(values),
+            DType::BF16 => conv::<bf16>(values),
+            DType::F32 => conv::<f32>(values),
+            DType::F64 => conv::<f64>(values),
+            DType::I8 => conv::<i8>(values),
+            DType::U8 => conv::<u8>(values),
+            DType::I32 => conv::<i32>(values),
+            DType::I64 => conv::<i64>(values),
+            DType::U32 => conv::<u32>(values),
+            DType::U64 => conv::<u64>(values),
+        }
+    }
+
+    /// Split into consecutive tensors of the given element counts.
+    ///
+    /// Returns `None` if the counts do not add up to `len()`.
+    pub fn split(&self, counts: &[usize]) -> Option<Vec<Tensor>> {
+        if counts.iter().sum::<usize>() != self.len {
+            return None;
+        }
+        let es = self.dtype.size();
+        let bytes = self.as_bytes();
+        let mut off = 0;
+        let mut out = Vec::with_capacity(counts.len());
+        for &c in counts {
+            out.push(
+                Tensor::from_bytes(self.dtype, &bytes[off * es..(off + c) * es])
+                    .expect("whole elements"),
+            );
+            off += c;
+        }
+        Some(out)
+    }
+
+    /// Concatenate tensors of one dtype. Returns `None` on mixed dtypes.
+    /// An empty list gives an empty tensor of `dtype`.
+    pub fn concat(dtype: DType, parts: &[Tensor]) -> Option<Tensor> {
+        if parts.iter().any(|p| p.dtype != dtype) {
+            return None;
+        }
+        let total = parts.iter().map(|p| p.len).sum();
+        let mut out = Tensor::zeros(dtype, total);
+        let mut off = 0;
+        let bytes = out.as_bytes_mut();
+        for p in parts {
+            let b = p.as_bytes();
+            bytes[off..off + b.len()].copy_from_slice(b);
+            off += b.len();
+        }
+        Some(out)
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let vals = self.to_f64_vec();
+        let shown: Vec<f64> = vals.iter().take(8).copied().collect();
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype)
+            .field("len", &self.len)
+            .field(
+                "head",
+                &format_args!("{:?}{}", shown, if vals.len() > 8 { "…" } else { "" }),
+            )
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_round_trips_through_f64() {
+        for d in DType::ALL {
+            let t = Tensor::from_f64s(d, &[1.0, 2.0, 3.0]);
+            assert_eq!(t.dtype(), d);
+            assert_eq!(t.len_bytes(), 3 * d.size());
+            assert_eq!(t.to_f64_vec(), vec![1.0, 2.0, 3.0]);
+            assert_eq!(DType::from_code(d.code()), Some(d));
+        }
+        assert_eq!(DType::from_code(200), None);
+    }
+
+    #[test]
+    fn split_and_concat_are_inverse() {
+        let t = Tensor::from_vec((0..10).map(|i| i as i32).collect());
+        let parts = t.split(&[3, 0, 7]).unwrap();
+        assert_eq!(parts[1].len(), 0);
+        assert_eq!(Tensor::concat(DType::I32, &parts).unwrap(), t);
+        assert!(t.split(&[3, 3]).is_none());
+    }
+
+    #[test]
+    fn odd_sized_tensors_have_exact_byte_length() {
+        let t = Tensor::zeros(DType::I8, 5);
+        assert_eq!(t.as_bytes().len(), 5);
+        assert!(Tensor::from_bytes(DType::F32, &[0u8; 7]).is_none());
+    }
+}
