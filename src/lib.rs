@@ -1,12 +1,191 @@
-//! Chorus: an actor-based runtime for distributed collective communication.
+//! # Chorus
+//!
+//! An actor-based runtime for distributed collective communication: a
+//! Rust-native take on PyTorch's TorchComms.
+//!
+//! ## A tour
+//!
+//! Communicators are explicit and named — there is no hidden global group.
+//! [`new_comm`] bootstraps one from the environment your launcher set
+//! (`chorus-run`, torchrun, mpirun, Slurm) or from explicit
+//! [`CommOptions`]:
+//!
+//! ```
+//! use chorus::{new_comm, CommOptions, Device, ReduceOp, Tensor};
+//!
+//! // Under `chorus-run -n 4`, CommOptions::default() picks up rank and size
+//! // from the environment; here, a world of one rank.
+//! let comm = new_comm("cpu", Device::Cpu, "world", CommOptions::single())?;
+//! let t = Tensor::full(comm.rank() as f32 + 1.0, 1024);
+//! let sum = comm.all_reduce(t, ReduceOp::Sum)?;
+//! assert_eq!(sum.as_slice::<f32>()[0], 1.0);
+//!
+//! // Every op also has an async form returning a `Work`.
+//! let work = comm.all_gather_async(Tensor::from_vec(vec![7i32]));
+//! assert!(work.wait()?.to_vec::<i32>() == vec![7]);
+//! comm.finalize()?;
+//! # Ok::<(), chorus::Error>(())
+//! ```
+//!
+//! Each communicator is a [ractor](https://docs.rs/ractor) actor
+//! ([`actors::CommActor`]) owning its backend; the [`Comm`] handle sends it
+//! requests and gets exactly one completion per request. Ranks find each
+//! other through a rendezvous store served over QUIC with TLS and a job
+//! secret ([`transport`]); data moves over the backend's own links
+//! ([`backends`]).
+//!
+//! ## Backends
+//!
+//! | name | feature | needs | collectives |
+//! |------|---------|-------|-------------|
+//! | `cpu` | built in (default) | nothing | all |
+//!
+//! Switching backends is a string: `new_comm("cpu", ..)`. An unknown name is
+//! [`Error::UnknownBackend`].
+//!
+//! ## Semantics
+//!
+//! Ordering, completion and failure rules are in `docs/runtime-semantics.md`:
+//! all ranks issue collectives in the same order; a disagreement between
+//! ranks (op, dtype, count, root, split sizes) is [`Error::Mismatch`] on every
+//! rank; a dead peer or an expired timeout completes every outstanding op with
+//! a typed error and aborts the communicator, never the process.
 #![deny(missing_docs)]
 
+use std::sync::atomic::AtomicU8;
+use std::sync::{Arc, Mutex};
+
+use ractor::Actor;
+
+pub mod actors;
 pub mod backends;
+pub mod bootstrap;
+mod comm;
 pub mod error;
 pub mod op;
+mod runtime;
 pub mod tensor;
 pub mod transport;
+mod work;
 
+pub use comm::{Comm, CommOptions, Device, P2POp, Rendezvous};
 pub use error::{Error, Result};
 pub use op::{OpKind, ReduceOp};
 pub use tensor::{DType, Element, Tensor};
+pub use work::Work;
+
+/// Create a communicator: connect this rank to the others and start its actor.
+///
+/// Blocks until every rank of the communicator has connected (or
+/// `options.connect_timeout` expired). Collective over all ranks: each must
+/// call `new_comm` with the same backend and name.
+///
+/// # Errors
+/// [`Error::UnknownBackend`] for a backend name this binary does not know
+/// (before any I/O); [`Error::Config`] for a bad environment or options;
+/// [`Error::Transport`] if the store cannot be reached or refuses our secret;
+/// [`Error::PeerFailed`] if a peer never connects.
+pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
+    backends::check_name(backend)?;
+    let (backend, name) = (backend.to_string(), name.to_string());
+    runtime::block_on(create(backend, device, name, options))?
+}
+
+/// Async form of [`new_comm`]; can be awaited from any executor.
+///
+/// # Errors
+/// As [`new_comm`].
+pub async fn new_comm_async(
+    backend: &str,
+    device: Device,
+    name: &str,
+    options: CommOptions,
+) -> Result<Comm> {
+    backends::check_name(backend)?;
+    let (backend, name) = (backend.to_string(), name.to_string());
+    runtime::run(create(backend, device, name, options)).await?
+}
+
+async fn create(
+    backend: String,
+    device: Device,
+    name: String,
+    options: CommOptions,
+) -> Result<Comm> {
+    let (rank, size) = bootstrap::rank_size(&options)?;
+    if device != Device::Cpu {
+        return Err(Error::InvalidArgument {
+            comm: name,
+            rank,
+            op: "new_comm",
+            reason: format!("backend {backend:?} runs on the cpu device, not {device}"),
+        });
+    }
+    if name.is_empty() || name.contains('/') {
+        return Err(Error::InvalidArgument {
+            comm: name,
+            rank,
+            op: "new_comm",
+            reason: "a communicator name must be non-empty and contain no '/'".into(),
+        });
+    }
+    let span = tracing::info_span!("new_comm", comm = %name, rank, size, backend = %backend);
+    let _g = span.enter();
+    let secret = bootstrap::secret(&options);
+    let connected = bootstrap::connect_store(
+        options.rendezvous.clone(),
+        rank,
+        size,
+        &secret,
+        options.connect_timeout,
+    )
+    .await?;
+    drop(_g);
+    let epoch = 0;
+    let instance = bootstrap::next_instance(&name, rank, size);
+    let init = backends::BackendInit {
+        comm: name.clone(),
+        key_prefix: format!("chorus/{name}/{instance}/epoch/{epoch}"),
+        rank,
+        size,
+        epoch,
+        store: connected.store.clone(),
+        secret: Arc::from(secret.unwrap_or_default()),
+        connect_timeout: options.connect_timeout,
+        bind_ip: bootstrap::bind_ip(&options, connected.local_ip)?,
+    };
+    let backend_impl = backends::create(&backend, init).await?;
+    let backend_name = backend_impl.name();
+    let state = Arc::new(AtomicU8::new(comm::STATE_ACTIVE));
+    let poison = Arc::new(Mutex::new(None));
+    let args = actors::CommArgs {
+        info: actors::CommInfo {
+            name: name.clone(),
+            rank,
+            size,
+            epoch,
+        },
+        backend: backend_impl,
+        state: state.clone(),
+        poison: poison.clone(),
+    };
+    let (actor, _join) = Actor::spawn(None, actors::CommActor, args)
+        .await
+        .map_err(|e| Error::Internal(format!("cannot start the communicator actor: {e}")))?;
+    tracing::info!(comm = %name, rank, size, "communicator ready");
+    let shared = Arc::new(comm::Shared {
+        name,
+        rank,
+        size,
+        epoch,
+        device,
+        backend: backend_name,
+        actor,
+        state,
+        poison,
+        _server: connected
+            .server
+            .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
+    });
+    Ok(Comm::from_shared(shared, options.timeout))
+}

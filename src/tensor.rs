@@ -409,7 +409,7 @@ mod tests {
 
     #[test]
     fn split_and_concat_are_inverse() {
-        let t = Tensor::from_vec((0..10).map(|i| i as i32).collect());
+        let t = Tensor::from_vec((0..10).collect::<Vec<i32>>());
         let parts = t.split(&[3, 0, 7]).unwrap();
         assert_eq!(parts[1].len(), 0);
         assert_eq!(Tensor::concat(DType::I32, &parts).unwrap(), t);

@@ -1,0 +1,411 @@
+//! The executor: runs a communicator's ops, one at a time, in order.
+//!
+//! For each op it (1) exchanges consistency headers with the participants and
+//! checks them ([`crate::op`]); (2) sizes outputs that depend on peers (the
+//! list form of all_to_all); (3) runs the transfer on the backend; (4)
+//! post-processes (`Avg`) and completes the [`Work`](crate::Work). Steps 1-3
+//! run under the op's timeout and can be cancelled by an abort.
+//!
+//! Invariants:
+//! - EX-1: every request received completes exactly once.
+//! - EX-2: after a fatal error (timeout, peer failure, desynchronised ranks,
+//!   abort) the backend is aborted (BE-2) and every later request completes
+//!   with `Error::Aborted` carrying the original cause, without touching the
+//!   backend.
+//! - EX-3: a non-fatal mismatch leaves the communicator usable: it is found
+//!   before any payload moves (OP-2).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ractor::ActorRef;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{CommInfo, CommMsg, Request};
+use crate::backends::{cpu::reduce, Backend, OpCtx, OpData};
+use crate::comm::STATE_ABORTED;
+use crate::error::{Error, Result};
+use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
+use crate::tensor::Tensor;
+use crate::work::Completion;
+
+/// Messages from the actor to its executor.
+pub(crate) enum ExecMsg {
+    Run(Box<Request>),
+    Finalize(Option<crate::work::Completer>),
+}
+
+pub(crate) struct Executor {
+    pub(crate) info: CommInfo,
+    pub(crate) backend: Box<dyn Backend>,
+    pub(crate) rx: mpsc::UnboundedReceiver<ExecMsg>,
+    pub(crate) cancel: CancellationToken,
+    pub(crate) abort_reason: Arc<Mutex<Option<String>>>,
+    pub(crate) state: Arc<AtomicU8>,
+    pub(crate) poison: Arc<Mutex<Option<Error>>>,
+    pub(crate) actor: ActorRef<CommMsg>,
+    /// Set when the last op's headers showed ranks out of step (fatal mismatch).
+    pub(crate) desync: bool,
+}
+
+enum Outcome {
+    Done(Result<Completion>),
+    Cancelled,
+}
+
+impl Executor {
+    pub(crate) async fn run(mut self) {
+        let span = tracing::info_span!("comm", name = %self.info.name, rank = self.info.rank, size = self.info.size, epoch = self.info.epoch);
+        async move {
+            loop {
+                let msg = tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => {
+                        self.shutdown_aborted().await;
+                        return;
+                    }
+                    msg = self.rx.recv() => msg,
+                };
+                match msg {
+                    Some(ExecMsg::Run(req)) => {
+                        if !self.run_one(req).await {
+                            self.shutdown_aborted().await;
+                            return;
+                        }
+                    }
+                    Some(ExecMsg::Finalize(done)) => {
+                        self.backend.finalize().await;
+                        self.state
+                            .compare_exchange(
+                                crate::comm::STATE_ACTIVE,
+                                crate::comm::STATE_FINALIZED,
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            )
+                            .ok();
+                        self.rx.close();
+                        self.drain(|info| Error::Finalized {
+                            comm: info.name.clone(),
+                            rank: info.rank,
+                        });
+                        if let Some(c) = done {
+                            c.complete(Ok(Completion::Unit));
+                        }
+                        self.actor.stop(Some("finalized".into()));
+                        return;
+                    }
+                    None => {
+                        self.backend.finalize().await;
+                        return;
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    fn drain(&mut self, err: impl Fn(&CommInfo) -> Error) {
+        while let Ok(msg) = self.rx.try_recv() {
+            match msg {
+                ExecMsg::Run(mut req) => {
+                    if let Some(c) = req.completer.take() {
+                        c.complete(Err(err(&self.info)));
+                    }
+                }
+                ExecMsg::Finalize(Some(c)) => c.complete(Ok(Completion::Unit)),
+                ExecMsg::Finalize(None) => {}
+            }
+        }
+    }
+
+    fn abort_error(&self) -> Error {
+        let reason = self
+            .abort_reason
+            .lock()
+            .ok()
+            .and_then(|r| r.clone())
+            .unwrap_or_else(|| "aborted".into());
+        let cause = self.poison.lock().ok().and_then(|p| p.clone());
+        match cause {
+            Some(e) => Error::Aborted {
+                comm: self.info.name.clone(),
+                rank: self.info.rank,
+                epoch: self.info.epoch,
+                failed_ranks: e.failed_ranks().to_vec(),
+                reason: format!("an earlier operation failed: {e}"),
+            },
+            None => Error::Aborted {
+                comm: self.info.name.clone(),
+                rank: self.info.rank,
+                epoch: self.info.epoch,
+                failed_ranks: vec![],
+                reason,
+            },
+        }
+    }
+
+    /// Abort path: backend aborted, every queued request failed (EX-2).
+    async fn shutdown_aborted(&mut self) {
+        self.state.store(STATE_ABORTED, Ordering::Release);
+        let reason = self.abort_error().to_string();
+        let failed = self
+            .poison
+            .lock()
+            .ok()
+            .and_then(|p| p.as_ref().map(|e| e.failed_ranks().to_vec()))
+            .unwrap_or_default();
+        self.backend.abort(&reason, &failed).await;
+        self.rx.close();
+        let err = self.abort_error();
+        self.drain(|_| err.clone());
+    }
+
+    /// Run one request. Returns false if the communicator must shut down.
+    async fn run_one(&mut self, mut req: Box<Request>) -> bool {
+        let Some(completer) = req.completer.take() else {
+            return true;
+        };
+        let ctx = OpCtx {
+            comm: self.info.name.clone(),
+            rank: self.info.rank,
+            size: self.info.size,
+            epoch: self.info.epoch,
+            kind: req.kind,
+            seq: req.seq,
+        };
+        let bytes = req.count * req.dtype.size();
+        let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
+        let timeout = req.timeout;
+        let cancel = self.cancel.clone();
+        let outcome = {
+            let fut = self.run_inner(&ctx, &mut req).instrument(span);
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => Outcome::Cancelled,
+                r = tokio::time::timeout(timeout, fut) => match r {
+                    Ok(r) => Outcome::Done(r),
+                    Err(_) => Outcome::Done(Err(Error::Timeout {
+                        comm: ctx.comm.clone(),
+                        rank: ctx.rank,
+                        op: ctx.kind.name(),
+                        seq: ctx.seq,
+                        epoch: ctx.epoch,
+                        after: timeout,
+                    })),
+                },
+            }
+        };
+        match outcome {
+            Outcome::Cancelled => {
+                completer.complete(Err(self.abort_error()));
+                false
+            }
+            Outcome::Done(Ok(c)) => {
+                completer.complete(Ok(c));
+                true
+            }
+            Outcome::Done(Err(e)) if !e.is_fatal() && !std::mem::take(&mut self.desync) => {
+                completer.complete(Err(e));
+                true
+            }
+            Outcome::Done(Err(e)) => {
+                tracing::warn!(error = %e, "fatal error; aborting communicator");
+                if let Ok(mut p) = self.poison.lock() {
+                    p.get_or_insert(e.clone());
+                }
+                completer.complete(Err(e));
+                false
+            }
+        }
+    }
+
+    async fn run_inner(&mut self, ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
+        let n = ctx.size;
+        let me = ctx.rank;
+        if req.kind == OpKind::P2P {
+            self.p2p_headers(ctx, req).await?;
+        } else if n > 1 {
+            let header = OpHeader {
+                seq: req.seq,
+                epoch: ctx.epoch,
+                kind: req.kind as u8,
+                dtype: req.dtype.code(),
+                redop: req.user_op.map(|o| o.code()).unwrap_or(u8::MAX),
+                root: req.root.map(|r| r as u32).unwrap_or(u32::MAX),
+                count: req.count as u64,
+                counts: req.counts.iter().map(|&c| c as u64).collect(),
+                p2p: vec![],
+            };
+            let bytes = header.encode();
+            let outgoing = (0..n)
+                .filter(|&p| p != me)
+                .map(|p| (p, req.seq, bytes.clone()))
+                .collect();
+            let received = self.backend.exchange_headers(ctx, outgoing).await?;
+            let mut headers = vec![header.clone(); n];
+            for (peer, raw) in received {
+                let h = OpHeader::decode(&raw).ok_or_else(|| {
+                    ctx.peer_failed(vec![peer], "peer sent an undecodable op header")
+                })?;
+                if peer < n {
+                    headers[peer] = h;
+                }
+            }
+            check_collective(&headers).map_err(|m| self.mismatch(ctx, m))?;
+            if req.kind == OpKind::AllToAll {
+                // Output sizes come from the peers' send counts (OP headers).
+                if let OpData::AllToAll {
+                    output,
+                    recv_counts,
+                    input,
+                    ..
+                } = &mut req.data
+                {
+                    *recv_counts = headers.iter().map(|h| h.counts[me] as usize).collect();
+                    *output = Tensor::zeros(input.dtype(), recv_counts.iter().sum());
+                }
+            }
+        } else if req.kind == OpKind::AllToAll {
+            if let OpData::AllToAll {
+                output,
+                recv_counts,
+                send_counts,
+                input,
+            } = &mut req.data
+            {
+                *recv_counts = send_counts.clone();
+                *output = Tensor::zeros(input.dtype(), recv_counts.iter().sum());
+            }
+        }
+        self.backend.execute(ctx, &mut req.data).await?;
+        finish(ctx, req)
+    }
+
+    /// A `Mismatch` error; when the ranks are out of step the communicator
+    /// is aborted after this op (EX-2), otherwise it stays usable (EX-3).
+    fn mismatch(&mut self, ctx: &OpCtx, m: HeaderMismatch) -> Error {
+        if m.fatal {
+            self.desync = true;
+            ctx.mismatch(format!(
+                "{}; the ranks are out of step, so the communicator is aborted",
+                m.detail
+            ))
+        } else {
+            ctx.mismatch(m.detail)
+        }
+    }
+
+    async fn p2p_headers(&mut self, ctx: &OpCtx, req: &Request) -> Result<()> {
+        let OpData::P2P { ops } = &req.data else {
+            return Err(Error::Internal("p2p request without p2p data".into()));
+        };
+        let mut peers: Vec<usize> = ops.iter().map(|t| t.peer).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let mut mine = Vec::with_capacity(peers.len());
+        for &p in &peers {
+            let seq = ops.iter().find(|t| t.peer == p).map(|t| t.seq).unwrap_or(0);
+            let h = OpHeader {
+                seq,
+                epoch: ctx.epoch,
+                kind: OpKind::P2P as u8,
+                dtype: req.dtype.code(),
+                redop: u8::MAX,
+                root: u32::MAX,
+                count: 0,
+                counts: vec![],
+                p2p: ops
+                    .iter()
+                    .filter(|t| t.peer == p)
+                    .map(|t| (t.send, t.buf.dtype().code(), t.buf.len() as u64))
+                    .collect(),
+            };
+            mine.push((p, seq, h));
+        }
+        let outgoing = mine.iter().map(|(p, s, h)| (*p, *s, h.encode())).collect();
+        let received = self.backend.exchange_headers(ctx, outgoing).await?;
+        // Check every peer; report the first problem (all peers were heard, so
+        // every peer reaches its own verdict too).
+        let mut first: Option<Error> = None;
+        for ((peer, _, h), (_, raw)) in mine.iter().zip(received) {
+            let theirs = OpHeader::decode(&raw).ok_or_else(|| {
+                ctx.peer_failed(vec![*peer], "peer sent an undecodable op header")
+            })?;
+            if let Err(m) = check_p2p(ctx.rank, *peer, h, &theirs) {
+                let fatal = m.fatal;
+                let e = self.mismatch(ctx, m);
+                if fatal {
+                    return Err(e);
+                }
+                first.get_or_insert(e);
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
+    let n = ctx.size;
+    let avg = |t: &mut Tensor| {
+        if req.user_op == Some(ReduceOp::Avg) {
+            reduce::divide(t.dtype(), t.as_bytes_mut(), n);
+        }
+    };
+    let data = std::mem::replace(&mut req.data, OpData::Barrier);
+    Ok(match data {
+        OpData::AllReduce { mut buf, .. } => {
+            avg(&mut buf);
+            Completion::Tensor(buf)
+        }
+        OpData::Reduce { mut buf, root, .. } => {
+            if ctx.rank == root {
+                avg(&mut buf);
+                Completion::Tensor(buf)
+            } else {
+                Completion::Tensor(req.keep.take().unwrap_or(buf))
+            }
+        }
+        OpData::ReduceScatter { mut output, .. } => {
+            avg(&mut output);
+            Completion::Tensor(output)
+        }
+        OpData::AllGather { output, .. }
+        | OpData::Broadcast { buf: output, .. }
+        | OpData::Scatter { output, .. } => Completion::Tensor(output),
+        OpData::Gather { output, root, .. } => {
+            if ctx.rank == root {
+                let counts = vec![req.count; n];
+                Completion::Tensors(
+                    output
+                        .split(&counts)
+                        .ok_or_else(|| Error::Internal("gather output size".into()))?,
+                )
+            } else {
+                Completion::Tensors(vec![])
+            }
+        }
+        OpData::AllToAll {
+            output,
+            recv_counts,
+            ..
+        } => {
+            if req.kind == OpKind::AllToAll {
+                Completion::Tensors(
+                    output
+                        .split(&recv_counts)
+                        .ok_or_else(|| Error::Internal("all_to_all output size".into()))?,
+                )
+            } else {
+                Completion::Tensor(output)
+            }
+        }
+        OpData::Barrier => Completion::Unit,
+        OpData::P2P { ops } => Completion::Tensors(ops.into_iter().map(|t| t.buf).collect()),
+    })
+}

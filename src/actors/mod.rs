@@ -1,0 +1,298 @@
+//! Actors: one [`CommActor`] per communicator.
+//!
+//! The actor is the communicator's single point of control. A [`Comm`]
+//! handle sends it [`CommMsg`]s; the actor stamps each request with its
+//! sequence number (the order of its mailbox is the op order) and hands it
+//! to the communicator's executor ([`executor`]), a task the actor owns that
+//! runs ops one at a time on the backend: header exchange and mismatch check,
+//! the transfer itself, the timeout, and exactly one completion per request.
+//! Handlers stay short and never block: a long collective never delays an
+//! `Abort` waiting in the mailbox.
+//!
+//! Supervision: ractor's default `handle_supervisor_evt` stops a parent when
+//! any child exits. A communicator must not die because a child (a split)
+//! finalized, so `CommActor` overrides it and only records the event.
+//!
+//! Invariants:
+//! - AC-1: collective sequence numbers are assigned in mailbox order, starting
+//!   at 0, the same on every rank that issues the same ops.
+//! - AC-2: point-to-point sequence numbers are counted per peer.
+//! - AC-3: after `Abort` or `Finalize` the actor stops; every request still
+//!   queued completes (aborted, or run to completion for finalize) first.
+//!
+//! [`Comm`]: crate::Comm
+
+use std::sync::atomic::AtomicU8;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::backends::{Backend, OpData, P2PTransfer};
+use crate::error::Error;
+use crate::op::{OpKind, ReduceOp};
+use crate::tensor::{DType, Tensor};
+use crate::work::Completer;
+
+pub mod executor;
+
+/// A request for one op, built and validated by the `Comm` handle.
+#[derive(Debug)]
+pub(crate) struct Request {
+    pub(crate) kind: OpKind,
+    /// The op as the user gave it (for Avg post-processing and headers).
+    pub(crate) user_op: Option<ReduceOp>,
+    pub(crate) dtype: DType,
+    pub(crate) root: Option<usize>,
+    /// This rank's element count, as carried in the header.
+    pub(crate) count: usize,
+    /// Split sizes, as carried in the header.
+    pub(crate) counts: Vec<usize>,
+    pub(crate) data: OpData,
+    /// For reduce on non-root ranks: the input, returned unchanged.
+    pub(crate) keep: Option<Tensor>,
+    pub(crate) timeout: Duration,
+    pub(crate) completer: Option<Completer>,
+    /// Collective sequence number (assigned by the actor).
+    pub(crate) seq: u64,
+}
+
+impl Request {
+    pub(crate) fn collective(
+        kind: OpKind,
+        user_op: Option<ReduceOp>,
+        dtype: DType,
+        root: Option<usize>,
+        count: usize,
+        counts: Vec<usize>,
+        data: OpData,
+    ) -> Request {
+        Request {
+            kind,
+            user_op,
+            dtype,
+            root,
+            count,
+            counts,
+            data,
+            keep: None,
+            timeout: Duration::from_secs(600),
+            completer: None,
+            seq: 0,
+        }
+    }
+
+    pub(crate) fn p2p(transfers: Vec<P2PTransfer>) -> Request {
+        let dtype = transfers
+            .first()
+            .map(|t| t.buf.dtype())
+            .unwrap_or(DType::U8);
+        Request::collective(
+            OpKind::P2P,
+            None,
+            dtype,
+            None,
+            0,
+            vec![],
+            OpData::P2P { ops: transfers },
+        )
+    }
+}
+
+/// Messages a [`CommActor`] handles.
+pub enum CommMsg {
+    /// Run an op.
+    #[allow(private_interfaces)]
+    Submit(Box<Request>),
+    /// Run every queued op, close the backend, stop. Completes the given
+    /// completer when done.
+    #[allow(private_interfaces)]
+    Finalize(Option<Completer>),
+    /// Fail every outstanding op, tell the peers, stop.
+    #[allow(private_interfaces)]
+    Abort {
+        /// Why.
+        reason: String,
+        /// Completed when the abort is done.
+        done: Option<Completer>,
+    },
+}
+
+impl std::fmt::Debug for CommMsg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CommMsg::Submit(r) => write!(f, "Submit({} #{})", r.kind.name(), r.seq),
+            CommMsg::Finalize(_) => f.write_str("Finalize"),
+            CommMsg::Abort { reason, .. } => write!(f, "Abort({reason})"),
+        }
+    }
+}
+
+/// Identity of a communicator on one rank.
+#[derive(Debug, Clone)]
+pub struct CommInfo {
+    /// Name.
+    pub name: String,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Epoch.
+    pub epoch: u64,
+}
+
+/// Start-up arguments of a [`CommActor`].
+pub struct CommArgs {
+    pub(crate) info: CommInfo,
+    pub(crate) backend: Box<dyn Backend>,
+    pub(crate) state: Arc<AtomicU8>,
+    pub(crate) poison: Arc<Mutex<Option<Error>>>,
+}
+
+/// The actor behind one communicator on one rank.
+#[derive(Debug, Default)]
+pub struct CommActor;
+
+/// The actor's state.
+pub struct CommState {
+    info: CommInfo,
+    coll_seq: u64,
+    p2p_seq: Vec<u64>,
+    tx: mpsc::UnboundedSender<executor::ExecMsg>,
+    cancel: CancellationToken,
+    abort_reason: Arc<Mutex<Option<String>>>,
+    exec: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Actor for CommActor {
+    type Msg = CommMsg;
+    type State = CommState;
+    type Arguments = CommArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<CommMsg>,
+        args: CommArgs,
+    ) -> Result<CommState, ActorProcessingErr> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = CancellationToken::new();
+        let abort_reason = Arc::new(Mutex::new(None));
+        let exec = executor::Executor {
+            info: args.info.clone(),
+            backend: args.backend,
+            rx,
+            cancel: cancel.clone(),
+            abort_reason: abort_reason.clone(),
+            state: args.state,
+            poison: args.poison,
+            actor: myself,
+            desync: false,
+        };
+        let handle = tokio::spawn(exec.run());
+        Ok(CommState {
+            p2p_seq: vec![0; args.info.size],
+            info: args.info,
+            coll_seq: 0,
+            tx,
+            cancel,
+            abort_reason,
+            exec: Some(handle),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<CommMsg>,
+        message: CommMsg,
+        state: &mut CommState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            CommMsg::Submit(mut req) => {
+                if req.kind == OpKind::P2P {
+                    // AC-2: each batch takes the next seq of every peer it touches, once.
+                    if let OpData::P2P { ops } = &mut req.data {
+                        let mut touched: Vec<usize> = ops.iter().map(|t| t.peer).collect();
+                        touched.sort_unstable();
+                        touched.dedup();
+                        for p in touched {
+                            let s = state.p2p_seq[p];
+                            state.p2p_seq[p] += 1;
+                            for t in ops.iter_mut().filter(|t| t.peer == p) {
+                                t.seq = s;
+                            }
+                        }
+                    }
+                } else {
+                    // AC-1
+                    req.seq = state.coll_seq;
+                    state.coll_seq += 1;
+                }
+                if let Err(mpsc::error::SendError(executor::ExecMsg::Run(mut req))) =
+                    state.tx.send(executor::ExecMsg::Run(req))
+                {
+                    if let Some(c) = req.completer.take() {
+                        c.complete(Err(Error::Finalized {
+                            comm: state.info.name.clone(),
+                            rank: state.info.rank,
+                        }));
+                    }
+                }
+            }
+            CommMsg::Finalize(done) => {
+                // AC-3: queued behind every submitted op; the executor stops the actor.
+                if let Err(mpsc::error::SendError(executor::ExecMsg::Finalize(Some(c)))) =
+                    state.tx.send(executor::ExecMsg::Finalize(done))
+                {
+                    c.complete(Ok(crate::work::Completion::Unit));
+                }
+            }
+            CommMsg::Abort { reason, done } => {
+                tracing::warn!(comm = %state.info.name, rank = state.info.rank, %reason, "aborting communicator");
+                if let Ok(mut r) = state.abort_reason.lock() {
+                    r.get_or_insert(reason);
+                }
+                state.cancel.cancel();
+                if let Some(h) = state.exec.take() {
+                    let _ = h.await;
+                }
+                if let Some(c) = done {
+                    c.complete(Ok(crate::work::Completion::Unit));
+                }
+                myself.stop(Some("aborted".into()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<CommMsg>,
+        event: SupervisionEvent,
+        state: &mut CommState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Override ractor's default (stop the parent when any child exits).
+        tracing::debug!(comm = %state.info.name, rank = state.info.rank, ?event, "supervision event");
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<CommMsg>,
+        state: &mut CommState,
+    ) -> Result<(), ActorProcessingErr> {
+        // The executor finishes on its own after Finalize; if the actor is
+        // stopped any other way, abort it so no op is left without a completion.
+        if let Some(h) = state.exec.take() {
+            if !h.is_finished() {
+                if let Ok(mut r) = state.abort_reason.lock() {
+                    r.get_or_insert_with(|| "communicator actor stopped".into());
+                }
+                state.cancel.cancel();
+                let _ = h.await;
+            }
+        }
+        Ok(())
+    }
+}

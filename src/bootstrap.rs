@@ -1,0 +1,265 @@
+//! Bootstrap: who am I, how many are we, and where is the store.
+//!
+//! Rank and world size come from [`CommOptions`] if set, else from the first
+//! launcher convention present in the environment:
+//!
+//! | launcher | rank | size |
+//! |----------|------|------|
+//! | chorus   | `CHORUS_RANK` | `CHORUS_SIZE` |
+//! | mpirun (Open MPI) | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` |
+//! | Slurm / MPICH (PMI) | `PMI_RANK` | `PMI_SIZE` |
+//! | torchrun, `chorus-run` | `RANK` | `WORLD_SIZE` |
+//!
+//! else rank 0 of 1. The store is found through [`Rendezvous`]: for
+//! `Rendezvous::Env`, `CHORUS_STORE_ADDR` names a running
+//! `chorus-rendezvous`; otherwise `MASTER_ADDR`/`MASTER_PORT` name the store
+//! that rank 0 hosts.
+//!
+//! Store keys are scoped by communicator name, instance and epoch
+//! (`chorus/<name>/<instance>/epoch/<epoch>/…`), where `instance` counts the
+//! communicators of that name this rank created — never a process-wide
+//! counter, so ranks that create different subgroups stay in step.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use crate::comm::{CommOptions, Rendezvous};
+use crate::error::{Error, Result};
+use crate::transport::{MemoryStore, RendezvousServer, Store, StoreClient};
+
+const RANK_VARS: [(&str, &str); 4] = [
+    ("CHORUS_RANK", "CHORUS_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("RANK", "WORLD_SIZE"),
+];
+
+fn env_usize(var: &str) -> Result<Option<usize>> {
+    match std::env::var(var) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| Error::Config(format!("{var}={v:?} is not a non-negative integer"))),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Rank and size from the environment, per the table above.
+pub fn env_rank_size() -> Result<Option<(usize, usize)>> {
+    for (r, s) in RANK_VARS {
+        match (env_usize(r)?, env_usize(s)?) {
+            (Some(rank), Some(size)) => return Ok(Some((rank, size))),
+            (None, None) => {}
+            _ => {
+                return Err(Error::Config(format!(
+                    "only one of {r} and {s} is set; set both or neither"
+                )))
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Resolve rank and size from options, then environment, else 0 of 1.
+pub fn rank_size(opts: &CommOptions) -> Result<(usize, usize)> {
+    let (rank, size) = match (opts.rank, opts.size) {
+        (Some(r), Some(s)) => (r, s),
+        (None, None) => env_rank_size()?.unwrap_or((0, 1)),
+        _ => {
+            return Err(Error::Config(
+                "CommOptions: set both rank and size, or neither".into(),
+            ))
+        }
+    };
+    if size == 0 || rank >= size {
+        return Err(Error::Config(format!(
+            "rank {rank} is not in a world of {size} ranks"
+        )));
+    }
+    Ok((rank, size))
+}
+
+/// The job secret: from the options, else `CHORUS_SECRET`.
+pub fn secret(opts: &CommOptions) -> Option<Vec<u8>> {
+    opts.secret
+        .clone()
+        .or_else(|| std::env::var("CHORUS_SECRET").ok().map(String::into_bytes))
+        .filter(|s| !s.is_empty())
+}
+
+fn resolve(host: &str, port: &str) -> Result<SocketAddr> {
+    let port: u16 = port
+        .trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?;
+    (host.trim(), port)
+        .to_socket_addrs()
+        .map_err(|e| Error::Config(format!("cannot resolve MASTER_ADDR={host:?}: {e}")))?
+        .next()
+        .ok_or_else(|| Error::Config(format!("MASTER_ADDR={host:?} resolves to no address")))
+}
+
+/// Turn `Rendezvous::Env` into a concrete rendezvous.
+pub fn resolve_env(size: usize) -> Result<Rendezvous> {
+    if let Ok(addr) = std::env::var("CHORUS_STORE_ADDR") {
+        let sa = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::Config(format!("CHORUS_STORE_ADDR={addr:?}: {e}")))?
+            .next()
+            .ok_or_else(|| {
+                Error::Config(format!("CHORUS_STORE_ADDR={addr:?} resolves to nothing"))
+            })?;
+        return Ok(Rendezvous::Server(sa));
+    }
+    match (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT")) {
+        (Ok(h), Ok(p)) => Ok(Rendezvous::Master(resolve(&h, &p)?)),
+        _ if size == 1 => Ok(Rendezvous::Store(Arc::new(MemoryStore::new()))),
+        _ => Err(Error::Config(format!(
+            "a world of {size} ranks needs a rendezvous: set MASTER_ADDR and MASTER_PORT \
+             (rank 0 hosts the store), or CHORUS_STORE_ADDR (a running chorus-rendezvous), \
+             or pass CommOptions::rendezvous; `chorus-run -n N` sets these for you"
+        ))),
+    }
+}
+
+/// The store servers this process hosts, by address (rank 0 of several
+/// communicators may share one).
+fn servers() -> &'static Mutex<HashMap<SocketAddr, Weak<RendezvousServer>>> {
+    static S: std::sync::OnceLock<Mutex<HashMap<SocketAddr, Weak<RendezvousServer>>>> =
+        std::sync::OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// A connected store, plus the server this rank hosts (kept alive with the comm).
+pub struct Connected {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// The server hosted by this rank, if any.
+    pub server: Option<Arc<RendezvousServer>>,
+    /// The IP address to advertise for data links.
+    pub local_ip: IpAddr,
+}
+
+fn need_secret(secret: &Option<Vec<u8>>) -> Result<Vec<u8>> {
+    secret.clone().ok_or_else(|| {
+        Error::Config(
+            "no job secret: set CHORUS_SECRET (the same value on every rank) or \
+             CommOptions::secret; `chorus-run` generates one for you"
+                .into(),
+        )
+    })
+}
+
+/// Connect to (and, for rank 0 of a `Master` rendezvous, host) the store.
+pub async fn connect_store(
+    rendezvous: Rendezvous,
+    rank: usize,
+    size: usize,
+    secret: &Option<Vec<u8>>,
+    timeout: Duration,
+) -> Result<Connected> {
+    let rendezvous = match rendezvous {
+        Rendezvous::Env => resolve_env(size)?,
+        other => other,
+    };
+    let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    match rendezvous {
+        Rendezvous::Env => Err(Error::Internal("unresolved rendezvous".into())),
+        Rendezvous::Store(store) => Ok(Connected {
+            store,
+            server: None,
+            local_ip: loopback,
+        }),
+        Rendezvous::Server(addr) => {
+            let secret = need_secret(secret)?;
+            let client = StoreClient::connect(addr, &secret, timeout).await?;
+            let local_ip = client.local_ip();
+            Ok(Connected {
+                store: Arc::new(client),
+                server: None,
+                local_ip,
+            })
+        }
+        Rendezvous::Master(addr) => {
+            let secret = need_secret(secret)?;
+            let mut server = None;
+            let mut connect_to = addr;
+            if rank == 0 {
+                let existing = servers()
+                    .lock()
+                    .ok()
+                    .and_then(|m| m.get(&addr).and_then(Weak::upgrade));
+                let s = match existing {
+                    Some(s) => s,
+                    None => {
+                        let s = Arc::new(RendezvousServer::bind(addr, &secret).await?);
+                        if let Ok(mut m) = servers().lock() {
+                            m.insert(addr, Arc::downgrade(&s));
+                        }
+                        s
+                    }
+                };
+                if addr.ip().is_unspecified() {
+                    connect_to = SocketAddr::new(loopback, s.local_addr().port());
+                }
+                server = Some(s);
+            }
+            let client = StoreClient::connect(connect_to, &secret, timeout).await?;
+            let local_ip = client.local_ip();
+            Ok(Connected {
+                store: Arc::new(client),
+                server,
+                local_ip,
+            })
+        }
+    }
+}
+
+/// The instance number of the next communicator called `name` on this rank.
+pub fn next_instance(name: &str, rank: usize, size: usize) -> u64 {
+    type Counts = Mutex<HashMap<(String, usize, usize), u64>>;
+    static COUNTS: std::sync::OnceLock<Counts> = std::sync::OnceLock::new();
+    let mut m = COUNTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let c = m.entry((name.to_string(), rank, size)).or_insert(0);
+    let k = *c;
+    *c += 1;
+    k
+}
+
+/// Where data links should listen: options, `CHORUS_DATA_IP`, else `fallback`.
+pub fn bind_ip(opts: &CommOptions, fallback: IpAddr) -> Result<IpAddr> {
+    if let Some(ip) = opts.bind_ip {
+        return Ok(ip);
+    }
+    match std::env::var("CHORUS_DATA_IP") {
+        Ok(v) => v
+            .parse()
+            .map_err(|_| Error::Config(format!("CHORUS_DATA_IP={v:?} is not an IP address"))),
+        Err(_) => Ok(fallback),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explicit_rank_out_of_range_is_a_config_error() {
+        let opts = CommOptions::default().with_rank(4, 4);
+        assert!(matches!(rank_size(&opts), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn instances_count_per_name_and_rank() {
+        let a = next_instance("bootstrap-test-x", 0, 2);
+        let b = next_instance("bootstrap-test-x", 1, 2);
+        let c = next_instance("bootstrap-test-x", 0, 2);
+        assert_eq!((a, b, c), (0, 0, 1));
+    }
+}

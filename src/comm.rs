@@ -1,0 +1,1085 @@
+//! [`Comm`]: the user's handle on a communicator, and its options.
+//!
+//! A `Comm` is a cheap, cloneable handle over the communicator's actor
+//! ([`crate::actors`]). Each collective comes in a blocking form
+//! (`all_reduce`) and an async form (`all_reduce_async`) returning a
+//! [`Work`]. Arguments that can never work are rejected here, before any
+//! message is sent, with [`Error::InvalidArgument`] or
+//! [`Error::UnsupportedOp`]; disagreements *between* ranks are found by the
+//! executor's header exchange and reported as [`Error::Mismatch`] on every
+//! rank.
+//!
+//! Buffers move into the op and come back in its completion: no buffer is
+//! shared between the caller and an op in flight.
+//!
+//! Invariants:
+//! - CM-1: every method returns a `Work` that completes exactly once, even when
+//!   the communicator is finalized or aborted.
+//! - CM-2: all ranks must issue collectives in the same order; point-to-point
+//!   ops must be issued in the same relative order by both ends.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::ActorRef;
+
+use crate::actors::{CommMsg, Request};
+use crate::backends::{OpData, P2PTransfer};
+use crate::error::{Error, Result};
+use crate::op::{OpKind, ReduceOp};
+use crate::tensor::{DType, Tensor};
+use crate::transport::Store;
+use crate::work::{to_tensor, to_tensors, to_unit, Completion, Work};
+
+/// The device a communicator's buffers live on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// A CUDA device, by ordinal.
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Device> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    Error::Config(format!("unknown device {s:?}; use \"cpu\" or \"cuda:N\""))
+                }),
+        }
+    }
+}
+
+/// How the ranks of a communicator find each other.
+#[derive(Clone, Default)]
+pub enum Rendezvous {
+    /// From the environment, as launchers set it: `CHORUS_STORE_ADDR` (a
+    /// running `chorus-rendezvous`), else `MASTER_ADDR`/`MASTER_PORT` (rank 0
+    /// hosts the store, torchrun style). A world of one rank needs neither.
+    #[default]
+    Env,
+    /// Rank 0 hosts the store at this address; the other ranks connect to it.
+    Master(SocketAddr),
+    /// Connect to an already running store (e.g. `chorus-rendezvous`).
+    Server(SocketAddr),
+    /// Use this store object (ranks in one process; tests).
+    Store(Arc<dyn Store>),
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rendezvous::Env => f.write_str("Env"),
+            Rendezvous::Master(a) => write!(f, "Master({a})"),
+            Rendezvous::Server(a) => write!(f, "Server({a})"),
+            Rendezvous::Store(_) => f.write_str("Store(..)"),
+        }
+    }
+}
+
+/// Options of [`new_comm`](crate::new_comm).
+///
+/// ```
+/// use std::time::Duration;
+/// use chorus::CommOptions;
+/// let opts = CommOptions::default().with_timeout(Duration::from_secs(30));
+/// assert_eq!(opts.timeout, Duration::from_secs(30));
+/// ```
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    /// Default timeout of every op (10 minutes); override per op with
+    /// [`Comm::with_timeout`].
+    pub timeout: Duration,
+    /// How long bootstrap (store connection, connecting to every peer) may take.
+    pub connect_timeout: Duration,
+    /// How ranks find each other.
+    pub rendezvous: Rendezvous,
+    /// The job secret every rank must share; `None` reads `CHORUS_SECRET`.
+    pub secret: Option<Vec<u8>>,
+    /// This rank; `None` reads the environment (`CHORUS_RANK`,
+    /// `OMPI_COMM_WORLD_RANK`, `PMI_RANK`, `RANK`), else 0.
+    pub rank: Option<usize>,
+    /// Number of ranks; `None` reads the environment (`CHORUS_SIZE`,
+    /// `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, `WORLD_SIZE`), else 1.
+    pub size: Option<usize>,
+    /// IP address for data links; `None` reads `CHORUS_DATA_IP`, else uses the
+    /// address this host uses to reach the store.
+    pub bind_ip: Option<IpAddr>,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(120),
+            rendezvous: Rendezvous::Env,
+            secret: None,
+            rank: None,
+            size: None,
+            bind_ip: None,
+        }
+    }
+}
+
+impl CommOptions {
+    /// Options for a world of one rank, independent of the environment.
+    pub fn single() -> CommOptions {
+        CommOptions::default().with_rank(0, 1)
+    }
+
+    /// Set the default op timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Set the bootstrap timeout.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Set rank and world size explicitly.
+    pub fn with_rank(mut self, rank: usize, size: usize) -> Self {
+        self.rank = Some(rank);
+        self.size = Some(size);
+        self
+    }
+
+    /// Set the rendezvous.
+    pub fn with_rendezvous(mut self, rendezvous: Rendezvous) -> Self {
+        self.rendezvous = rendezvous;
+        self
+    }
+
+    /// Set the job secret.
+    pub fn with_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+
+    /// Set the data-link IP address.
+    pub fn with_bind_ip(mut self, ip: IpAddr) -> Self {
+        self.bind_ip = Some(ip);
+        self
+    }
+}
+
+/// One operation of a batched point-to-point call ([`Comm::batch_p2p`]).
+#[derive(Debug)]
+pub enum P2POp {
+    /// Send this tensor to `peer`.
+    Send {
+        /// The data.
+        tensor: Tensor,
+        /// Destination rank.
+        peer: usize,
+    },
+    /// Receive into this tensor (its length and dtype say what is expected) from `peer`.
+    Recv {
+        /// The destination buffer.
+        tensor: Tensor,
+        /// Source rank.
+        peer: usize,
+    },
+}
+
+impl P2POp {
+    /// A send of `tensor` to `peer`.
+    pub fn send(tensor: Tensor, peer: usize) -> P2POp {
+        P2POp::Send { tensor, peer }
+    }
+    /// A receive into `tensor` from `peer`.
+    pub fn recv(tensor: Tensor, peer: usize) -> P2POp {
+        P2POp::Recv { tensor, peer }
+    }
+}
+
+pub(crate) const STATE_ACTIVE: u8 = 0;
+pub(crate) const STATE_FINALIZED: u8 = 1;
+pub(crate) const STATE_ABORTED: u8 = 2;
+
+pub(crate) struct Shared {
+    pub(crate) name: String,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) epoch: u64,
+    pub(crate) device: Device,
+    pub(crate) backend: &'static str,
+    pub(crate) actor: ActorRef<CommMsg>,
+    pub(crate) state: Arc<AtomicU8>,
+    pub(crate) poison: Arc<std::sync::Mutex<Option<Error>>>,
+    pub(crate) _server: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // RAII: the last handle finalizes (flushes queued ops, closes links).
+        if self.state.load(Ordering::Acquire) == STATE_ACTIVE {
+            let _ = self.actor.send_message(CommMsg::Finalize(None));
+        }
+    }
+}
+
+/// A communicator: a named group of ranks that run collectives together.
+///
+/// Cloning is cheap; all clones drive the same communicator. When the last
+/// clone is dropped the communicator is finalized.
+///
+/// Every collective has a blocking form and an `_async` form returning a
+/// [`Work`]; the blocking form is exactly `..._async(..).wait()`.
+#[derive(Clone)]
+pub struct Comm {
+    pub(crate) shared: Arc<Shared>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("name", &self.shared.name)
+            .field("rank", &self.shared.rank)
+            .field("size", &self.shared.size)
+            .field("backend", &self.shared.backend)
+            .field("device", &self.shared.device)
+            .field("epoch", &self.shared.epoch)
+            .finish()
+    }
+}
+
+fn tensor_out(c: Completion) -> Result<Tensor> {
+    to_tensor(c)
+}
+
+impl Comm {
+    pub(crate) fn from_shared(shared: Arc<Shared>, timeout: Duration) -> Comm {
+        Comm { shared, timeout }
+    }
+
+    /// This rank, in `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.shared.size
+    }
+    /// The communicator's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+    /// The device its buffers live on.
+    pub fn device(&self) -> Device {
+        self.shared.device
+    }
+    /// The backend's name.
+    pub fn backend(&self) -> &'static str {
+        self.shared.backend
+    }
+    /// The communicator's epoch (0 for a new communicator).
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch
+    }
+    /// The default timeout of ops issued through this handle.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// A handle on the same communicator whose ops use `timeout`.
+    pub fn with_timeout(&self, timeout: Duration) -> Comm {
+        Comm {
+            shared: self.shared.clone(),
+            timeout,
+        }
+    }
+
+    fn invalid(&self, op: &'static str, reason: impl Into<String>) -> Error {
+        Error::InvalidArgument {
+            comm: self.shared.name.clone(),
+            rank: self.shared.rank,
+            op,
+            reason: reason.into(),
+        }
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(self.invalid(
+                op,
+                format!("root {root} is out of range for {} ranks", self.size()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.size() {
+            return Err(self.invalid(
+                op,
+                format!("peer {peer} is out of range for {} ranks", self.size()),
+            ));
+        }
+        if peer == self.rank() {
+            return Err(self.invalid(op, "a rank cannot send to or receive from itself"));
+        }
+        Ok(())
+    }
+
+    fn check_redop(&self, op: ReduceOp, dtype: DType) -> Result<()> {
+        if op.supports(dtype) {
+            Ok(())
+        } else {
+            Err(Error::UnsupportedOp {
+                op: op.to_string(),
+                dtype,
+            })
+        }
+    }
+
+    fn check_counts(&self, op: &'static str, counts: &[usize], total: usize) -> Result<()> {
+        if counts.len() != self.size() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "{} split sizes given for {} ranks",
+                    counts.len(),
+                    self.size()
+                ),
+            ));
+        }
+        let sum: usize = counts.iter().sum();
+        if sum != total {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "split sizes {counts:?} add up to {sum}, but the tensor has {total} elements"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn submit<T>(
+        &self,
+        map: fn(Completion) -> Result<T>,
+        build: impl FnOnce() -> Result<Request>,
+    ) -> Work<T> {
+        let mut req = match build() {
+            Ok(r) => r,
+            Err(e) => return Work::ready(map, Err(e)),
+        };
+        let (work, completer) = Work::new(map);
+        req.timeout = self.timeout;
+        req.completer = Some(completer);
+        match self.shared.state.load(Ordering::Acquire) {
+            STATE_ACTIVE => {}
+            s => {
+                let err = self.closed_error(s);
+                if let Some(c) = req.completer.take() {
+                    c.complete(Err(err));
+                }
+                return work;
+            }
+        }
+        if let Err(ractor::MessagingErr::SendErr(CommMsg::Submit(mut req))) = self
+            .shared
+            .actor
+            .send_message(CommMsg::Submit(Box::new(req)))
+        {
+            let err = self.closed_error(self.shared.state.load(Ordering::Acquire));
+            if let Some(c) = req.completer.take() {
+                c.complete(Err(err));
+            }
+        }
+        work
+    }
+
+    pub(crate) fn closed_error(&self, state: u8) -> Error {
+        if state == STATE_ABORTED {
+            let cause = self.shared.poison.lock().ok().and_then(|p| p.clone());
+            Error::Aborted {
+                comm: self.shared.name.clone(),
+                rank: self.shared.rank,
+                epoch: self.shared.epoch,
+                failed_ranks: cause
+                    .as_ref()
+                    .map(|e| e.failed_ranks().to_vec())
+                    .unwrap_or_default(),
+                reason: match cause {
+                    Some(e) => format!("an earlier operation failed: {e}"),
+                    None => "the communicator was aborted".into(),
+                },
+            }
+        } else {
+            Error::Finalized {
+                comm: self.shared.name.clone(),
+                rank: self.shared.rank,
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- all_reduce
+
+    /// Reduce `tensor` across all ranks with `op`; every rank gets the result.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedOp`] for a bitwise op on floats; [`Error::Mismatch`]
+    /// if ranks disagree on count, dtype or op; [`Error::Timeout`],
+    /// [`Error::PeerFailed`], [`Error::Aborted`] on failures.
+    pub fn all_reduce(&self, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce_async(tensor, op).wait()
+    }
+
+    /// Async form of [`Comm::all_reduce`].
+    ///
+    /// # Cancel safety
+    /// Dropping the `Work` does not cancel the op.
+    pub fn all_reduce_async(&self, mut tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            self.check_redop(op, tensor.dtype())?;
+            premul(&mut tensor, op);
+            Ok(Request::collective(
+                OpKind::AllReduce,
+                Some(op),
+                tensor.dtype(),
+                None,
+                tensor.len(),
+                vec![],
+                OpData::AllReduce {
+                    buf: tensor,
+                    op: op.combine_op(),
+                },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- reduce
+
+    /// Reduce `tensor` across all ranks onto `root`. Root gets the result;
+    /// the other ranks get their input back unchanged.
+    ///
+    /// # Errors
+    /// As [`Comm::all_reduce`], plus [`Error::InvalidArgument`] for a root out
+    /// of range and [`Error::Mismatch`] if ranks disagree on the root.
+    pub fn reduce(&self, tensor: Tensor, op: ReduceOp, root: usize) -> Result<Tensor> {
+        self.reduce_async(tensor, op, root).wait()
+    }
+
+    /// Async form of [`Comm::reduce`].
+    pub fn reduce_async(&self, tensor: Tensor, op: ReduceOp, root: usize) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            self.check_root("reduce", root)?;
+            self.check_redop(op, tensor.dtype())?;
+            let (mut work, keep) = if self.rank() == root {
+                (tensor, None)
+            } else {
+                (tensor.clone(), Some(tensor))
+            };
+            premul(&mut work, op);
+            let mut req = Request::collective(
+                OpKind::Reduce,
+                Some(op),
+                work.dtype(),
+                Some(root),
+                work.len(),
+                vec![],
+                OpData::Reduce {
+                    buf: work,
+                    op: op.combine_op(),
+                    root,
+                },
+            );
+            req.keep = keep;
+            Ok(req)
+        })
+    }
+
+    // ---------------------------------------------------------------- reduce_scatter
+
+    /// Reduce `input` (one equal block per rank, `size()` blocks) across ranks;
+    /// rank `r` gets reduced block `r`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the length is not divisible by `size()`;
+    /// otherwise as [`Comm::all_reduce`].
+    pub fn reduce_scatter(&self, input: Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.reduce_scatter_async(input, op).wait()
+    }
+
+    /// Async form of [`Comm::reduce_scatter`].
+    pub fn reduce_scatter_async(&self, input: Tensor, op: ReduceOp) -> Work<Tensor> {
+        if input.len() % self.size() != 0 {
+            let e = self.invalid(
+                "reduce_scatter",
+                format!(
+                    "input has {} elements, not divisible by {} ranks; use reduce_scatter_v",
+                    input.len(),
+                    self.size()
+                ),
+            );
+            return Work::ready(tensor_out, Err(e));
+        }
+        let counts = vec![input.len() / self.size(); self.size()];
+        self.reduce_scatter_v_async(input, &counts, op)
+    }
+
+    /// Reduce `input` (blocks of `counts[r]` elements, one per rank) across
+    /// ranks; rank `r` gets reduced block `r` (`counts[r]` elements). Every
+    /// rank must pass the same `counts`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `counts` does not have `size()` entries
+    /// adding up to the input length; [`Error::Mismatch`] if ranks pass
+    /// different `counts`; otherwise as [`Comm::all_reduce`].
+    pub fn reduce_scatter_v(
+        &self,
+        input: Tensor,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Tensor> {
+        self.reduce_scatter_v_async(input, counts, op).wait()
+    }
+
+    /// Async form of [`Comm::reduce_scatter_v`].
+    pub fn reduce_scatter_v_async(
+        &self,
+        mut input: Tensor,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            self.check_counts("reduce_scatter", counts, input.len())?;
+            self.check_redop(op, input.dtype())?;
+            premul(&mut input, op);
+            let output = Tensor::zeros(input.dtype(), counts[self.rank()]);
+            Ok(Request::collective(
+                OpKind::ReduceScatter,
+                Some(op),
+                input.dtype(),
+                None,
+                input.len(),
+                counts.to_vec(),
+                OpData::ReduceScatter {
+                    input,
+                    output,
+                    counts: counts.to_vec(),
+                    op: op.combine_op(),
+                },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- all_gather
+
+    /// Gather every rank's `input` (all the same length) into one tensor,
+    /// rank 0's block first, on every rank.
+    ///
+    /// # Errors
+    /// [`Error::Mismatch`] if ranks pass different lengths or dtypes; failures
+    /// as [`Comm::all_reduce`].
+    pub fn all_gather(&self, input: Tensor) -> Result<Tensor> {
+        self.all_gather_async(input).wait()
+    }
+
+    /// Async form of [`Comm::all_gather`].
+    pub fn all_gather_async(&self, input: Tensor) -> Work<Tensor> {
+        let counts = vec![input.len(); self.size()];
+        self.all_gather_v_async(input, &counts)
+    }
+
+    /// Gather blocks of different lengths: rank `r` contributes `counts[r]`
+    /// elements. Every rank must pass the same `counts`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `counts` has the wrong length or
+    /// `counts[rank()]` is not the input length; [`Error::Mismatch`] if ranks
+    /// disagree.
+    pub fn all_gather_v(&self, input: Tensor, counts: &[usize]) -> Result<Tensor> {
+        self.all_gather_v_async(input, counts).wait()
+    }
+
+    /// Async form of [`Comm::all_gather_v`].
+    pub fn all_gather_v_async(&self, input: Tensor, counts: &[usize]) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            if counts.len() != self.size() {
+                return Err(self.invalid(
+                    "all_gather",
+                    format!("{} sizes given for {} ranks", counts.len(), self.size()),
+                ));
+            }
+            if counts[self.rank()] != input.len() {
+                return Err(self.invalid(
+                    "all_gather",
+                    format!(
+                        "counts[{}] = {} but this rank's input has {} elements",
+                        self.rank(),
+                        counts[self.rank()],
+                        input.len()
+                    ),
+                ));
+            }
+            let output = Tensor::zeros(input.dtype(), counts.iter().sum());
+            Ok(Request::collective(
+                OpKind::AllGather,
+                None,
+                input.dtype(),
+                None,
+                input.len(),
+                counts.to_vec(),
+                OpData::AllGather {
+                    input,
+                    output,
+                    counts: counts.to_vec(),
+                },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- broadcast
+
+    /// Broadcast `tensor` from `root`; other ranks pass a buffer of the same
+    /// length and dtype and get root's data in it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a root out of range; [`Error::Mismatch`]
+    /// if ranks disagree on root, length or dtype.
+    pub fn broadcast(&self, tensor: Tensor, root: usize) -> Result<Tensor> {
+        self.broadcast_async(tensor, root).wait()
+    }
+
+    /// Async form of [`Comm::broadcast`].
+    pub fn broadcast_async(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            self.check_root("broadcast", root)?;
+            Ok(Request::collective(
+                OpKind::Broadcast,
+                None,
+                tensor.dtype(),
+                Some(root),
+                tensor.len(),
+                vec![],
+                OpData::Broadcast { buf: tensor, root },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- scatter
+
+    /// Scatter from `root`: root passes `inputs` (one tensor per rank, all of
+    /// `output`'s length and dtype); rank `r` gets `inputs[r]` in `output`.
+    /// Non-root ranks pass `None`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if root passes no or wrongly sized inputs;
+    /// [`Error::Mismatch`] if ranks disagree on root, length or dtype.
+    pub fn scatter(
+        &self,
+        output: Tensor,
+        inputs: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Result<Tensor> {
+        self.scatter_async(output, inputs, root).wait()
+    }
+
+    /// Async form of [`Comm::scatter`].
+    pub fn scatter_async(
+        &self,
+        output: Tensor,
+        inputs: Option<Vec<Tensor>>,
+        root: usize,
+    ) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            self.check_root("scatter", root)?;
+            let input = if self.rank() == root {
+                let inputs = inputs.ok_or_else(|| {
+                    self.invalid("scatter", "the root must pass one input tensor per rank")
+                })?;
+                if inputs.len() != self.size()
+                    || inputs
+                        .iter()
+                        .any(|t| t.len() != output.len() || t.dtype() != output.dtype())
+                {
+                    return Err(self.invalid(
+                        "scatter",
+                        format!(
+                            "the root must pass {} inputs of {} x {}",
+                            self.size(),
+                            output.len(),
+                            output.dtype()
+                        ),
+                    ));
+                }
+                Tensor::concat(output.dtype(), &inputs)
+                    .ok_or_else(|| Error::Internal("scatter concat".into()))?
+            } else {
+                Tensor::zeros(output.dtype(), 0)
+            };
+            Ok(Request::collective(
+                OpKind::Scatter,
+                None,
+                output.dtype(),
+                Some(root),
+                output.len(),
+                vec![],
+                OpData::Scatter {
+                    input,
+                    output,
+                    root,
+                },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- gather
+
+    /// Gather every rank's `input` (all the same length) onto `root`, which
+    /// gets one tensor per rank; other ranks get an empty list.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a root out of range; [`Error::Mismatch`]
+    /// if ranks disagree on root, length or dtype.
+    pub fn gather(&self, input: Tensor, root: usize) -> Result<Vec<Tensor>> {
+        self.gather_async(input, root).wait()
+    }
+
+    /// Async form of [`Comm::gather`].
+    pub fn gather_async(&self, input: Tensor, root: usize) -> Work<Vec<Tensor>> {
+        self.submit(to_tensors, || {
+            self.check_root("gather", root)?;
+            let out_len = if self.rank() == root {
+                input.len() * self.size()
+            } else {
+                0
+            };
+            let output = Tensor::zeros(input.dtype(), out_len);
+            Ok(Request::collective(
+                OpKind::Gather,
+                None,
+                input.dtype(),
+                Some(root),
+                input.len(),
+                vec![],
+                OpData::Gather {
+                    input,
+                    output,
+                    root,
+                },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- all_to_all
+
+    /// All-to-all with one tensor per peer: `inputs[j]` goes to rank `j`;
+    /// the result's entry `j` is what rank `j` sent here. Sizes may differ per
+    /// pair (the receiver learns them from the header exchange).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `inputs.len() != size()` or dtypes are
+    /// mixed; [`Error::Mismatch`] if ranks use different dtypes.
+    pub fn all_to_all(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        self.all_to_all_async(inputs).wait()
+    }
+
+    /// Async form of [`Comm::all_to_all`].
+    pub fn all_to_all_async(&self, inputs: Vec<Tensor>) -> Work<Vec<Tensor>> {
+        self.submit(to_tensors, || {
+            if inputs.len() != self.size() {
+                return Err(self.invalid(
+                    "all_to_all",
+                    format!("{} inputs given for {} ranks", inputs.len(), self.size()),
+                ));
+            }
+            let dtype = inputs[0].dtype();
+            let send_counts: Vec<usize> = inputs.iter().map(Tensor::len).collect();
+            let input = Tensor::concat(dtype, &inputs)
+                .ok_or_else(|| self.invalid("all_to_all", "inputs have mixed dtypes"))?;
+            Ok(Request::collective(
+                OpKind::AllToAll,
+                None,
+                dtype,
+                None,
+                input.len(),
+                send_counts.clone(),
+                OpData::AllToAll {
+                    input,
+                    output: Tensor::zeros(dtype, 0),
+                    send_counts,
+                    recv_counts: vec![],
+                },
+            ))
+        })
+    }
+
+    /// All-to-all on one tensor split into `size()` equal blocks: block `j`
+    /// goes to rank `j`; block `j` of the result came from rank `j`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the length is not divisible by `size()`;
+    /// [`Error::Mismatch`] if ranks disagree on length or dtype.
+    pub fn all_to_all_single(&self, input: Tensor) -> Result<Tensor> {
+        self.all_to_all_single_async(input).wait()
+    }
+
+    /// Async form of [`Comm::all_to_all_single`].
+    pub fn all_to_all_single_async(&self, input: Tensor) -> Work<Tensor> {
+        if input.len() % self.size() != 0 {
+            let e = self.invalid(
+                "all_to_all_single",
+                format!(
+                    "input has {} elements, not divisible by {} ranks; use all_to_all_v_single",
+                    input.len(),
+                    self.size()
+                ),
+            );
+            return Work::ready(tensor_out, Err(e));
+        }
+        let counts = vec![input.len() / self.size(); self.size()];
+        self.all_to_all_v_single_async(input, &counts, &counts)
+    }
+
+    /// All-to-all with explicit split sizes: `input_split_sizes[j]` elements
+    /// go to rank `j`, `output_split_sizes[j]` elements come from rank `j`.
+    /// Rank `i`'s `input_split_sizes[j]` must equal rank `j`'s
+    /// `output_split_sizes[i]`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the sizes do not fit the input;
+    /// [`Error::Mismatch`] (on every rank) if any pair of ranks disagrees.
+    pub fn all_to_all_v_single(
+        &self,
+        input: Tensor,
+        input_split_sizes: &[usize],
+        output_split_sizes: &[usize],
+    ) -> Result<Tensor> {
+        self.all_to_all_v_single_async(input, input_split_sizes, output_split_sizes)
+            .wait()
+    }
+
+    /// Async form of [`Comm::all_to_all_v_single`].
+    pub fn all_to_all_v_single_async(
+        &self,
+        input: Tensor,
+        input_split_sizes: &[usize],
+        output_split_sizes: &[usize],
+    ) -> Work<Tensor> {
+        self.submit(tensor_out, || {
+            self.check_counts("all_to_all_single", input_split_sizes, input.len())?;
+            if output_split_sizes.len() != self.size() {
+                return Err(self.invalid(
+                    "all_to_all_single",
+                    format!(
+                        "{} output split sizes given for {} ranks",
+                        output_split_sizes.len(),
+                        self.size()
+                    ),
+                ));
+            }
+            let mut counts = input_split_sizes.to_vec();
+            counts.extend_from_slice(output_split_sizes);
+            let output = Tensor::zeros(input.dtype(), output_split_sizes.iter().sum());
+            Ok(Request::collective(
+                OpKind::AllToAllSingle,
+                None,
+                input.dtype(),
+                None,
+                input.len(),
+                counts,
+                OpData::AllToAll {
+                    input,
+                    output,
+                    send_counts: input_split_sizes.to_vec(),
+                    recv_counts: output_split_sizes.to_vec(),
+                },
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- barrier
+
+    /// Block until every rank has entered the barrier.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::PeerFailed`], [`Error::Aborted`].
+    pub fn barrier(&self) -> Result<()> {
+        self.barrier_async().wait()
+    }
+
+    /// Async form of [`Comm::barrier`].
+    pub fn barrier_async(&self) -> Work<()> {
+        self.submit(to_unit, || {
+            Ok(Request::collective(
+                OpKind::Barrier,
+                None,
+                DType::U8,
+                None,
+                0,
+                vec![],
+                OpData::Barrier,
+            ))
+        })
+    }
+
+    // ---------------------------------------------------------------- point-to-point
+
+    /// Send `tensor` to rank `dst`; returns the buffer once sent.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad peer; [`Error::Mismatch`] (on both
+    /// ends) if the receiver expects another length or dtype.
+    pub fn send(&self, tensor: Tensor, dst: usize) -> Result<Tensor> {
+        self.send_async(tensor, dst).wait()
+    }
+
+    /// Async form of [`Comm::send`].
+    pub fn send_async(&self, tensor: Tensor, dst: usize) -> Work<Tensor> {
+        self.submit(first_tensor, || {
+            self.p2p_request(vec![P2POp::send(tensor, dst)])
+        })
+    }
+
+    /// Receive into `tensor` from rank `src` (its length and dtype say what is
+    /// expected); returns it filled.
+    ///
+    /// # Errors
+    /// As [`Comm::send`].
+    pub fn recv(&self, tensor: Tensor, src: usize) -> Result<Tensor> {
+        self.recv_async(tensor, src).wait()
+    }
+
+    /// Async form of [`Comm::recv`].
+    pub fn recv_async(&self, tensor: Tensor, src: usize) -> Work<Tensor> {
+        self.submit(first_tensor, || {
+            self.p2p_request(vec![P2POp::recv(tensor, src)])
+        })
+    }
+
+    /// Issue several sends and receives together; they run concurrently and
+    /// complete together. Returns the buffers in the order of `ops` (received
+    /// data in the receive buffers). Transfers with the same peer in the same
+    /// direction are matched in order.
+    ///
+    /// # Errors
+    /// As [`Comm::send`].
+    pub fn batch_p2p(&self, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
+        self.batch_p2p_async(ops).wait()
+    }
+
+    /// Async form of [`Comm::batch_p2p`].
+    pub fn batch_p2p_async(&self, ops: Vec<P2POp>) -> Work<Vec<Tensor>> {
+        self.submit(to_tensors, || self.p2p_request(ops))
+    }
+
+    fn p2p_request(&self, ops: Vec<P2POp>) -> Result<Request> {
+        let mut transfers = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (tensor, peer, send) = match op {
+                P2POp::Send { tensor, peer } => (tensor, peer, true),
+                P2POp::Recv { tensor, peer } => (tensor, peer, false),
+            };
+            self.check_peer(if send { "send" } else { "recv" }, peer)?;
+            transfers.push(P2PTransfer {
+                peer,
+                seq: 0,
+                send,
+                buf: tensor,
+            });
+        }
+        Ok(Request::p2p(transfers))
+    }
+
+    // ---------------------------------------------------------------- lifecycle
+
+    /// Finish every queued op, then close the communicator's links and stop
+    /// its actor. Later ops fail with [`Error::Finalized`].
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the actor is already gone.
+    pub fn finalize(&self) -> Result<()> {
+        if self
+            .shared
+            .state
+            .compare_exchange(
+                STATE_ACTIVE,
+                STATE_FINALIZED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_err()
+        {
+            return Ok(());
+        }
+        let (work, completer) = Work::new(to_unit);
+        if self
+            .shared
+            .actor
+            .send_message(CommMsg::Finalize(Some(completer)))
+            .is_err()
+        {
+            return Ok(());
+        }
+        work.wait()
+    }
+
+    /// Abort: fail every outstanding and queued op with [`Error::Aborted`],
+    /// tell the peers, close the links and stop the actor. Never kills the
+    /// process. Returns once the abort is done.
+    pub fn abort(&self) {
+        self.abort_with_reason("abort() called by the user");
+    }
+
+    /// [`Comm::abort`] with a reason that peers and errors will show.
+    pub fn abort_with_reason(&self, reason: &str) {
+        let prev = self.shared.state.swap(STATE_ABORTED, Ordering::AcqRel);
+        if prev == STATE_ABORTED {
+            return;
+        }
+        let (work, completer) = Work::new(to_unit);
+        if self
+            .shared
+            .actor
+            .send_message(CommMsg::Abort {
+                reason: reason.to_string(),
+                done: Some(completer),
+            })
+            .is_ok()
+        {
+            let _ = work.wait();
+        }
+    }
+
+    /// Whether the communicator is still accepting ops.
+    pub fn is_active(&self) -> bool {
+        self.shared.state.load(Ordering::Acquire) == STATE_ACTIVE
+    }
+}
+
+fn first_tensor(c: Completion) -> Result<Tensor> {
+    let mut v = to_tensors(c)?;
+    v.pop()
+        .ok_or_else(|| Error::Internal("point-to-point op returned no buffer".into()))
+}
+
+fn premul(t: &mut Tensor, op: ReduceOp) {
+    if let ReduceOp::PremulSum(s) = op {
+        crate::backends::cpu::reduce::scale(t.dtype(), t.as_bytes_mut(), s);
+    }
+}
