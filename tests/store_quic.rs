@@ -390,3 +390,75 @@ async fn ipv6_loopback_works_when_available() {
     })
     .await;
 }
+
+/// Kills the child process if the test fails before it exits.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The standalone server binary: refuses to start without a secret, prints
+/// its address, serves clients, and exits cleanly on SIGINT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_binary_serves_until_sigint_and_needs_a_secret() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+
+    bounded(async {
+        let bin = env!("CARGO_BIN_EXE_chorus-rendezvous");
+        let out = Command::new(bin)
+            .args(["--bind", "127.0.0.1:0"])
+            .env_remove("CHORUS_SECRET")
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("CHORUS_SECRET"));
+
+        let mut child = Command::new(bin)
+            .args(["--bind", "127.0.0.1:0", "--secret-env", "MY_JOB_SECRET"])
+            .env("MY_JOB_SECRET", "s3cret")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let pid = child.id().to_string();
+        let mut child = KillOnDrop(child);
+        let line = tokio::task::spawn_blocking(move || {
+            let mut line = String::new();
+            std::io::BufReader::new(stdout)
+                .read_line(&mut line)
+                .map(|_| line)
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        let addr: SocketAddr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .parse()
+            .unwrap();
+        let c = StoreClient::connect(addr, b"s3cret", CONNECT)
+            .await
+            .unwrap();
+        c.set("k", vec![1]).await.unwrap();
+        assert_eq!(c.get("k").await.unwrap(), Some(vec![1]));
+
+        assert!(Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let status = tokio::task::spawn_blocking(move || child.0.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(status.success(), "exit status {status:?}");
+    })
+    .await;
+}
