@@ -223,6 +223,13 @@ async fn unauthenticated_streams_are_not_served() {
             .unwrap();
         // Skip the challenge and send a store request on the first stream.
         let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        // Before authentication the server grants no second stream.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), conn.open_bi())
+                .await
+                .is_err(),
+            "TP-1: a second stream was granted before authentication"
+        );
         let body = wire::encode_request(&Request::Set {
             key: "intruder".into(),
             value: vec![1],

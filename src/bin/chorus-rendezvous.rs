@@ -23,7 +23,7 @@ use clap::Parser;
 
 /// Standalone rendezvous store server for Chorus jobs.
 #[derive(Debug, Parser)]
-#[command(name = "chorus-rendezvous", version, about)]
+#[command(name = "chorus-rendezvous", version)]
 struct Args {
     /// Address to listen on (UDP). Use 0.0.0.0:29500 to serve other hosts;
     /// port 0 picks a free port (printed on stdout).

@@ -69,8 +69,20 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
 /// How long the authentication exchange may take once connected.
 pub const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Concurrent requests (bidirectional streams) a client may have open.
-const MAX_CONCURRENT_REQUESTS: u32 = 1024;
+/// Concurrent requests (bidirectional streams) an authenticated client may
+/// have open. Before authentication a client gets credit for one stream only
+/// (the challenge's), so TP-1 also holds at the QUIC flow-control level.
+pub const MAX_CONCURRENT_REQUESTS: u32 = 1024;
+
+/// Bytes a peer may have in flight on one stream / on one connection: bounds
+/// what an (unauthenticated or misbehaving) peer can make us buffer. Frames
+/// larger than the stream window still pass; credit is renewed as we read.
+const STREAM_WINDOW: u32 = 4 << 20;
+const CONNECTION_WINDOW: u32 = 32 << 20;
+
+/// Authentication messages are tiny; an unauthenticated peer may not make
+/// us buffer more than this.
+const MAX_AUTH_FRAME: usize = 1024;
 
 const AUTH_DOMAIN: &[u8] = b"chorus-auth-v1";
 const ROLE_CLIENT: &[u8] = b"client";
@@ -91,13 +103,12 @@ fn transport_config(server: bool) -> Result<Arc<quinn::TransportConfig>, Transpo
         quinn::IdleTimeout::try_from(IDLE_TIMEOUT).map_err(tls_err)?,
     ));
     t.keep_alive_interval(Some(KEEP_ALIVE));
-    // Only clients open streams, and only bidirectional ones.
+    // Only clients open streams, and only bidirectional ones; the server
+    // grants more than the challenge stream only after authentication.
     t.max_concurrent_uni_streams(VarInt::from_u32(0));
-    t.max_concurrent_bidi_streams(VarInt::from_u32(if server {
-        MAX_CONCURRENT_REQUESTS
-    } else {
-        0
-    }));
+    t.max_concurrent_bidi_streams(VarInt::from_u32(if server { 1 } else { 0 }));
+    t.stream_receive_window(VarInt::from_u32(STREAM_WINDOW));
+    t.receive_window(VarInt::from_u32(CONNECTION_WINDOW));
     Ok(Arc::new(t))
 }
 
@@ -236,7 +247,7 @@ pub fn frame_error(conn: &quinn::Connection, err: FrameError) -> TransportError 
         return connection_error(&peer, &reason);
     }
     match err {
-        FrameError::TooLarge(_) => TransportError::Malformed(err.to_string()),
+        FrameError::TooLarge { .. } => TransportError::Malformed(err.to_string()),
         FrameError::Eof => TransportError::ConnectionLost {
             addr: peer,
             detail: "the peer ended the stream without answering".to_string(),
@@ -313,7 +324,7 @@ async fn recv_auth(
     conn: &quinn::Connection,
     recv: &mut quinn::RecvStream,
 ) -> Result<AuthMessage, TransportError> {
-    let body = wire::read_frame(recv)
+    let body = wire::read_frame_limited(recv, MAX_AUTH_FRAME)
         .await
         .map_err(|e| frame_error(conn, e))?;
     wire::decode_auth(&body)
@@ -471,6 +482,9 @@ pub async fn authenticate_server(
         &key,
         &proof_input(ROLE_SERVER, &server_nonce, &client_nonce, &exp),
     );
+    // Grant request streams before the proof leaves, so the credit arrives
+    // with (or before) it and the client's first request need not wait.
+    conn.set_max_concurrent_bi_streams(VarInt::from_u32(MAX_CONCURRENT_REQUESTS));
     send_auth(conn, &mut send, &AuthMessage::ServerProof { proof }).await?;
     let _ = send.finish();
     Ok(())

@@ -263,8 +263,8 @@ async fn serve_request(
             return;
         }
         Ok(Ok(body)) => body,
-        Ok(Err(FrameError::TooLarge(n))) => {
-            refuse_malformed(conn, &format!("frame of {n} bytes exceeds the limit"));
+        Ok(Err(e @ FrameError::TooLarge { .. })) => {
+            refuse_malformed(conn, &e.to_string());
             return;
         }
         Ok(Err(FrameError::Eof)) => {

@@ -231,9 +231,14 @@ pub enum FrameError {
     /// The stream ended cleanly before the first byte of a frame.
     #[error("stream ended before a frame")]
     Eof,
-    /// The length prefix announced more than [`MAX_FRAME`] bytes.
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
+    /// The length prefix announced more than the limit (at most [`MAX_FRAME`]).
+    #[error("frame of {len} bytes exceeds the {limit}-byte limit")]
+    TooLarge {
+        /// Announced (or attempted) length.
+        len: usize,
+        /// The limit in force.
+        limit: usize,
+    },
     /// The stream failed or ended inside a frame.
     #[error("stream error: {0}")]
     Io(#[from] std::io::Error),
@@ -242,7 +247,10 @@ pub enum FrameError {
 /// Write one frame: `u32` little-endian length, then `body`.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), FrameError> {
     if body.len() > MAX_FRAME {
-        return Err(FrameError::TooLarge(body.len()));
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            limit: MAX_FRAME,
+        });
     }
     // MAX_FRAME < u32::MAX, so the cast is lossless.
     let len = (body.len() as u32).to_le_bytes();
@@ -251,23 +259,50 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Resul
     Ok(())
 }
 
-/// Read one frame body. The announced length is checked against
-/// [`MAX_FRAME`] before the body buffer is allocated (TP-2).
+/// Read one frame body of at most [`MAX_FRAME`] bytes (TP-2).
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<AlignedVec, FrameError> {
-    let mut len = [0u8; 4];
+    read_frame_limited(r, MAX_FRAME).await
+}
+
+/// Granularity in which a frame body buffer grows.
+const READ_CHUNK: usize = 64 << 10;
+
+/// Read one frame body of at most `limit` bytes (capped at [`MAX_FRAME`]).
+///
+/// The announced length is checked against the limit before anything is
+/// allocated (TP-2), and the buffer then grows only as body bytes actually
+/// arrive, so a peer that announces a large frame and sends nothing costs
+/// at most one [`READ_CHUNK`].
+pub async fn read_frame_limited<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limit: usize,
+) -> Result<AlignedVec, FrameError> {
+    let limit = limit.min(MAX_FRAME);
+    let mut prefix = [0u8; 4];
     // Distinguish a clean end of stream (no byte at all) from a truncated prefix.
-    let n = r.read(&mut len).await?;
+    let n = r.read(&mut prefix).await?;
     if n == 0 {
         return Err(FrameError::Eof);
     }
-    r.read_exact(&mut len[n..]).await?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(FrameError::TooLarge(len));
+    r.read_exact(&mut prefix[n..]).await?;
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len > limit {
+        return Err(FrameError::TooLarge { len, limit });
     }
-    let mut body = AlignedVec::<16>::with_capacity(len);
-    body.resize(len, 0);
-    r.read_exact(&mut body[..]).await?;
+    let mut body = AlignedVec::<16>::with_capacity(len.min(READ_CHUNK));
+    while body.len() < len {
+        let start = body.len();
+        let chunk = (len - start).min(READ_CHUNK);
+        body.resize(start + chunk, 0);
+        let got = r.read(&mut body[start..]).await?;
+        if got == 0 {
+            return Err(FrameError::Io(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("stream ended after {start} of {len} frame bytes"),
+            )));
+        }
+        body.resize(start + got, 0);
+    }
     Ok(body)
 }
 
@@ -386,15 +421,31 @@ mod tests {
             // allocated or waited for the body, this would fail or hang.
             a.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
             match read_frame(&mut b).await {
-                Err(FrameError::TooLarge(n)) => assert_eq!(n, u32::MAX as usize),
+                Err(FrameError::TooLarge { len, limit }) => {
+                    assert_eq!((len, limit), (u32::MAX as usize, MAX_FRAME))
+                }
                 other => panic!("unexpected {other:?}"),
             }
             let too_big = ((MAX_FRAME + 1) as u32).to_le_bytes();
             a.write_all(&too_big).await.unwrap();
             assert!(matches!(
                 read_frame(&mut b).await,
-                Err(FrameError::TooLarge(_))
+                Err(FrameError::TooLarge { .. })
             ));
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn read_frame_limited_enforces_a_smaller_limit() {
+        tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            let (mut a, mut b) = tokio::io::duplex(4096);
+            write_frame(&mut a, &[0u8; 100]).await.unwrap();
+            match read_frame_limited(&mut b, 99).await {
+                Err(FrameError::TooLarge { len, limit }) => assert_eq!((len, limit), (100, 99)),
+                other => panic!("unexpected {other:?}"),
+            }
         })
         .await
         .unwrap();
