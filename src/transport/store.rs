@@ -1,9 +1,9 @@
 //! The rendezvous store over QUIC: [`RendezvousServer`] and [`StoreClient`].
 //!
 //! The server owns a [`MemoryStore`] and serves it to clients that proved the
-//! job secret ([`quic`](super::quic)). Each request is one bidirectional QUIC
+//! job secret ([`quic`]). Each request is one bidirectional QUIC
 //! stream opened by the client: one [`Request`] frame in, one [`Response`]
-//! frame out ([`wire`](super::wire)). Requests on one connection run
+//! frame out ([`wire`]). Requests on one connection run
 //! concurrently, so a long `wait` does not hold up a `set`.
 //!
 //! Invariants:

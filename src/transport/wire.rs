@@ -130,12 +130,12 @@ mod messages {
     }
 
     /// Messages of the job-secret challenge on a connection's first
-    /// bidirectional stream (see [`quic`](super::quic) for the protocol).
+    /// bidirectional stream (see [`quic`](crate::transport::quic) for the protocol).
     #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
     pub enum AuthMessage {
         /// Client → server: protocol version and the client's nonce.
         ClientHello {
-            /// [`PROTOCOL_VERSION`] of the client.
+            /// [`PROTOCOL_VERSION`](super::PROTOCOL_VERSION) of the client.
             version: u32,
             /// Random client nonce.
             nonce: [u8; NONCE_LEN],
@@ -272,7 +272,7 @@ const READ_CHUNK: usize = 64 << 10;
 /// The announced length is checked against the limit before anything is
 /// allocated (TP-2), and the buffer then grows only as body bytes actually
 /// arrive, so a peer that announces a large frame and sends nothing costs
-/// at most one [`READ_CHUNK`].
+/// at most one read chunk (64 KiB).
 pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     r: &mut R,
     limit: usize,
