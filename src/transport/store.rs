@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use quinn::{ConnectionError, TransportErrorCode, VarInt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -43,6 +44,11 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 pub const RESPONSE_MARGIN: Duration = Duration::from_secs(10);
 /// How long the server waits for a request frame on a newly opened stream.
 const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections that may be in the handshake/authentication phase at once;
+/// more are refused (QUIC `CONNECTION_REFUSED`, which clients retry).
+pub const MAX_PENDING_CONNECTIONS: usize = 512;
+/// Stream reset code when a stream carried no request in time.
+const RESET_NO_REQUEST: u32 = 1;
 
 /// Serves a [`MemoryStore`] over QUIC to authenticated clients.
 ///
@@ -158,6 +164,7 @@ async fn accept_loop(
     secret: Arc<[u8]>,
     stop: CancellationToken,
 ) {
+    let pending = Arc::new(Semaphore::new(MAX_PENDING_CONNECTIONS));
     loop {
         let incoming = tokio::select! {
             incoming = endpoint.accept() => incoming,
@@ -165,9 +172,20 @@ async fn accept_loop(
         };
         let Some(incoming) = incoming else { break };
         let peer = incoming.remote_address();
+        let Ok(permit) = pending.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "too many connections authenticating; refusing one");
+            incoming.refuse();
+            continue;
+        };
         tokio::spawn(
-            serve_connection(incoming, store.clone(), secret.clone(), stop.clone())
-                .instrument(tracing::info_span!("rendezvous_conn", %peer)),
+            serve_connection(
+                incoming,
+                permit,
+                store.clone(),
+                secret.clone(),
+                stop.clone(),
+            )
+            .instrument(tracing::info_span!("rendezvous_conn", %peer)),
         );
     }
     tracing::debug!("accept loop ended");
@@ -175,24 +193,30 @@ async fn accept_loop(
 
 async fn serve_connection(
     incoming: quinn::Incoming,
+    pending: OwnedSemaphorePermit,
     store: Arc<MemoryStore>,
     secret: Arc<[u8]>,
     stop: CancellationToken,
 ) {
-    let conn = match incoming.await {
-        Ok(conn) => conn,
-        Err(e) => {
+    let conn = match tokio::time::timeout(quic::AUTH_TIMEOUT, incoming).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
             tracing::debug!(error = %e, "handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!("handshake timed out");
             return;
         }
     };
     // TP-1: nothing but the authentication stream until it succeeded.
-    match tokio::time::timeout(
+    let auth = tokio::time::timeout(
         quic::AUTH_TIMEOUT,
         quic::authenticate_server(&conn, &secret),
     )
-    .await
-    {
+    .await;
+    drop(pending);
+    match auth {
         Ok(Ok(())) => tracing::debug!("client authenticated"),
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "client refused");
@@ -259,7 +283,7 @@ async fn serve_request(
     let body = match tokio::time::timeout(REQUEST_READ_TIMEOUT, wire::read_frame(&mut recv)).await {
         Err(_) => {
             tracing::debug!("no request on a stream in time; resetting it");
-            let _ = send.reset(VarInt::from_u32(CLOSE_PROTOCOL_STREAM));
+            let _ = send.reset(VarInt::from_u32(RESET_NO_REQUEST));
             return;
         }
         Ok(Ok(body)) => body,
@@ -304,9 +328,6 @@ async fn serve_request(
     }
     let _ = send.finish();
 }
-
-/// Stream reset code when a stream carried no request in time.
-const CLOSE_PROTOCOL_STREAM: u32 = 1;
 
 async fn execute(store: &MemoryStore, request: Request) -> Response {
     fn store_err(e: TransportError) -> Response {
