@@ -390,6 +390,7 @@ async fn execute(store: &MemoryStore, request: Request) -> Response {
 pub struct StoreClient {
     addr: SocketAddr,
     local_ip: IpAddr,
+    request_timeout: Duration,
     /// Kept so the client's UDP socket lives as long as the connection.
     _endpoint: quinn::Endpoint,
     conn: quinn::Connection,
@@ -456,6 +457,7 @@ impl StoreClient {
                         return Ok(StoreClient {
                             addr,
                             local_ip,
+                            request_timeout: REQUEST_TIMEOUT,
                             _endpoint: endpoint,
                             conn,
                         });
@@ -483,6 +485,14 @@ impl StoreClient {
     /// advertise to peers).
     pub fn local_ip(&self) -> IpAddr {
         self.local_ip
+    }
+
+    /// Use `timeout` instead of [`REQUEST_TIMEOUT`] as the deadline of
+    /// requests other than `wait` (whose deadline is its own timeout plus
+    /// [`RESPONSE_MARGIN`]).
+    pub fn with_request_timeout(mut self, timeout: Duration) -> StoreClient {
+        self.request_timeout = timeout;
+        self
     }
 
     /// The server's address.
@@ -529,7 +539,7 @@ impl StoreClient {
     }
 
     async fn simple(&self, req: Request) -> Result<Response, TransportError> {
-        match self.request(&req, REQUEST_TIMEOUT).await? {
+        match self.request(&req, self.request_timeout).await? {
             Response::Error { kind, message } => Err(error_response(kind, message, None)),
             other => Ok(other),
         }
