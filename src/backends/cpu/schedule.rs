@@ -22,9 +22,11 @@
 //! - SC-5: no transfer has length zero; a transfer of zero elements is skipped
 //!   on both ends. The decision depends only on the counts, which every rank
 //!   computes identically, so both ends always agree.
-//! - SC-6: within a step, the ranges written (receives, local copies) are
-//!   pairwise disjoint, so the order in which receives are applied does not
-//!   matter.
+//! - SC-6: within a step, the ranges written (receives, local-copy
+//!   destinations) are pairwise disjoint and disjoint from the ranges read
+//!   (sends, local-copy sources) in the same buffer. So the order in which
+//!   receives are applied does not matter, and an executor may write received
+//!   data in place as it arrives: SC-2 then holds with no staging copy.
 //! - SC-7: a single rank (`size == 1`) gets an empty or local-only schedule,
 //!   and invalid arguments (`rank >= size`, `root >= size`, per-rank counts of
 //!   the wrong length) get an empty schedule — never a panic. Arguments are
@@ -164,7 +166,8 @@ impl Schedule {
     /// Check that the schedule of `rank` (of `size`) fits buffers of
     /// `src_len` and `dst_len` elements: peers in range and not `rank`,
     /// ranges in bounds and non-empty (SC-5), local copies of equal length,
-    /// and disjoint writes within each step (SC-6).
+    /// and, within each step, writes disjoint from each other and from reads
+    /// (SC-6).
     ///
     /// Cheap (linear in the transfers, plus a sort per step); an executor may
     /// call it before running a schedule.
@@ -182,7 +185,10 @@ impl Schedule {
             BufId::Dst => dst_len,
         };
         for (i, step) in self.steps.iter().enumerate() {
-            let mut writes: Vec<(BufId, Range<usize>)> = Vec::new();
+            // Per buffer (index 0: Src, 1: Dst).
+            let mut writes: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+            let mut reads: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+            let slot = |buf: BufId| usize::from(buf == BufId::Dst);
             for t in &step.transfers {
                 if t.is_empty() {
                     return fail(i, format!("zero-length transfer {t:?}"));
@@ -192,7 +198,7 @@ impl Schedule {
                         return fail(i, format!("bad peer in {t:?}"));
                     }
                 }
-                let (reads, written) = match t {
+                let (read, written) = match t {
                     Transfer::Send { buf, range, .. } => (Some((*buf, range)), None),
                     Transfer::Recv { buf, range, .. } => (None, Some((*buf, range))),
                     Transfer::LocalCopy { src, dst } => {
@@ -202,7 +208,7 @@ impl Schedule {
                         (Some((BufId::Src, src)), Some((BufId::Dst, dst)))
                     }
                 };
-                for (buf, range) in reads.into_iter().chain(written) {
+                for (buf, range) in read.into_iter().chain(written) {
                     if range.start > range.end || range.end > bound(buf) {
                         return fail(
                             i,
@@ -210,14 +216,28 @@ impl Schedule {
                         );
                     }
                 }
+                if let Some((buf, range)) = read {
+                    reads[slot(buf)].push(range.clone());
+                }
                 if let Some((buf, range)) = written {
-                    writes.push((buf, range.clone()));
+                    writes[slot(buf)].push(range.clone());
                 }
             }
-            writes.sort_by_key(|(buf, r)| (*buf == BufId::Dst, r.start));
-            for w in writes.windows(2) {
-                if w[0].0 == w[1].0 && w[1].1.start < w[0].1.end {
-                    return fail(i, format!("overlapping writes {:?} and {:?}", w[0], w[1]));
+            for (b, buf) in [BufId::Src, BufId::Dst].into_iter().enumerate() {
+                let w = &mut writes[b];
+                w.sort_by_key(|r| r.start);
+                if let Some(p) = w.windows(2).find(|p| p[1].start < p[0].end) {
+                    let (a, c) = (&p[0], &p[1]);
+                    return fail(i, format!("overlapping writes {a:?} and {c:?} in {buf:?}"));
+                }
+                // Disjoint and sorted by start, so also sorted by end: the only
+                // candidate for overlapping a read is the first write ending
+                // after the read starts.
+                for r in &reads[b] {
+                    let k = w.partition_point(|x| x.end <= r.start);
+                    if let Some(x) = w.get(k).filter(|x| x.start < r.end) {
+                        return fail(i, format!("write {x:?} overlaps read {r:?} in {buf:?}"));
+                    }
                 }
             }
         }

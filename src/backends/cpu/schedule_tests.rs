@@ -59,11 +59,12 @@ fn buf_mut<'a>(src: &'a mut [f64], dst: &'a mut [f64], b: BufId) -> &'a mut [f64
 /// - SC-4: if no rank can move and some are not finished, the run is a
 ///   deadlock and the error dumps every rank's pending transfers.
 ///
-/// Each schedule is also checked with [`Schedule::validate`].
+/// Each schedule is first checked with [`Schedule::validate`] (bounds, SC-5,
+/// SC-6); [`simulate`] alone runs any schedule with SC-1..SC-4 semantics.
 fn run_schedules(
     schedules: Vec<Schedule>,
-    mut src: Vec<Vec<f64>>,
-    mut dst: Vec<Vec<f64>>,
+    src: Vec<Vec<f64>>,
+    dst: Vec<Vec<f64>>,
     op: ReduceOp,
 ) -> Result<Vec<Vec<f64>>, String> {
     let n = schedules.len();
@@ -73,6 +74,18 @@ fn run_schedules(
         s.validate(r, n, src[r].len(), dst[r].len())
             .map_err(|e| e.to_string())?;
     }
+    simulate(schedules, src, dst, op)
+}
+
+/// The executor behind [`run_schedules`], without the SC-5/SC-6 checks.
+/// Ranges must be in bounds.
+fn simulate(
+    schedules: Vec<Schedule>,
+    mut src: Vec<Vec<f64>>,
+    mut dst: Vec<Vec<f64>>,
+    op: ReduceOp,
+) -> Result<Vec<Vec<f64>>, String> {
+    let n = schedules.len();
 
     // SC-3: pair sends and receives per ordered pair, in order.
     let mut sends: HashMap<(usize, usize), Vec<Loc>> = HashMap::new();
@@ -659,7 +672,7 @@ fn harness_sends_read_pre_step_data_sc2() {
     // peer's. Correct only if sends read the pre-step value.
     let a = sched(vec![vec![send(1, 0..1), recv(1, 0..1)]]);
     let b = sched(vec![vec![recv(0, 0..1), send(0, 0..1)]]);
-    let out = run_schedules(
+    let out = simulate(
         vec![a, b],
         vec![vec![]; 2],
         vec![vec![1.0], vec![2.0]],
@@ -693,6 +706,48 @@ fn validate_rejects_out_of_bounds_self_peer_and_overlapping_writes() {
         },
     ]]);
     assert!(ok.validate(0, 2, 2, 4).is_ok());
+    // SC-6: a receive may not overwrite what a send of the same step reads
+    // (sends to 1 read 4..8, receive writes 6..7) ...
+    let bad = sched(vec![vec![send(1, 4..8), recv(1, 6..7)]]);
+    let err = bad.validate(0, 2, 0, 8).unwrap_err().to_string();
+    assert!(err.contains("overlaps read"), "{err}");
+    // ... but adjacent ranges, or the same range in another buffer, are fine.
+    let ok = sched(vec![vec![
+        send(1, 4..8),
+        recv(1, 8..9),
+        recv(1, 0..4),
+        Transfer::Send {
+            peer: 1,
+            buf: BufId::Src,
+            range: 8..9,
+        },
+    ]]);
+    assert!(ok.validate(0, 2, 9, 9).is_ok());
+}
+
+#[test]
+fn all_reduce_gives_bitwise_identical_results_on_every_rank() {
+    // Inexact fractions: each block is reduced once and then copied, so the
+    // summation order may differ between blocks but never between ranks.
+    for size in [3usize, 5, 8] {
+        let count = 101;
+        let dst: Vec<Vec<f64>> = (0..size)
+            .map(|r| {
+                (0..count)
+                    .map(|i| 1.0 / (1.0 + (r * 31 + i) as f64))
+                    .collect()
+            })
+            .collect();
+        let scheds = (0..size).map(|r| all_reduce(r, size, count)).collect();
+        let out = run(scheds, vec![vec![]; size], dst, ReduceOp::Sum);
+        for r in 1..size {
+            let same = out[r]
+                .iter()
+                .zip(&out[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "rank {r} differs from rank 0 (size {size})");
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------
