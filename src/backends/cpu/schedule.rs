@@ -44,6 +44,16 @@
 //! | [`scatter`], [`gather`] | root exchanges with every rank in one step | 1 |
 //! | [`all_to_all`] | pairwise exchange: step `s` sends to `r+s`, receives from `r-s` | `p-1` (1 if `p == 1`) |
 //!
+//! Step counts are upper bounds: steps left empty by zero-length blocks are
+//! dropped. The buffers map onto [`OpData`](crate::backends::OpData) as
+//! follows (`Src`/`Dst`):
+//!
+//! | op | `Src` | `Dst` | after the schedule |
+//! |----|-------|-------|--------------------|
+//! | `AllReduce`, `Reduce`, `Broadcast` | — | `buf` | |
+//! | `ReduceScatter` | — | `input` | copy block `rank` of `input` to `output` |
+//! | `AllGather`, `Scatter`, `Gather`, `AllToAll` | `input` | `output` | |
+//!
 //! ```
 //! use chorus::backends::cpu::schedule::{all_reduce, even_counts};
 //! // 3 ranks, 10 elements: blocks of 4, 3, 3; 2 reduce-scatter + 2 all-gather steps.
