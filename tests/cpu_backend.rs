@@ -465,3 +465,278 @@ async fn missing_rank_times_out_with_a_store_error() {
     })
     .await;
 }
+
+// ---------------------------------------------------------------------------
+// Every OpData variant against a locally computed reference.
+// ---------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Case {
+    AllReduce(ReduceOp),
+    Reduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Scatter,
+    Gather,
+    AllToAll,
+    Barrier,
+}
+
+/// Element `i` of rank `r`'s input: small integers, exact in f32 and i32.
+fn v(r: usize, i: usize) -> f64 {
+    ((r + 1) * (i % 13) + r) as f64 - 6.0
+}
+
+fn vals(r: usize, from: usize, n: usize) -> Vec<f64> {
+    (from..from + n).map(|i| v(r, i)).collect()
+}
+
+/// Uneven split of `total` over `size` ranks (the last ranks get less).
+fn block_counts(total: usize, size: usize) -> Vec<usize> {
+    let mut c: Vec<usize> = (0..size)
+        .map(|r| total / size + usize::from(r < total % size))
+        .collect();
+    // Make the split lopsided where possible, including empty blocks.
+    if size > 1 && c[size - 1] > 0 {
+        c[0] += c[size - 1];
+        c[size - 1] = 0;
+    }
+    c
+}
+
+/// Elements rank `from` sends to rank `to` in the all-to-all case.
+fn a2a(c: usize, from: usize, to: usize) -> usize {
+    (c + 3 * from + 7 * to) % (c + 1)
+}
+
+fn prefix(counts: &[usize]) -> Vec<usize> {
+    let mut o = vec![0];
+    for c in counts {
+        o.push(o.last().unwrap() + c);
+    }
+    o
+}
+
+fn combine(op: ReduceOp, a: f64, b: f64) -> f64 {
+    match op {
+        ReduceOp::Sum => a + b,
+        ReduceOp::Max => a.max(b),
+        ReduceOp::Min => a.min(b),
+        ReduceOp::Product => a * b,
+        other => panic!("no reference for {other}"),
+    }
+}
+
+fn reduced(op: ReduceOp, size: usize, from: usize, n: usize) -> Vec<f64> {
+    (from..from + n)
+        .map(|i| (1..size).fold(v(0, i), |acc, r| combine(op, acc, v(r, i))))
+        .collect()
+}
+
+fn t(dtype: DType, values: &[f64]) -> Tensor {
+    Tensor::from_f64s(dtype, values)
+}
+
+fn root_of(size: usize) -> usize {
+    size - 1
+}
+
+fn build(case: Case, r: usize, size: usize, c: usize, dtype: DType) -> (OpKind, OpData) {
+    let root = root_of(size);
+    match case {
+        Case::AllReduce(op) => (
+            OpKind::AllReduce,
+            OpData::AllReduce {
+                buf: t(dtype, &vals(r, 0, c)),
+                op,
+            },
+        ),
+        Case::Reduce => (
+            OpKind::Reduce,
+            OpData::Reduce {
+                buf: t(dtype, &vals(r, 0, c)),
+                op: ReduceOp::Sum,
+                root,
+            },
+        ),
+        Case::ReduceScatter => {
+            let counts = block_counts(c, size);
+            (
+                OpKind::ReduceScatter,
+                OpData::ReduceScatter {
+                    input: t(dtype, &vals(r, 0, c)),
+                    output: Tensor::zeros(dtype, counts[r]),
+                    counts,
+                    op: ReduceOp::Sum,
+                },
+            )
+        }
+        Case::AllGather => {
+            let counts = block_counts(c, size);
+            (
+                OpKind::AllGather,
+                OpData::AllGather {
+                    input: t(dtype, &vals(r, 0, counts[r])),
+                    output: Tensor::zeros(dtype, c),
+                    counts,
+                },
+            )
+        }
+        Case::Broadcast => (
+            OpKind::Broadcast,
+            OpData::Broadcast {
+                buf: if r == root {
+                    t(dtype, &vals(r, 0, c))
+                } else {
+                    Tensor::zeros(dtype, c)
+                },
+                root,
+            },
+        ),
+        Case::Scatter => (
+            OpKind::Scatter,
+            OpData::Scatter {
+                input: if r == root {
+                    t(dtype, &vals(r, 0, size * c))
+                } else {
+                    Tensor::zeros(dtype, 0)
+                },
+                output: Tensor::zeros(dtype, c),
+                root,
+            },
+        ),
+        Case::Gather => (
+            OpKind::Gather,
+            OpData::Gather {
+                input: t(dtype, &vals(r, 0, c)),
+                output: Tensor::zeros(dtype, if r == root { size * c } else { 0 }),
+                root,
+            },
+        ),
+        Case::AllToAll => {
+            let send_counts: Vec<usize> = (0..size).map(|to| a2a(c, r, to)).collect();
+            let recv_counts: Vec<usize> = (0..size).map(|from| a2a(c, from, r)).collect();
+            (
+                OpKind::AllToAllSingle,
+                OpData::AllToAll {
+                    input: t(dtype, &vals(r, 0, send_counts.iter().sum())),
+                    output: Tensor::zeros(dtype, recv_counts.iter().sum()),
+                    send_counts,
+                    recv_counts,
+                },
+            )
+        }
+        Case::Barrier => (OpKind::Barrier, OpData::Barrier),
+    }
+}
+
+/// The tensor to check on rank `r` and its expected values, if any.
+fn check(
+    case: Case,
+    r: usize,
+    size: usize,
+    c: usize,
+    data: &OpData,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let root = root_of(size);
+    match (case, data) {
+        (Case::AllReduce(op), OpData::AllReduce { buf, .. }) => {
+            Some((buf.to_f64_vec(), reduced(op, size, 0, c)))
+        }
+        (Case::Reduce, OpData::Reduce { buf, .. }) if r == root => {
+            Some((buf.to_f64_vec(), reduced(ReduceOp::Sum, size, 0, c)))
+        }
+        (Case::ReduceScatter, OpData::ReduceScatter { output, counts, .. }) => {
+            let o = prefix(counts);
+            Some((
+                output.to_f64_vec(),
+                reduced(ReduceOp::Sum, size, o[r], counts[r]),
+            ))
+        }
+        (Case::AllGather, OpData::AllGather { output, counts, .. }) => {
+            let want = (0..size).flat_map(|j| vals(j, 0, counts[j])).collect();
+            Some((output.to_f64_vec(), want))
+        }
+        (Case::Broadcast, OpData::Broadcast { buf, .. }) => {
+            Some((buf.to_f64_vec(), vals(root, 0, c)))
+        }
+        (Case::Scatter, OpData::Scatter { output, .. }) => {
+            Some((output.to_f64_vec(), vals(root, r * c, c)))
+        }
+        (Case::Gather, OpData::Gather { output, .. }) if r == root => {
+            let want = (0..size).flat_map(|j| vals(j, 0, c)).collect();
+            Some((output.to_f64_vec(), want))
+        }
+        (Case::AllToAll, OpData::AllToAll { output, .. }) => {
+            let want = (0..size)
+                .flat_map(|j| {
+                    let off: usize = (0..r).map(|to| a2a(c, j, to)).sum();
+                    vals(j, off, a2a(c, j, r))
+                })
+                .collect();
+            Some((output.to_f64_vec(), want))
+        }
+        _ => None,
+    }
+}
+
+async fn matches_reference(case: Case, dtype: DType) {
+    for size in 1..=4 {
+        let mut w = world(size).await;
+        for (seq, c) in [0usize, 5, 1000].into_iter().enumerate() {
+            let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let (kind, mut data) = build(case, r, size, c, dtype);
+                b.execute(&ctx(r, size, kind, seq as u64), &mut data)
+                    .await
+                    .map(|()| data)
+            }))
+            .await;
+            for (r, data) in res.into_iter().enumerate() {
+                let data = data.unwrap_or_else(|e| {
+                    panic!("{case:?} {dtype} world {size} count {c} rank {r}: {e}")
+                });
+                if let Some((got, want)) = check(case, r, size, c, &data) {
+                    assert_eq!(
+                        got, want,
+                        "{case:?} {dtype} world {size} count {c} rank {r}"
+                    );
+                }
+            }
+        }
+        for b in &mut w {
+            b.finalize().await;
+        }
+    }
+}
+
+macro_rules! reference_tests {
+    ($($name:ident: $case:expr, $dtype:expr;)*) => {$(
+        #[tokio::test]
+        async fn $name() {
+            bounded(matches_reference($case, $dtype)).await;
+        }
+    )*};
+}
+
+reference_tests! {
+    all_reduce_sum_matches_reference_worlds_1_to_4_f32: Case::AllReduce(ReduceOp::Sum), DType::F32;
+    all_reduce_sum_matches_reference_worlds_1_to_4_i32: Case::AllReduce(ReduceOp::Sum), DType::I32;
+    all_reduce_max_matches_reference_worlds_1_to_4_f32: Case::AllReduce(ReduceOp::Max), DType::F32;
+    all_reduce_min_matches_reference_worlds_1_to_4_i32: Case::AllReduce(ReduceOp::Min), DType::I32;
+    reduce_sum_to_last_rank_matches_reference_worlds_1_to_4_f32: Case::Reduce, DType::F32;
+    reduce_sum_to_last_rank_matches_reference_worlds_1_to_4_i32: Case::Reduce, DType::I32;
+    reduce_scatter_uneven_sum_matches_reference_worlds_1_to_4_f32: Case::ReduceScatter, DType::F32;
+    reduce_scatter_uneven_sum_matches_reference_worlds_1_to_4_i32: Case::ReduceScatter, DType::I32;
+    all_gather_uneven_matches_reference_worlds_1_to_4_f32: Case::AllGather, DType::F32;
+    all_gather_uneven_matches_reference_worlds_1_to_4_i32: Case::AllGather, DType::I32;
+    broadcast_from_last_rank_matches_reference_worlds_1_to_4_f32: Case::Broadcast, DType::F32;
+    broadcast_from_last_rank_matches_reference_worlds_1_to_4_i32: Case::Broadcast, DType::I32;
+    scatter_from_last_rank_matches_reference_worlds_1_to_4_f32: Case::Scatter, DType::F32;
+    scatter_from_last_rank_matches_reference_worlds_1_to_4_i32: Case::Scatter, DType::I32;
+    gather_to_last_rank_matches_reference_worlds_1_to_4_f32: Case::Gather, DType::F32;
+    gather_to_last_rank_matches_reference_worlds_1_to_4_i32: Case::Gather, DType::I32;
+    all_to_all_uneven_matches_reference_worlds_1_to_4_f32: Case::AllToAll, DType::F32;
+    all_to_all_uneven_matches_reference_worlds_1_to_4_i32: Case::AllToAll, DType::I32;
+    barrier_succeeds_worlds_1_to_4_f32: Case::Barrier, DType::F32;
+}

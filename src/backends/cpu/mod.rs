@@ -40,12 +40,11 @@ use crate::op::{OpKind, ReduceOp};
 use crate::tensor::Tensor;
 
 mod link;
-mod naive;
 pub mod reduce;
 pub mod schedule;
 
 use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
-use naive as builders;
+use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule, Transfer};
 
 /// How long `abort` waits for each peer to take its Abort frame.
