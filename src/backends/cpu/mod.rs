@@ -12,8 +12,11 @@
 //!
 //! Invariants:
 //! - CPU-1: a schedule step runs per SC-1/SC-2: sends read the buffers as they
-//!   were before the step; receives land in scratch memory and are applied
-//!   after every transfer of the step completed.
+//!   were before the step. A `Copy` receive whose range no other transfer of
+//!   the step reads or writes lands in place (SC-6 makes this the common
+//!   case, but it is checked per step, not assumed); every other receive
+//!   lands in reusable scratch memory and is applied, in order, after every
+//!   transfer of the step completed.
 //! - CPU-2: any error of an op is fatal for the links: the next
 //!   `exchange_headers`/`execute` fails with `Aborted` until `abort` runs
 //!   (BE-2). An op whose future was dropped mid-transfer counts as failed.
@@ -45,7 +48,7 @@ pub mod schedule;
 
 use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
 use schedule as builders;
-use schedule::{BufId, RecvAction, Schedule, Transfer};
+use schedule::{BufId, RecvAction, Schedule, Step, Transfer};
 
 /// How long `abort` waits for each peer to take its Abort frame.
 const ABORT_BOUND: Duration = Duration::from_secs(1);
@@ -124,7 +127,7 @@ impl CpuBackend {
 
     /// Run one hand-built [`Schedule`] over the links (what `execute` does
     /// after choosing the schedule). `src` is the schedule's `Src` buffer; when
-    /// `None`, `Src` refers to `dst`. `op` combines `Reduce` receives.
+    /// `None`, `Src` is empty (in-place ops). `op` combines `Reduce` receives.
     ///
     /// # Errors
     /// As [`Backend::execute`]; `Internal` if a transfer's range is outside
@@ -199,7 +202,7 @@ impl CpuBackend {
         &mut self,
         ctx: &OpCtx,
         schedule: &Schedule,
-        mut src: Option<&mut Tensor>,
+        src: Option<&mut Tensor>,
         dst: &mut Tensor,
         op: ReduceOp,
     ) -> Result<()> {
@@ -207,6 +210,11 @@ impl CpuBackend {
         let es = dtype.size();
         let class = class_of(ctx);
         let combine = op.combine_op();
+        let mut no_src = Tensor::zeros(dtype, 0);
+        let src: &mut Tensor = match src {
+            Some(s) => s,
+            None => &mut no_src,
+        };
         let bad = |what: String| {
             Error::Internal(format!(
                 "cpu schedule for {} #{} on rank {}: {what}",
@@ -215,67 +223,98 @@ impl CpuBackend {
                 ctx.rank
             ))
         };
-        let byte_range = |r: &Range<usize>| -> Result<Range<usize>> {
-            match (r.start.checked_mul(es), r.end.checked_mul(es)) {
-                (Some(a), Some(b)) if a <= b => Ok(a..b),
-                _ => Err(bad(format!("invalid element range {r:?}"))),
-            }
-        };
         for (step_no, step) in schedule.steps.iter().enumerate() {
-            // Validate peers and count receives.
-            let mut n_recv = 0;
-            for t in &step.transfers {
-                match t {
-                    Transfer::Send { peer, .. } | Transfer::Recv { peer, .. } => {
-                        if *peer >= self.size || *peer == self.rank {
-                            return Err(bad(format!("step {step_no} names peer {peer}")));
-                        }
-                        if matches!(t, Transfer::Recv { .. }) {
-                            n_recv += 1;
-                        }
-                    }
-                    Transfer::LocalCopy { .. } => {}
-                }
+            let items = plan_step(
+                step,
+                self.rank,
+                self.size,
+                es,
+                [src.len_bytes(), dst.len_bytes()],
+            )
+            .map_err(|w| bad(format!("step {step_no}: {w}")))?;
+            let n_staged = items
+                .iter()
+                .filter(|i| matches!(i, Item::Recv { direct: false, .. }))
+                .count();
+            if self.scratch.len() < n_staged {
+                self.scratch.resize_with(n_staged, Vec::new);
             }
-            if self.scratch.len() < n_recv {
-                self.scratch.resize_with(n_recv, Vec::new);
-            }
-            // Transfers: sends read the buffers as before the step (CPU-1).
+            // Network phase: sends read ranges nobody writes during the step,
+            // receives land in place where their range is private, else in
+            // scratch (CPU-1).
             {
-                let dst_bytes: &[u8] = dst.as_bytes();
-                let src_bytes: &[u8] = match src.as_deref() {
-                    Some(s) => s.as_bytes(),
-                    None => dst_bytes,
+                let direct_of = |b: BufId| -> Vec<(usize, Range<usize>)> {
+                    items
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(k, i)| match i {
+                            Item::Recv {
+                                buf,
+                                bytes,
+                                direct: true,
+                                ..
+                            } if *buf == b => Some((k, bytes.clone())),
+                            _ => None,
+                        })
+                        .collect()
                 };
+                let (src_gaps, src_direct) = carve(src.as_bytes_mut(), direct_of(BufId::Src));
+                let (dst_gaps, dst_direct) = carve(dst.as_bytes_mut(), direct_of(BufId::Dst));
+                let mut direct: Vec<Option<&mut [u8]>> = (0..items.len()).map(|_| None).collect();
+                for (k, slot) in src_direct.into_iter().chain(dst_direct) {
+                    direct[k] = Some(slot);
+                }
                 let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
                 let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
                 let mut scratch = self.scratch.iter_mut();
-                for t in &step.transfers {
-                    match t {
-                        Transfer::Send { peer, buf, range } => {
-                            let bytes = match buf {
-                                BufId::Src => src_bytes,
-                                BufId::Dst => dst_bytes,
+                for (k, item) in items.iter().enumerate() {
+                    match item {
+                        Item::Send { peer, buf, bytes } => {
+                            let gaps = match buf {
+                                BufId::Src => &src_gaps,
+                                BufId::Dst => &dst_gaps,
                             };
-                            let br = byte_range(range)?;
-                            let payload = bytes.get(br).ok_or_else(|| {
-                                bad(format!("send range {range:?} outside {buf:?}"))
+                            let payload = read_from(gaps, bytes).ok_or_else(|| {
+                                bad(format!("step {step_no}: send range {bytes:?} of {buf:?} is being written"))
                             })?;
                             push_grouped(&mut sends, *peer, (FrameKind::Data, ctx.seq, payload));
                         }
-                        Transfer::Recv { peer, range, .. } => {
-                            let n = byte_range(range)?.len();
-                            let Some(s) = scratch.next() else {
-                                return Err(bad("scratch buffers exhausted".into()));
-                            };
-                            s.resize(n, 0);
+                        Item::Recv {
+                            peer,
+                            bytes,
+                            direct: true,
+                            ..
+                        } => {
+                            let slot = direct[k].take().ok_or_else(|| {
+                                bad(format!("step {step_no}: lost in-place slot {bytes:?}"))
+                            })?;
                             push_grouped(
                                 &mut recvs,
                                 *peer,
-                                (FrameKind::Data, ctx.seq, RecvInto::Exact(&mut s[..n])),
+                                (FrameKind::Data, ctx.seq, RecvInto::Exact(slot)),
                             );
                         }
-                        Transfer::LocalCopy { .. } => {}
+                        Item::Recv {
+                            peer,
+                            bytes,
+                            direct: false,
+                            ..
+                        } => {
+                            let Some(s) = scratch.next() else {
+                                return Err(bad("scratch buffers exhausted".into()));
+                            };
+                            s.resize(bytes.len(), 0);
+                            push_grouped(
+                                &mut recvs,
+                                *peer,
+                                (
+                                    FrameKind::Data,
+                                    ctx.seq,
+                                    RecvInto::Exact(&mut s[..bytes.len()]),
+                                ),
+                            );
+                        }
+                        Item::LocalCopy { .. } => {}
                     }
                 }
                 run_transfers(
@@ -288,29 +327,24 @@ impl CpuBackend {
                 )
                 .await?;
             }
-            // Apply receives and local copies in order (CPU-1, SC-2).
+            // Apply staged receives and local copies in order (SC-2). Ranges
+            // were bounds-checked by `plan_step`.
             let mut k = 0;
-            for t in &step.transfers {
-                match t {
-                    Transfer::Send { .. } => {}
-                    Transfer::Recv {
-                        peer,
+            for item in &items {
+                match item {
+                    Item::Recv {
                         buf,
-                        range,
+                        bytes,
                         action,
+                        direct: false,
+                        ..
                     } => {
-                        let data = &self.scratch[k];
+                        let data = &self.scratch[k][..bytes.len()];
                         k += 1;
-                        let br = byte_range(range)?;
-                        let target = match (buf, src.as_deref_mut()) {
-                            (BufId::Src, Some(s)) => s.as_bytes_mut(),
-                            _ => dst.as_bytes_mut(),
+                        let target = match buf {
+                            BufId::Src => &mut src.as_bytes_mut()[bytes.clone()],
+                            BufId::Dst => &mut dst.as_bytes_mut()[bytes.clone()],
                         };
-                        let target = target.get_mut(br).ok_or_else(|| {
-                            bad(format!(
-                                "receive range {range:?} from rank {peer} outside {buf:?}"
-                            ))
-                        })?;
                         match action {
                             RecvAction::Copy => target.copy_from_slice(data),
                             RecvAction::Reduce => {
@@ -318,32 +352,11 @@ impl CpuBackend {
                             }
                         }
                     }
-                    Transfer::LocalCopy { src: sr, dst: dr } => {
-                        let (sb, db) = (byte_range(sr)?, byte_range(dr)?);
-                        if sb.len() != db.len() {
-                            return Err(bad(format!("local copy {sr:?} -> {dr:?} changes length")));
-                        }
-                        match src.as_deref() {
-                            Some(s) => {
-                                let from = s.as_bytes().get(sb).ok_or_else(|| {
-                                    bad(format!("local copy source {sr:?} outside Src"))
-                                })?;
-                                let to = dst.as_bytes_mut().get_mut(db).ok_or_else(|| {
-                                    bad(format!("local copy target {dr:?} outside Dst"))
-                                })?;
-                                to.copy_from_slice(from);
-                            }
-                            None => {
-                                let d = dst.as_bytes_mut();
-                                if sb.end > d.len() || db.end > d.len() {
-                                    return Err(bad(format!(
-                                        "local copy {sr:?} -> {dr:?} outside Dst"
-                                    )));
-                                }
-                                d.copy_within(sb, db.start);
-                            }
-                        }
+                    Item::LocalCopy { from, to } => {
+                        dst.as_bytes_mut()[to.clone()]
+                            .copy_from_slice(&src.as_bytes()[from.clone()]);
                     }
+                    Item::Send { .. } | Item::Recv { direct: true, .. } => {}
                 }
             }
         }
@@ -543,6 +556,164 @@ impl CpuBackend {
         };
         Ok(Some(p))
     }
+}
+
+/// One transfer of a step, in bytes, with its receive strategy decided.
+#[derive(Debug)]
+enum Item {
+    Send {
+        peer: usize,
+        buf: BufId,
+        bytes: Range<usize>,
+    },
+    Recv {
+        peer: usize,
+        buf: BufId,
+        bytes: Range<usize>,
+        action: RecvAction,
+        /// Received straight into the buffer: a `Copy` whose range no other
+        /// transfer of the step reads or writes (what SC-6 promises for the
+        /// built schedules; checked here, not assumed).
+        direct: bool,
+    },
+    LocalCopy {
+        from: Range<usize>,
+        to: Range<usize>,
+    },
+}
+
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
+}
+
+/// Check one step against the buffers (`lens` = byte lengths of Src, Dst)
+/// and decide which receives can land in place.
+fn plan_step(
+    step: &Step,
+    rank: usize,
+    size: usize,
+    es: usize,
+    lens: [usize; 2],
+) -> std::result::Result<Vec<Item>, String> {
+    let slot = |b: BufId| usize::from(b == BufId::Dst);
+    let bytes = |b: BufId, r: &Range<usize>| -> std::result::Result<Range<usize>, String> {
+        match (r.start.checked_mul(es), r.end.checked_mul(es)) {
+            (Some(a), Some(e)) if a <= e && e <= lens[slot(b)] => Ok(a..e),
+            _ => Err(format!(
+                "element range {r:?} is outside {b:?} ({} bytes)",
+                lens[slot(b)]
+            )),
+        }
+    };
+    let peer_ok = |p: usize| -> std::result::Result<usize, String> {
+        if p < size && p != rank {
+            Ok(p)
+        } else {
+            Err(format!("names peer {p} on rank {rank} of {size}"))
+        }
+    };
+    let mut items = Vec::with_capacity(step.transfers.len());
+    // Ranges read and written per buffer, to decide in-place receives.
+    let mut reads: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+    let mut writes: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+    for t in &step.transfers {
+        match t {
+            Transfer::Send { peer, buf, range } => {
+                let b = bytes(*buf, range)?;
+                reads[slot(*buf)].push(b.clone());
+                items.push(Item::Send {
+                    peer: peer_ok(*peer)?,
+                    buf: *buf,
+                    bytes: b,
+                });
+            }
+            Transfer::Recv {
+                peer,
+                buf,
+                range,
+                action,
+            } => {
+                let b = bytes(*buf, range)?;
+                writes[slot(*buf)].push(b.clone());
+                items.push(Item::Recv {
+                    peer: peer_ok(*peer)?,
+                    buf: *buf,
+                    bytes: b,
+                    action: *action,
+                    direct: false,
+                });
+            }
+            Transfer::LocalCopy { src, dst } => {
+                let (from, to) = (bytes(BufId::Src, src)?, bytes(BufId::Dst, dst)?);
+                if from.len() != to.len() {
+                    return Err(format!("local copy {src:?} -> {dst:?} changes length"));
+                }
+                reads[0].push(from.clone());
+                writes[1].push(to.clone());
+                items.push(Item::LocalCopy { from, to });
+            }
+        }
+    }
+    for item in &mut items {
+        if let Item::Recv {
+            buf,
+            bytes,
+            action: RecvAction::Copy,
+            direct,
+            ..
+        } = item
+        {
+            let (s, range) = (slot(*buf), bytes.clone());
+            let writers = writes[s].iter().filter(|w| overlaps(w, &range)).count();
+            // Overlapping itself once is expected; anything more is shared.
+            let shared = writers > usize::from(!range.is_empty())
+                || reads[s].iter().any(|r| overlaps(r, &range));
+            *direct = !shared;
+        }
+    }
+    Ok(items)
+}
+
+/// Split `buf` into the private in-place receive slots `writes` (`(item
+/// index, byte range)`, disjoint) and the shared gaps between them, which
+/// sends may read.
+#[allow(clippy::type_complexity)]
+fn carve(
+    buf: &mut [u8],
+    mut writes: Vec<(usize, Range<usize>)>,
+) -> (Vec<(Range<usize>, &[u8])>, Vec<(usize, &mut [u8])>) {
+    writes.sort_by_key(|(_, r)| r.start);
+    let mut gaps = Vec::with_capacity(writes.len() + 1);
+    let mut slots = Vec::with_capacity(writes.len());
+    let mut rest = buf;
+    let mut pos = 0;
+    for (k, r) in writes {
+        if r.is_empty() || r.start < pos || r.end - pos > rest.len() {
+            // Empty, or (impossible after plan_step) not carvable: an empty slot.
+            slots.push((k, &mut [][..]));
+            continue;
+        }
+        let (gap, tail) = std::mem::take(&mut rest).split_at_mut(r.start - pos);
+        let (slot, tail) = tail.split_at_mut(r.len());
+        gaps.push((pos..r.start, &*gap));
+        slots.push((k, slot));
+        rest = tail;
+        pos = r.end;
+    }
+    let end = pos + rest.len();
+    gaps.push((pos..end, &*rest));
+    (gaps, slots)
+}
+
+/// The bytes `r` from the gap that contains them (`None` if a private slot
+/// cuts through `r`).
+fn read_from<'b>(gaps: &[(Range<usize>, &'b [u8])], r: &Range<usize>) -> Option<&'b [u8]> {
+    if r.is_empty() {
+        return Some(&[]);
+    }
+    gaps.iter()
+        .find(|(g, _)| g.start <= r.start && r.end <= g.end)
+        .map(|(g, bytes)| &bytes[r.start - g.start..r.end - g.start])
 }
 
 /// The buffers and schedule of one collective.
@@ -765,5 +936,80 @@ impl CpuBackend {
             out.as_bytes_mut().copy_from_slice(from);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recv(peer: usize, range: Range<usize>, action: RecvAction) -> Transfer {
+        Transfer::Recv {
+            peer,
+            buf: BufId::Dst,
+            range,
+            action,
+        }
+    }
+
+    fn direct_flags(items: &[Item]) -> Vec<bool> {
+        items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Recv { direct, .. } => Some(*direct),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_private_copy_receives_land_in_place() {
+        let step = Step {
+            transfers: vec![
+                Transfer::Send {
+                    peer: 1,
+                    buf: BufId::Dst,
+                    range: 0..4,
+                },
+                recv(1, 2..6, RecvAction::Copy), // overlaps the send: staged
+                recv(2, 6..8, RecvAction::Copy), // private: in place
+                recv(3, 8..10, RecvAction::Reduce), // reduce: always staged
+                recv(1, 10..10, RecvAction::Copy), // empty: in place, trivially
+            ],
+        };
+        let items = plan_step(&step, 0, 4, 4, [0, 40]).unwrap();
+        assert_eq!(direct_flags(&items), vec![false, true, false, true]);
+    }
+
+    #[test]
+    fn plan_rejects_out_of_bounds_and_self_transfers() {
+        let oob = Step {
+            transfers: vec![recv(1, 0..11, RecvAction::Copy)],
+        };
+        assert!(plan_step(&oob, 0, 2, 4, [0, 40]).is_err());
+        let own = Step {
+            transfers: vec![recv(0, 0..1, RecvAction::Copy)],
+        };
+        assert!(plan_step(&own, 0, 2, 4, [0, 40]).is_err());
+        let copy = Step {
+            transfers: vec![Transfer::LocalCopy {
+                src: 0..1,
+                dst: 0..1,
+            }],
+        };
+        assert!(plan_step(&copy, 0, 2, 4, [0, 40]).is_err(), "no Src buffer");
+    }
+
+    #[test]
+    fn carve_hands_out_slots_and_readable_gaps() {
+        let mut buf: Vec<u8> = (0..10).collect();
+        let (gaps, slots) = carve(&mut buf, vec![(7, 6..8), (3, 2..4), (9, 5..5)]);
+        assert_eq!(read_from(&gaps, &(0..2)), Some(&[0u8, 1][..]));
+        assert_eq!(read_from(&gaps, &(4..6)), Some(&[4u8, 5][..]));
+        assert_eq!(read_from(&gaps, &(8..10)), Some(&[8u8, 9][..]));
+        assert_eq!(read_from(&gaps, &(3..5)), None);
+        let mut idx: Vec<(usize, usize)> = slots.iter().map(|(k, s)| (*k, s.len())).collect();
+        idx.sort();
+        assert_eq!(idx, vec![(3, 2), (7, 2), (9, 0)]);
     }
 }
