@@ -394,6 +394,50 @@ async fn calls_after_abort_return_aborted_and_the_peer_sees_peer_failed() {
 }
 
 #[tokio::test]
+async fn abort_frame_carries_the_failed_ranks_and_reason_to_peers() {
+    bounded(async {
+        let mut w = world(3).await;
+        w[0].abort("watchdog lost rank 2", &[2]).await;
+        let res = join_all(w[1..].iter_mut().enumerate().map(|(i, b)| async move {
+            let r = i + 1;
+            b.exchange_headers(&ctx(r, 3, OpKind::Barrier, 0), vec![(0, 0, vec![])])
+                .await
+        }))
+        .await;
+        for r in res {
+            match r {
+                Err(Error::PeerFailed {
+                    failed_ranks,
+                    detail,
+                    ..
+                }) => {
+                    assert_eq!(failed_ranks, vec![2]);
+                    assert!(detail.contains("watchdog lost rank 2"), "{detail}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn calls_after_finalize_return_finalized() {
+    bounded(async {
+        let mut w = world(2).await;
+        for b in &mut w {
+            b.finalize().await;
+            b.finalize().await;
+        }
+        let r = w[0]
+            .exchange_headers(&ctx(0, 2, OpKind::Barrier, 0), vec![(1, 0, vec![])])
+            .await;
+        assert!(matches!(r, Err(Error::Finalized { .. })), "{r:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn stranger_with_a_bad_hello_does_not_break_setup() {
     use tokio::io::AsyncWriteExt;
     bounded(async {

@@ -398,6 +398,24 @@ impl LinkReader {
     }
 }
 
+impl LinkReader {
+    /// Read and discard whatever the peer still sends, until it closes or
+    /// `linger` passes, then drop the link. Used after an abort: a peer
+    /// blocked writing to us is released, and our Abort frame is not lost
+    /// to a reset caused by closing a socket with unread data.
+    pub(crate) async fn drain(mut self, linger: Duration) {
+        let mut buf = vec![0u8; 64 << 10];
+        let _ = tokio::time::timeout(linger, async {
+            while let Ok(n) = self.half.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+}
+
 /// Split a connected, authenticated stream into the two halves of a link.
 pub(crate) fn split_link(peer: usize, epoch: u64, stream: TcpStream) -> (LinkReader, LinkWriter) {
     if let Err(e) = stream.set_nodelay(true) {

@@ -52,6 +52,8 @@ use schedule::{BufId, RecvAction, Schedule, Step, Transfer};
 
 /// How long `abort` waits for each peer to take its Abort frame.
 const ABORT_BOUND: Duration = Duration::from_secs(1);
+/// How long an aborted link keeps draining its peer's data before closing.
+const ABORT_LINGER: Duration = Duration::from_secs(2);
 /// How long a failed op lets its in-flight sends finish (CPU-3).
 const DRAIN_BOUND: Duration = Duration::from_secs(1);
 
@@ -868,7 +870,7 @@ impl Backend for CpuBackend {
         tracing::debug!(comm = %self.comm, rank = self.rank, reason, ?failed, "aborting data links");
         let payload = &payload;
         let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
-        self.readers.iter_mut().for_each(|r| drop(r.take()));
+        let readers: Vec<LinkReader> = self.readers.iter_mut().filter_map(Option::take).collect();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
             if !w.mid_frame() {
                 let sent = tokio::time::timeout(
@@ -883,6 +885,16 @@ impl Backend for CpuBackend {
             let _ = tokio::time::timeout(ABORT_BOUND, w.shutdown()).await;
         }))
         .await;
+        // Keep reading (and discarding) for a while in the background so the
+        // Abort frames are not lost to a reset, then close (see LinkReader::drain).
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                for r in readers {
+                    rt.spawn(r.drain(ABORT_LINGER));
+                }
+            }
+            Err(_) => drop(readers),
+        }
     }
 
     async fn finalize(&mut self) {
