@@ -438,6 +438,34 @@ async fn calls_after_finalize_return_finalized() {
 }
 
 #[tokio::test]
+async fn op_cancelled_mid_transfer_leaves_the_links_refusing_further_ops() {
+    bounded(async {
+        let mut w = world(2).await;
+        let recv = P2PTransfer {
+            peer: 1,
+            seq: 0,
+            send: false,
+            buf: Tensor::zeros(DType::U8, 8),
+        };
+        let mut data = OpData::P2P { ops: vec![recv] };
+        // Rank 1 never sends: the op is abandoned by its caller.
+        let c = ctx(0, 2, OpKind::P2P, 0);
+        let fut = w[0].execute(&c, &mut data);
+        assert!(tokio::time::timeout(Duration::from_millis(50), fut)
+            .await
+            .is_err());
+        let r = w[0]
+            .exchange_headers(&ctx(0, 2, OpKind::Barrier, 0), vec![(1, 0, vec![])])
+            .await;
+        match r {
+            Err(Error::Aborted { reason, .. }) => assert!(reason.contains("cancelled"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn stranger_with_a_bad_hello_does_not_break_setup() {
     use tokio::io::AsyncWriteExt;
     bounded(async {
