@@ -812,3 +812,30 @@ reference_tests! {
     all_to_all_uneven_matches_reference_worlds_1_to_4_i32: Case::AllToAll, DType::I32;
     barrier_succeeds_worlds_1_to_4_f32: Case::Barrier, DType::F32;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "timing probe; run with --ignored --nocapture"]
+async fn all_reduce_64_mib_world_4_timing_probe() {
+    bounded(async {
+        let n = 16 << 20;
+        let mut w = world(4).await;
+        for round in 0..3 {
+            let start = Instant::now();
+            let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let mut data = OpData::AllReduce {
+                    buf: Tensor::full(1.0f32, n),
+                    op: ReduceOp::Sum,
+                };
+                b.execute(&ctx(r, 4, OpKind::AllReduce, round), &mut data)
+                    .await
+            }))
+            .await;
+            assert!(res.iter().all(Result::is_ok));
+            eprintln!(
+                "round {round}: 64 MiB all_reduce on 4 ranks in {:?}",
+                start.elapsed()
+            );
+        }
+    })
+    .await;
+}

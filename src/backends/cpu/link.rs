@@ -80,6 +80,9 @@ const ANSWER_LABEL: &[u8] = b"chorus-link-v1-accept";
 const COALESCE_LIMIT: usize = 16 << 10;
 /// Extra time given to the store's own timeout before setup reports missing ranks.
 const SETUP_GRACE: Duration = Duration::from_millis(250);
+/// How long an accepted connection may take to send its hello; a silent
+/// stranger is dropped after this instead of lingering until setup ends.
+const HELLO_BOUND: Duration = Duration::from_secs(5);
 /// Pause between connection attempts to a published address.
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
 
@@ -717,7 +720,12 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
                 Ok((mut stream, from)) => {
                     let auth = auth.clone();
                     accepting.push(async move {
-                        let r = handshake_accept_read(&auth, me, size, epoch, &mut stream).await;
+                        let r = tokio::time::timeout(
+                            HELLO_BOUND,
+                            handshake_accept_read(&auth, me, size, epoch, &mut stream),
+                        )
+                        .await
+                        .unwrap_or_else(|_| Err(format!("no hello within {HELLO_BOUND:?}")));
                         (from, stream, r)
                     });
                 }

@@ -1,6 +1,6 @@
 //! The `cpu` backend: Chorus's own data plane, built in and the default.
 //!
-//! Every pair of ranks shares one authenticated TCP link (see [`link`] for
+//! Every pair of ranks shares one authenticated TCP link (see the `link` module for
 //! setup and the frame format). A collective is turned into a sans-IO
 //! [`Schedule`] by the builders in [`schedule`]; this module only executes
 //! schedules: per step, every send and every receive runs concurrently (each
@@ -90,7 +90,7 @@ type RecvFrames<'a> = Vec<(FrameKind, u64, RecvInto<'a>)>;
 type BoxFut<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
 
 impl CpuBackend {
-    /// Connect to every peer through the store (see [`link`] for the
+    /// Connect to every peer through the store (see the `link` module for the
     /// handshake).
     ///
     /// # Errors
