@@ -74,15 +74,19 @@ fn spawn_ranks(n: usize, mode: &str, secret_of: impl Fn(usize) -> String) -> Ran
 }
 
 impl Ranks {
-    /// Wait until `pred` has seen a line from each rank in `ranks`.
+    /// Wait until each rank in `ranks` printed a line starting with `what`
+    /// (ranks mark their lines with `@@`, apart from the test harness's own output).
     fn wait_lines(&self, ranks: &[usize], what: &str, deadline: Instant) -> Vec<String> {
         let mut seen: Vec<Option<String>> = vec![None; self.children.len()];
         while ranks.iter().any(|&r| seen[r].is_none()) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok((r, line)) => {
-                    if line.starts_with(what) {
-                        seen[r].get_or_insert(line);
+                    // libtest may print "test worker ... " before our marker.
+                    if let Some(at) = line.find("@@") {
+                        if line[at..].starts_with(what) {
+                            seen[r].get_or_insert(line[at..].to_string());
+                        }
                     }
                 }
                 Err(_) => panic!("ranks {ranks:?} did not print {what:?} in time; saw {seen:?}"),
@@ -120,9 +124,9 @@ fn worker() {
     let comm = match new_comm("cpu", Device::Cpu, "world", opts) {
         Ok(c) => c,
         Err(e) => {
-            println!("new_comm-error: {e}");
+            println!("@@new_comm-error: {e}");
             if let Error::Transport(t) = &e {
-                println!("transport-error: {t:?}");
+                println!("@@transport-error: {t:?}");
             }
             std::process::exit(3);
         }
@@ -139,7 +143,7 @@ fn worker() {
                 .expect("all_gather");
             assert_eq!(g.len(), 3 * n);
             comm.finalize().expect("finalize");
-            println!("ok {}", out.as_slice::<f32>()[0]);
+            println!("@@ok {}", out.as_slice::<f32>()[0]);
         }
         "loop_until_error" => {
             let mut k = 0u64;
@@ -151,7 +155,7 @@ fn worker() {
                             "corrupt data"
                         );
                         if k < 3 {
-                            println!("iter {k}");
+                            println!("@@iter {k}");
                         }
                         k += 1;
                     }
@@ -162,11 +166,11 @@ fn worker() {
                             Error::Timeout { .. } => "Timeout",
                             _ => "Other",
                         };
-                        println!("error-kind: {kind} {e}");
+                        println!("@@error-kind: {kind} {e}");
                         // The process stays alive after the failure: a new op is
                         // refused with a typed error, not a crash.
                         let again = comm.barrier().unwrap_err();
-                        println!("after: {}", again.is_fatal());
+                        println!("@@after: {}", again.is_fatal());
                         std::process::exit(if kind == "Other" { 4 } else { 0 });
                     }
                 }
@@ -180,8 +184,8 @@ fn worker() {
 fn four_processes_all_reduce_through_quic_store() {
     let deadline = Instant::now() + DEADLINE;
     let mut ranks = spawn_ranks(4, "all_reduce", |_| "s3cret".into());
-    let lines = ranks.wait_lines(&[0, 1, 2, 3], "ok", deadline);
-    assert!(lines.iter().all(|l| l == "ok 10"), "{lines:?}");
+    let lines = ranks.wait_lines(&[0, 1, 2, 3], "@@ok", deadline);
+    assert!(lines.iter().all(|l| l == "@@ok 10"), "{lines:?}");
     for r in 0..4 {
         assert!(ranks.wait_exit(r, deadline).success(), "rank {r}");
     }
@@ -191,13 +195,13 @@ fn four_processes_all_reduce_through_quic_store() {
 fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout() {
     let deadline = Instant::now() + DEADLINE;
     let mut ranks = spawn_ranks(3, "loop_until_error", |_| "s3cret".into());
-    ranks.wait_lines(&[0, 1, 2], "iter 2", deadline);
+    ranks.wait_lines(&[0, 1, 2], "@@iter 2", deadline);
     let killed_at = Instant::now();
     ranks.children[2].kill().expect("kill -9 rank 2");
-    let errs = ranks.wait_lines(&[0, 1], "error-kind:", deadline);
+    let errs = ranks.wait_lines(&[0, 1], "@@error-kind:", deadline);
     for e in &errs {
         assert!(
-            e.starts_with("error-kind: PeerFailed") || e.starts_with("error-kind: Aborted"),
+            e.starts_with("@@error-kind: PeerFailed") || e.starts_with("@@error-kind: Aborted"),
             "{e}"
         );
     }
@@ -225,7 +229,7 @@ fn rank_with_wrong_secret_is_refused() {
             "good".into()
         }
     });
-    let lines = ranks.wait_lines(&[1], "transport-error:", deadline);
+    let lines = ranks.wait_lines(&[1], "@@transport-error:", deadline);
     assert!(lines[0].contains("AuthFailed"), "{lines:?}");
     assert!(!ranks.wait_exit(1, deadline).success());
     // Rank 0 gives up (its peer never arrives) within its connect timeout.
