@@ -340,3 +340,86 @@ fn program_that_cannot_start_exits_127_with_a_message() {
     assert_eq!(r.code, Some(127));
     assert!(r.stderr.contains("cannot start rank 0"), "{}", r.stderr);
 }
+
+// ------------------------------------------------------------------ examples
+//
+// The examples end to end: chorus-run starts the ranks, which rendezvous over
+// the QUIC store and run their collectives on the cpu backend; each example
+// checks its own results and exits non-zero otherwise.
+
+/// The example binary `name`, next to chorus-run in the target directory, or
+/// `None` when it was not built (e.g. `cargo test --test launcher`; the test
+/// command `./scripts/test.sh` builds every target).
+fn example(name: &str) -> Option<String> {
+    let dir = std::path::Path::new(BIN).parent()?.join("examples");
+    let path = dir.join(name);
+    if path.is_file() {
+        Some(path.to_string_lossy().into_owned())
+    } else {
+        eprintln!(
+            "skipped: example {name} is not built in {}; run with --all-targets",
+            dir.display()
+        );
+        None
+    }
+}
+
+fn run_example_on(name: &str, ranks: &[usize]) {
+    let Some(path) = example(name) else { return };
+    for &n in ranks {
+        let n_s = n.to_string();
+        let r = run_env(
+            &["-n", &n_s, "--timeout", "60", "--", &path],
+            &[("CHORUS_BACKEND", "cpu")],
+            &["CHORUS_STORE_ADDR", "CHORUS_DEVICE"],
+        );
+        assert_eq!(
+            r.code,
+            Some(0),
+            "{name} on {n} ranks failed\nstdout:\n{}\nstderr:\n{}",
+            r.stdout,
+            r.stderr
+        );
+        for rank in 0..n {
+            let lines = rank_lines(&r.stdout, rank);
+            let want = format!("rank {rank}/{n}: ");
+            assert!(
+                lines.len() == 1 && lines[0].starts_with(&want) && lines[0].contains("ok"),
+                "{name} on {n} ranks: rank {rank} printed {lines:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn example_all_reduce_passes_on_1_to_4_ranks() {
+    run_example_on("all_reduce", &[1, 2, 3, 4]);
+}
+
+#[test]
+fn example_async_all_reduce_passes_on_1_2_and_4_ranks() {
+    run_example_on("async_all_reduce", &[1, 2, 4]);
+}
+
+#[test]
+fn example_send_recv_passes_on_2_to_4_ranks() {
+    run_example_on("send_recv", &[2, 3, 4]);
+}
+
+#[test]
+fn example_with_an_unknown_backend_fails_every_rank_with_the_backend_list() {
+    let Some(path) = example("all_reduce") else {
+        return;
+    };
+    let r = run_env(
+        &["-n", "2", "--timeout", "60", "--", &path],
+        &[("CHORUS_BACKEND", "no-such-backend")],
+        &[],
+    );
+    assert_eq!(r.code, Some(1), "stderr: {}", r.stderr);
+    assert!(
+        r.stderr.contains("unknown backend") && r.stderr.contains("\"cpu\""),
+        "{}",
+        r.stderr
+    );
+}
