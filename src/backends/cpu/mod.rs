@@ -1,25 +1,829 @@
 //! The `cpu` backend: Chorus's own data plane, built in and the default.
 //!
-//! STUB: to be implemented.
+//! Every pair of ranks shares one authenticated TCP link (see the `link` module for
+//! setup and the frame format). A collective is turned into a sans-IO
+//! [`Schedule`] by the builders in [`schedule`]; this module only executes
+//! schedules: per step, every send and every receive runs concurrently (each
+//! link is split into a read and a write half, so a rank can write to one peer
+//! while reading from another, or from the same one), then the received blocks
+//! are applied in order (copy, or [`reduce::reduce_into`]) together with local
+//! copies. Point-to-point batches run every transfer concurrently across
+//! peers, in order per (peer, direction).
+//!
+//! Invariants:
+//! - CPU-1: a schedule step runs per SC-1/SC-2: sends read the buffers as they
+//!   were before the step. A `Copy` receive whose range no other transfer of
+//!   the step reads or writes lands in place (SC-6 makes this the common
+//!   case, but it is checked per step, not assumed); every other receive
+//!   lands in reusable scratch memory and is applied, in order, after every
+//!   transfer of the step completed.
+//! - CPU-2: any error of an op is fatal for the links: the next
+//!   `exchange_headers`/`execute` fails with `Aborted` until `abort` runs
+//!   (BE-2). An op whose future was dropped mid-transfer counts as failed.
+//! - CPU-3: when an op fails, sends already in flight get a short bounded
+//!   time to finish their frame before the error is returned, so that the
+//!   Abort frame sent by `abort` is read by peers as an Abort, not as payload
+//!   (LK-4); a link left mid-frame is closed without an Abort frame.
+//! - CPU-4: after `abort` every call returns `Aborted` immediately, and after
+//!   `finalize` every call returns `Finalized`; both are idempotent and
+//!   bounded in time. Nothing here panics on peer input or in `Drop`.
+
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::stream::{FuturesUnordered, StreamExt};
+use tracing::Instrument;
 
-use super::{Backend, BackendInit, OpCtx, OpData};
+use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
 use crate::error::{Error, Result};
+use crate::op::{OpKind, ReduceOp};
+use crate::tensor::Tensor;
 
+mod link;
 pub mod reduce;
 pub mod schedule;
+
+use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
+use schedule as builders;
+use schedule::{BufId, RecvAction, Schedule, Step, Transfer};
+
+/// How long `abort` waits for each peer to take its Abort frame.
+const ABORT_BOUND: Duration = Duration::from_secs(1);
+/// How long an aborted link keeps draining its peer's data before closing.
+const ABORT_LINGER: Duration = Duration::from_secs(2);
+/// How long a failed op lets its in-flight sends finish (CPU-3).
+const DRAIN_BOUND: Duration = Duration::from_secs(1);
+
+#[derive(Debug)]
+enum State {
+    /// Links usable, no op in flight.
+    Ready,
+    /// An op is running (still set if its future was dropped).
+    InOp,
+    /// An op failed; links unusable until `abort`.
+    Broken(Error),
+    /// `abort` ran.
+    Aborted { reason: String, failed: Vec<usize> },
+    /// `finalize` ran.
+    Finalized,
+}
 
 /// The cpu backend of one communicator on one rank.
 #[derive(Debug)]
 pub struct CpuBackend {
-    init: BackendInit,
+    comm: String,
+    rank: usize,
+    size: usize,
+    epoch: u64,
+    writers: Vec<Option<LinkWriter>>,
+    readers: Vec<Option<LinkReader>>,
+    /// Reusable receive buffers for schedule steps.
+    scratch: Vec<Vec<u8>>,
+    state: State,
 }
 
+type SendFrames<'a> = Vec<(FrameKind, u64, &'a [u8])>;
+type RecvFrames<'a> = Vec<(FrameKind, u64, RecvInto<'a>)>;
+type BoxFut<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
+
 impl CpuBackend {
-    /// Connect to every peer through the store.
+    /// Connect to every peer through the store (see the `link` module for the
+    /// handshake).
+    ///
+    /// # Errors
+    /// `PeerFailed` naming the ranks that did not connect within
+    /// `init.connect_timeout`; `Transport` if the store fails or times out,
+    /// or if a peer could not prove the job secret to this rank.
     pub async fn connect(init: BackendInit) -> Result<CpuBackend> {
-        Ok(CpuBackend { init })
+        let span = tracing::debug_span!("cpu_connect", comm = %init.comm, rank = init.rank, size = init.size, epoch = init.epoch);
+        let streams = link::connect_mesh(&init).instrument(span).await?;
+        let mut writers = Vec::with_capacity(init.size);
+        let mut readers = Vec::with_capacity(init.size);
+        for (peer, s) in streams.into_iter().enumerate() {
+            match s {
+                Some(stream) => {
+                    let (r, w) = link::split_link(peer, init.epoch, stream);
+                    readers.push(Some(r));
+                    writers.push(Some(w));
+                }
+                None => {
+                    readers.push(None);
+                    writers.push(None);
+                }
+            }
+        }
+        Ok(CpuBackend {
+            comm: init.comm,
+            rank: init.rank,
+            size: init.size,
+            epoch: init.epoch,
+            writers,
+            readers,
+            scratch: Vec::new(),
+            state: State::Ready,
+        })
+    }
+
+    /// Run one hand-built [`Schedule`] over the links (what `execute` does
+    /// after choosing the schedule). `src` is the schedule's `Src` buffer; when
+    /// `None`, `Src` is empty (in-place ops). `op` combines `Reduce` receives.
+    ///
+    /// # Errors
+    /// As [`Backend::execute`]; `Internal` if a transfer's range is outside
+    /// its buffer or names this rank or a rank outside the communicator.
+    pub async fn run_schedule(
+        &mut self,
+        ctx: &OpCtx,
+        schedule: &Schedule,
+        src: Option<&mut Tensor>,
+        dst: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bytes = dst.len_bytes();
+        let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes);
+        self.enter(ctx)?;
+        let r = self
+            .schedule_inner(ctx, schedule, src, dst, op)
+            .instrument(span)
+            .await;
+        self.leave(&r);
+        r
+    }
+
+    fn enter(&mut self, ctx: &OpCtx) -> Result<()> {
+        let aborted = |reason: String, failed: Vec<usize>| Error::Aborted {
+            comm: self.comm.clone(),
+            rank: self.rank,
+            epoch: self.epoch,
+            failed_ranks: failed,
+            reason,
+        };
+        let err = match &self.state {
+            State::Ready => None,
+            State::InOp => Some(aborted(
+                format!(
+                    "an earlier op was cancelled while moving data, the links are out of step \
+                     (before {} #{}); abort and reconfigure",
+                    ctx.kind.name(),
+                    ctx.seq
+                ),
+                Vec::new(),
+            )),
+            State::Broken(e) => Some(aborted(
+                format!("the links are unusable after an earlier error: {e}"),
+                e.failed_ranks().to_vec(),
+            )),
+            State::Aborted { reason, failed } => Some(aborted(reason.clone(), failed.clone())),
+            State::Finalized => Some(Error::Finalized {
+                comm: self.comm.clone(),
+                rank: self.rank,
+            }),
+        };
+        match err {
+            Some(e) => Err(e),
+            None => {
+                self.state = State::InOp;
+                Ok(())
+            }
+        }
+    }
+
+    fn leave(&mut self, r: &Result<()>) {
+        if matches!(self.state, State::InOp) {
+            self.state = match r {
+                Ok(()) => State::Ready,
+                Err(e) => State::Broken(e.clone()),
+            };
+        }
+    }
+
+    async fn schedule_inner(
+        &mut self,
+        ctx: &OpCtx,
+        schedule: &Schedule,
+        src: Option<&mut Tensor>,
+        dst: &mut Tensor,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let dtype = dst.dtype();
+        let es = dtype.size();
+        let class = class_of(ctx);
+        let combine = op.combine_op();
+        let mut no_src = Tensor::zeros(dtype, 0);
+        let src: &mut Tensor = match src {
+            Some(s) => s,
+            None => &mut no_src,
+        };
+        let bad = |what: String| {
+            Error::Internal(format!(
+                "cpu schedule for {} #{} on rank {}: {what}",
+                ctx.kind.name(),
+                ctx.seq,
+                ctx.rank
+            ))
+        };
+        for (step_no, step) in schedule.steps.iter().enumerate() {
+            let items = plan_step(
+                step,
+                self.rank,
+                self.size,
+                es,
+                [src.len_bytes(), dst.len_bytes()],
+            )
+            .map_err(|w| bad(format!("step {step_no}: {w}")))?;
+            let n_staged = items
+                .iter()
+                .filter(|i| matches!(i, Item::Recv { direct: false, .. }))
+                .count();
+            if self.scratch.len() < n_staged {
+                self.scratch.resize_with(n_staged, Vec::new);
+            }
+            // Network phase: sends read ranges nobody writes during the step,
+            // receives land in place where their range is private, else in
+            // scratch (CPU-1).
+            {
+                let direct_of = |b: BufId| -> Vec<(usize, Range<usize>)> {
+                    items
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(k, i)| match i {
+                            Item::Recv {
+                                buf,
+                                bytes,
+                                direct: true,
+                                ..
+                            } if *buf == b => Some((k, bytes.clone())),
+                            _ => None,
+                        })
+                        .collect()
+                };
+                let (src_gaps, src_direct) = carve(src.as_bytes_mut(), direct_of(BufId::Src));
+                let (dst_gaps, dst_direct) = carve(dst.as_bytes_mut(), direct_of(BufId::Dst));
+                let mut direct: Vec<Option<&mut [u8]>> = (0..items.len()).map(|_| None).collect();
+                for (k, slot) in src_direct.into_iter().chain(dst_direct) {
+                    direct[k] = Some(slot);
+                }
+                let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
+                let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+                let mut scratch = self.scratch.iter_mut();
+                for (k, item) in items.iter().enumerate() {
+                    match item {
+                        Item::Send { peer, buf, bytes } => {
+                            let gaps = match buf {
+                                BufId::Src => &src_gaps,
+                                BufId::Dst => &dst_gaps,
+                            };
+                            let payload = read_from(gaps, bytes).ok_or_else(|| {
+                                bad(format!("step {step_no}: send range {bytes:?} of {buf:?} is being written"))
+                            })?;
+                            push_grouped(&mut sends, *peer, (FrameKind::Data, ctx.seq, payload));
+                        }
+                        Item::Recv {
+                            peer,
+                            bytes,
+                            direct: true,
+                            ..
+                        } => {
+                            let slot = direct[k].take().ok_or_else(|| {
+                                bad(format!("step {step_no}: lost in-place slot {bytes:?}"))
+                            })?;
+                            push_grouped(
+                                &mut recvs,
+                                *peer,
+                                (FrameKind::Data, ctx.seq, RecvInto::Exact(slot)),
+                            );
+                        }
+                        Item::Recv {
+                            peer,
+                            bytes,
+                            direct: false,
+                            ..
+                        } => {
+                            let Some(s) = scratch.next() else {
+                                return Err(bad("scratch buffers exhausted".into()));
+                            };
+                            s.resize(bytes.len(), 0);
+                            push_grouped(
+                                &mut recvs,
+                                *peer,
+                                (
+                                    FrameKind::Data,
+                                    ctx.seq,
+                                    RecvInto::Exact(&mut s[..bytes.len()]),
+                                ),
+                            );
+                        }
+                        Item::LocalCopy { .. } => {}
+                    }
+                }
+                run_transfers(
+                    &mut self.writers,
+                    &mut self.readers,
+                    ctx,
+                    class,
+                    sends,
+                    recvs,
+                )
+                .await?;
+            }
+            // Apply staged receives and local copies in order (SC-2). Ranges
+            // were bounds-checked by `plan_step`.
+            let mut k = 0;
+            for item in &items {
+                match item {
+                    Item::Recv {
+                        buf,
+                        bytes,
+                        action,
+                        direct: false,
+                        ..
+                    } => {
+                        let data = &self.scratch[k][..bytes.len()];
+                        k += 1;
+                        let target = match buf {
+                            BufId::Src => &mut src.as_bytes_mut()[bytes.clone()],
+                            BufId::Dst => &mut dst.as_bytes_mut()[bytes.clone()],
+                        };
+                        match action {
+                            RecvAction::Copy => target.copy_from_slice(data),
+                            RecvAction::Reduce => {
+                                reduce::reduce_into(dtype, combine, target, data)?
+                            }
+                        }
+                    }
+                    Item::LocalCopy { from, to } => {
+                        dst.as_bytes_mut()[to.clone()]
+                            .copy_from_slice(&src.as_bytes()[from.clone()]);
+                    }
+                    Item::Send { .. } | Item::Recv { direct: true, .. } => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn p2p_inner(&mut self, ctx: &OpCtx, ops: &mut [P2PTransfer]) -> Result<()> {
+        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
+        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        for t in ops.iter_mut() {
+            if t.peer >= self.size || t.peer == self.rank {
+                return Err(Error::Internal(format!(
+                    "p2p transfer with rank {} on rank {} of {}",
+                    t.peer, self.rank, self.size
+                )));
+            }
+            if t.send {
+                push_grouped(
+                    &mut sends,
+                    t.peer,
+                    (FrameKind::Data, t.seq, t.buf.as_bytes()),
+                );
+            } else {
+                push_grouped(
+                    &mut recvs,
+                    t.peer,
+                    (
+                        FrameKind::Data,
+                        t.seq,
+                        RecvInto::Exact(t.buf.as_bytes_mut()),
+                    ),
+                );
+            }
+        }
+        run_transfers(
+            &mut self.writers,
+            &mut self.readers,
+            ctx,
+            FrameClass::P2P,
+            sends,
+            recvs,
+        )
+        .await
+    }
+
+    async fn exchange_inner(
+        &mut self,
+        ctx: &OpCtx,
+        outgoing: &[(usize, u64, Vec<u8>)],
+        received: &mut [Vec<u8>],
+    ) -> Result<()> {
+        let class = class_of(ctx);
+        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
+        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        for ((peer, seq, bytes), slot) in outgoing.iter().zip(received.iter_mut()) {
+            if *peer >= self.size {
+                return Err(Error::Internal(format!(
+                    "header for rank {peer} on a communicator of {}",
+                    self.size
+                )));
+            }
+            if *peer == self.rank {
+                // A header to oneself comes straight back.
+                slot.clone_from(bytes);
+                continue;
+            }
+            push_grouped(&mut sends, *peer, (FrameKind::Header, *seq, &bytes[..]));
+            push_grouped(
+                &mut recvs,
+                *peer,
+                (
+                    FrameKind::Header,
+                    *seq,
+                    RecvInto::Bounded(slot, MAX_HEADER_FRAME),
+                ),
+            );
+        }
+        run_transfers(
+            &mut self.writers,
+            &mut self.readers,
+            ctx,
+            class,
+            sends,
+            recvs,
+        )
+        .await
+    }
+
+    fn op_buffers<'d>(&self, data: &'d mut OpData) -> Result<Option<Planned<'d>>> {
+        let (rank, size) = (self.rank, self.size);
+        let p = match data {
+            OpData::AllReduce { buf, op } => Planned {
+                schedule: builders::all_reduce(rank, size, buf.len()),
+                src: None,
+                dst: buf,
+                op: *op,
+                copy_out: None,
+            },
+            OpData::Reduce { buf, op, root } => Planned {
+                schedule: builders::reduce(rank, size, buf.len(), *root),
+                src: None,
+                dst: buf,
+                op: *op,
+                copy_out: None,
+            },
+            OpData::ReduceScatter {
+                input,
+                output,
+                counts,
+                op,
+            } => {
+                if counts.len() != size {
+                    return Err(Error::Internal(format!(
+                        "reduce_scatter with {} split sizes for {size} ranks",
+                        counts.len()
+                    )));
+                }
+                let o = builders::offsets(counts);
+                Planned {
+                    schedule: builders::reduce_scatter(rank, size, counts),
+                    src: None,
+                    dst: input,
+                    op: *op,
+                    copy_out: Some((o[rank]..o[rank + 1], output)),
+                }
+            }
+            OpData::AllGather {
+                input,
+                output,
+                counts,
+            } => {
+                if counts.len() != size {
+                    return Err(Error::Internal(format!(
+                        "all_gather with {} split sizes for {size} ranks",
+                        counts.len()
+                    )));
+                }
+                Planned {
+                    schedule: builders::all_gather(rank, size, counts),
+                    src: Some(input),
+                    dst: output,
+                    op: ReduceOp::Sum,
+                    copy_out: None,
+                }
+            }
+            OpData::Broadcast { buf, root } => Planned {
+                schedule: builders::broadcast(rank, size, buf.len(), *root),
+                src: None,
+                dst: buf,
+                op: ReduceOp::Sum,
+                copy_out: None,
+            },
+            OpData::Scatter {
+                input,
+                output,
+                root,
+            } => Planned {
+                schedule: builders::scatter(rank, size, output.len(), *root),
+                src: Some(input),
+                dst: output,
+                op: ReduceOp::Sum,
+                copy_out: None,
+            },
+            OpData::Gather {
+                input,
+                output,
+                root,
+            } => Planned {
+                schedule: builders::gather(rank, size, input.len(), *root),
+                src: Some(input),
+                dst: output,
+                op: ReduceOp::Sum,
+                copy_out: None,
+            },
+            OpData::AllToAll {
+                input,
+                output,
+                send_counts,
+                recv_counts,
+            } => {
+                if send_counts.len() != size || recv_counts.len() != size {
+                    return Err(Error::Internal(format!(
+                        "all_to_all with {}/{} split sizes for {size} ranks",
+                        send_counts.len(),
+                        recv_counts.len()
+                    )));
+                }
+                Planned {
+                    schedule: builders::all_to_all(rank, size, send_counts, recv_counts),
+                    src: Some(input),
+                    dst: output,
+                    op: ReduceOp::Sum,
+                    copy_out: None,
+                }
+            }
+            OpData::Barrier | OpData::P2P { .. } => return Ok(None),
+        };
+        Ok(Some(p))
+    }
+}
+
+/// One transfer of a step, in bytes, with its receive strategy decided.
+#[derive(Debug)]
+enum Item {
+    Send {
+        peer: usize,
+        buf: BufId,
+        bytes: Range<usize>,
+    },
+    Recv {
+        peer: usize,
+        buf: BufId,
+        bytes: Range<usize>,
+        action: RecvAction,
+        /// Received straight into the buffer: a `Copy` whose range no other
+        /// transfer of the step reads or writes (what SC-6 promises for the
+        /// built schedules; checked here, not assumed).
+        direct: bool,
+    },
+    LocalCopy {
+        from: Range<usize>,
+        to: Range<usize>,
+    },
+}
+
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
+}
+
+/// Check one step against the buffers (`lens` = byte lengths of Src, Dst)
+/// and decide which receives can land in place.
+fn plan_step(
+    step: &Step,
+    rank: usize,
+    size: usize,
+    es: usize,
+    lens: [usize; 2],
+) -> std::result::Result<Vec<Item>, String> {
+    let slot = |b: BufId| usize::from(b == BufId::Dst);
+    let bytes = |b: BufId, r: &Range<usize>| -> std::result::Result<Range<usize>, String> {
+        match (r.start.checked_mul(es), r.end.checked_mul(es)) {
+            (Some(a), Some(e)) if a <= e && e <= lens[slot(b)] => Ok(a..e),
+            _ => Err(format!(
+                "element range {r:?} is outside {b:?} ({} bytes)",
+                lens[slot(b)]
+            )),
+        }
+    };
+    let peer_ok = |p: usize| -> std::result::Result<usize, String> {
+        if p < size && p != rank {
+            Ok(p)
+        } else {
+            Err(format!("names peer {p} on rank {rank} of {size}"))
+        }
+    };
+    let mut items = Vec::with_capacity(step.transfers.len());
+    // Ranges read and written per buffer, to decide in-place receives.
+    let mut reads: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+    let mut writes: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+    for t in &step.transfers {
+        match t {
+            Transfer::Send { peer, buf, range } => {
+                let b = bytes(*buf, range)?;
+                reads[slot(*buf)].push(b.clone());
+                items.push(Item::Send {
+                    peer: peer_ok(*peer)?,
+                    buf: *buf,
+                    bytes: b,
+                });
+            }
+            Transfer::Recv {
+                peer,
+                buf,
+                range,
+                action,
+            } => {
+                let b = bytes(*buf, range)?;
+                writes[slot(*buf)].push(b.clone());
+                items.push(Item::Recv {
+                    peer: peer_ok(*peer)?,
+                    buf: *buf,
+                    bytes: b,
+                    action: *action,
+                    direct: false,
+                });
+            }
+            Transfer::LocalCopy { src, dst } => {
+                let (from, to) = (bytes(BufId::Src, src)?, bytes(BufId::Dst, dst)?);
+                if from.len() != to.len() {
+                    return Err(format!("local copy {src:?} -> {dst:?} changes length"));
+                }
+                reads[0].push(from.clone());
+                writes[1].push(to.clone());
+                items.push(Item::LocalCopy { from, to });
+            }
+        }
+    }
+    for item in &mut items {
+        if let Item::Recv {
+            buf,
+            bytes,
+            action: RecvAction::Copy,
+            direct,
+            ..
+        } = item
+        {
+            let (s, range) = (slot(*buf), bytes.clone());
+            let writers = writes[s].iter().filter(|w| overlaps(w, &range)).count();
+            // Overlapping itself once is expected; anything more is shared.
+            let shared = writers > usize::from(!range.is_empty())
+                || reads[s].iter().any(|r| overlaps(r, &range));
+            *direct = !shared;
+        }
+    }
+    Ok(items)
+}
+
+/// Split `buf` into the private in-place receive slots `writes` (`(item
+/// index, byte range)`, disjoint) and the shared gaps between them, which
+/// sends may read.
+#[allow(clippy::type_complexity)]
+fn carve(
+    buf: &mut [u8],
+    mut writes: Vec<(usize, Range<usize>)>,
+) -> (Vec<(Range<usize>, &[u8])>, Vec<(usize, &mut [u8])>) {
+    writes.sort_by_key(|(_, r)| r.start);
+    let mut gaps = Vec::with_capacity(writes.len() + 1);
+    let mut slots = Vec::with_capacity(writes.len());
+    let mut rest = buf;
+    let mut pos = 0;
+    for (k, r) in writes {
+        if r.is_empty() || r.start < pos || r.end - pos > rest.len() {
+            // Empty, or (impossible after plan_step) not carvable: an empty slot.
+            slots.push((k, &mut [][..]));
+            continue;
+        }
+        let (gap, tail) = std::mem::take(&mut rest).split_at_mut(r.start - pos);
+        let (slot, tail) = tail.split_at_mut(r.len());
+        gaps.push((pos..r.start, &*gap));
+        slots.push((k, slot));
+        rest = tail;
+        pos = r.end;
+    }
+    let end = pos + rest.len();
+    gaps.push((pos..end, &*rest));
+    (gaps, slots)
+}
+
+/// The bytes `r` from the gap that contains them (`None` if a private slot
+/// cuts through `r`).
+fn read_from<'b>(gaps: &[(Range<usize>, &'b [u8])], r: &Range<usize>) -> Option<&'b [u8]> {
+    if r.is_empty() {
+        return Some(&[]);
+    }
+    gaps.iter()
+        .find(|(g, _)| g.start <= r.start && r.end <= g.end)
+        .map(|(g, bytes)| &bytes[r.start - g.start..r.end - g.start])
+}
+
+/// The buffers and schedule of one collective.
+struct Planned<'d> {
+    schedule: Schedule,
+    src: Option<&'d mut Tensor>,
+    dst: &'d mut Tensor,
+    op: ReduceOp,
+    /// For reduce_scatter: copy this element range of `dst` into the tensor.
+    copy_out: Option<(Range<usize>, &'d mut Tensor)>,
+}
+
+fn class_of(ctx: &OpCtx) -> FrameClass {
+    if ctx.kind == OpKind::P2P {
+        FrameClass::P2P
+    } else {
+        FrameClass::Collective
+    }
+}
+
+/// Append `item` to the list of `peer`, keeping first-seen peer order.
+fn push_grouped<T>(groups: &mut Vec<(usize, Vec<T>)>, peer: usize, item: T) {
+    match groups.iter_mut().find(|(p, _)| *p == peer) {
+        Some((_, v)) => v.push(item),
+        None => groups.push((peer, vec![item])),
+    }
+}
+
+/// Run per-peer send and receive lists concurrently: one task-free future per
+/// (peer, direction), frames in list order. On the first error the receives
+/// are dropped and the sends get [`DRAIN_BOUND`] to finish (CPU-3).
+async fn run_transfers<'a>(
+    writers: &'a mut [Option<LinkWriter>],
+    readers: &'a mut [Option<LinkReader>],
+    ctx: &'a OpCtx,
+    class: FrameClass,
+    sends: Vec<(usize, SendFrames<'a>)>,
+    recvs: Vec<(usize, RecvFrames<'a>)>,
+) -> Result<()> {
+    let mut send_futs: FuturesUnordered<BoxFut<'a>> = FuturesUnordered::new();
+    let mut recv_futs: FuturesUnordered<BoxFut<'a>> = FuturesUnordered::new();
+    let mut sends: Vec<Option<SendFrames<'a>>> = {
+        let mut v: Vec<Option<SendFrames<'a>>> = (0..writers.len()).map(|_| None).collect();
+        for (p, f) in sends {
+            if let Some(slot) = v.get_mut(p) {
+                *slot = Some(f);
+            }
+        }
+        v
+    };
+    let mut recvs: Vec<Option<RecvFrames<'a>>> = {
+        let mut v: Vec<Option<RecvFrames<'a>>> = (0..readers.len()).map(|_| None).collect();
+        for (p, f) in recvs {
+            if let Some(slot) = v.get_mut(p) {
+                *slot = Some(f);
+            }
+        }
+        v
+    };
+    for (peer, w) in writers.iter_mut().enumerate() {
+        let Some(frames) = sends[peer].take() else {
+            continue;
+        };
+        let Some(w) = w.as_mut() else {
+            return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
+        };
+        send_futs.push(Box::pin(async move {
+            for (kind, seq, payload) in frames {
+                w.send(ctx, kind, class, seq, payload).await?;
+            }
+            Ok(())
+        }));
+    }
+    for (peer, r) in readers.iter_mut().enumerate() {
+        let Some(frames) = recvs[peer].take() else {
+            continue;
+        };
+        let Some(r) = r.as_mut() else {
+            return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
+        };
+        recv_futs.push(Box::pin(async move {
+            for (kind, seq, into) in frames {
+                r.recv(ctx, kind, class, seq, into).await?;
+            }
+            Ok(())
+        }));
+    }
+    let mut failure = None;
+    while !send_futs.is_empty() || !recv_futs.is_empty() {
+        let r = tokio::select! {
+            Some(r) = send_futs.next(), if !send_futs.is_empty() => r,
+            Some(r) = recv_futs.next(), if !recv_futs.is_empty() => r,
+        };
+        if let Err(e) = r {
+            failure = Some(e);
+            break;
+        }
+    }
+    match failure {
+        None => Ok(()),
+        Some(e) => {
+            drop(recv_futs);
+            let _ = tokio::time::timeout(DRAIN_BOUND, async {
+                while send_futs.next().await.is_some() {}
+            })
+            .await;
+            Err(e)
+        }
     }
 }
 
@@ -28,19 +832,196 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+
     async fn exchange_headers(
         &mut self,
-        _ctx: &OpCtx,
-        _outgoing: Vec<(usize, u64, Vec<u8>)>,
+        ctx: &OpCtx,
+        outgoing: Vec<(usize, u64, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>> {
-        Err(Error::Internal(format!(
-            "cpu backend not implemented ({})",
-            self.init.comm
-        )))
+        let bytes: usize = outgoing.iter().map(|o| o.2.len()).sum();
+        let span = tracing::debug_span!("cpu_headers", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, peers = outgoing.len());
+        let mut received: Vec<Vec<u8>> = vec![Vec::new(); outgoing.len()];
+        self.enter(ctx)?;
+        let r = self
+            .exchange_inner(ctx, &outgoing, &mut received)
+            .instrument(span)
+            .await;
+        self.leave(&r);
+        r?;
+        Ok(outgoing.iter().map(|o| o.0).zip(received).collect())
     }
-    async fn execute(&mut self, _ctx: &OpCtx, _data: &mut OpData) -> Result<()> {
-        Err(Error::Internal("cpu backend not implemented".into()))
+
+    async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+        self.enter(ctx)?;
+        let r = self.execute_inner(ctx, data).await;
+        self.leave(&r);
+        r
     }
-    async fn abort(&mut self, _reason: &str, _failed: &[usize]) {}
-    async fn finalize(&mut self) {}
+
+    async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        if matches!(self.state, State::Aborted { .. } | State::Finalized) {
+            return;
+        }
+        self.state = State::Aborted {
+            reason: reason.to_string(),
+            failed: failed.to_vec(),
+        };
+        let payload = link::encode_abort(reason, failed);
+        tracing::debug!(comm = %self.comm, rank = self.rank, reason, ?failed, "aborting data links");
+        let payload = &payload;
+        let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
+        let readers: Vec<LinkReader> = self.readers.iter_mut().filter_map(Option::take).collect();
+        futures::future::join_all(writers.into_iter().map(|mut w| async move {
+            if !w.mid_frame() {
+                let sent = tokio::time::timeout(
+                    ABORT_BOUND,
+                    w.write_frame(FrameKind::Abort, FrameClass::Collective, 0, payload),
+                )
+                .await;
+                if !matches!(sent, Ok(Ok(()))) {
+                    tracing::debug!(peer = w.peer(), "could not deliver the abort frame");
+                }
+            }
+            let _ = tokio::time::timeout(ABORT_BOUND, w.shutdown()).await;
+        }))
+        .await;
+        // Keep reading (and discarding) for a while in the background so the
+        // Abort frames are not lost to a reset, then close (see LinkReader::drain).
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                for r in readers {
+                    rt.spawn(r.drain(ABORT_LINGER));
+                }
+            }
+            Err(_) => drop(readers),
+        }
+    }
+
+    async fn finalize(&mut self) {
+        if matches!(self.state, State::Aborted { .. }) {
+            return;
+        }
+        self.state = State::Finalized;
+        let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
+        futures::future::join_all(writers.into_iter().map(|mut w| async move {
+            let _ = tokio::time::timeout(ABORT_BOUND, w.shutdown()).await;
+        }))
+        .await;
+        self.readers.iter_mut().for_each(|r| drop(r.take()));
+    }
+}
+
+impl CpuBackend {
+    async fn execute_inner(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+        if let OpData::P2P { ops } = data {
+            let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();
+            let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes);
+            return self.p2p_inner(ctx, ops).instrument(span).await;
+        }
+        let Some(plan) = self.op_buffers(data)? else {
+            return Ok(()); // Barrier: the header exchange already synchronised.
+        };
+        let Planned {
+            schedule,
+            src,
+            dst,
+            op,
+            copy_out,
+        } = plan;
+        let bytes = dst.len_bytes();
+        let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len());
+        self.schedule_inner(ctx, &schedule, src, dst, op)
+            .instrument(span)
+            .await?;
+        if let Some((range, out)) = copy_out {
+            let es = dst.dtype().size();
+            let from = dst
+                .as_bytes()
+                .get(range.start * es..range.end * es)
+                .filter(|b| b.len() == out.len_bytes())
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "reduce_scatter output holds {} elements, block is {range:?}",
+                        out.len()
+                    ))
+                })?;
+            out.as_bytes_mut().copy_from_slice(from);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recv(peer: usize, range: Range<usize>, action: RecvAction) -> Transfer {
+        Transfer::Recv {
+            peer,
+            buf: BufId::Dst,
+            range,
+            action,
+        }
+    }
+
+    fn direct_flags(items: &[Item]) -> Vec<bool> {
+        items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Recv { direct, .. } => Some(*direct),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn only_private_copy_receives_land_in_place() {
+        let step = Step {
+            transfers: vec![
+                Transfer::Send {
+                    peer: 1,
+                    buf: BufId::Dst,
+                    range: 0..4,
+                },
+                recv(1, 2..6, RecvAction::Copy), // overlaps the send: staged
+                recv(2, 6..8, RecvAction::Copy), // private: in place
+                recv(3, 8..10, RecvAction::Reduce), // reduce: always staged
+                recv(1, 10..10, RecvAction::Copy), // empty: in place, trivially
+            ],
+        };
+        let items = plan_step(&step, 0, 4, 4, [0, 40]).unwrap();
+        assert_eq!(direct_flags(&items), vec![false, true, false, true]);
+    }
+
+    #[test]
+    fn plan_rejects_out_of_bounds_and_self_transfers() {
+        let oob = Step {
+            transfers: vec![recv(1, 0..11, RecvAction::Copy)],
+        };
+        assert!(plan_step(&oob, 0, 2, 4, [0, 40]).is_err());
+        let own = Step {
+            transfers: vec![recv(0, 0..1, RecvAction::Copy)],
+        };
+        assert!(plan_step(&own, 0, 2, 4, [0, 40]).is_err());
+        let copy = Step {
+            transfers: vec![Transfer::LocalCopy {
+                src: 0..1,
+                dst: 0..1,
+            }],
+        };
+        assert!(plan_step(&copy, 0, 2, 4, [0, 40]).is_err(), "no Src buffer");
+    }
+
+    #[test]
+    fn carve_hands_out_slots_and_readable_gaps() {
+        let mut buf: Vec<u8> = (0..10).collect();
+        let (gaps, slots) = carve(&mut buf, vec![(7, 6..8), (3, 2..4), (9, 5..5)]);
+        assert_eq!(read_from(&gaps, &(0..2)), Some(&[0u8, 1][..]));
+        assert_eq!(read_from(&gaps, &(4..6)), Some(&[4u8, 5][..]));
+        assert_eq!(read_from(&gaps, &(8..10)), Some(&[8u8, 9][..]));
+        assert_eq!(read_from(&gaps, &(3..5)), None);
+        let mut idx: Vec<(usize, usize)> = slots.iter().map(|(k, s)| (*k, s.len())).collect();
+        idx.sort();
+        assert_eq!(idx, vec![(3, 2), (7, 2), (9, 0)]);
+    }
 }

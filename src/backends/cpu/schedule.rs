@@ -17,9 +17,55 @@
 //! - SC-4: every schedule is deadlock-free even if a send completes only when
 //!   the matching receive is posted (rendezvous semantics).
 //!
-//! STUB: algorithms to be implemented.
+//! Properties of every schedule built here (checked by [`Schedule::validate`]
+//! and by the in-memory harness in the tests):
+//! - SC-5: no transfer has length zero; a transfer of zero elements is skipped
+//!   on both ends. The decision depends only on the counts, which every rank
+//!   computes identically, so both ends always agree.
+//! - SC-6: within a step, the ranges written (receives, local-copy
+//!   destinations) are pairwise disjoint and disjoint from the ranges read
+//!   (sends, local-copy sources) in the same buffer. So the order in which
+//!   receives are applied does not matter, and an executor may write received
+//!   data in place as it arrives: SC-2 then holds with no staging copy.
+//! - SC-7: a single rank (`size == 1`) gets an empty or local-only schedule,
+//!   and invalid arguments (`rank >= size`, `root >= size`, per-rank counts of
+//!   the wrong length) get an empty schedule — never a panic. Arguments are
+//!   validated above the Backend trait; this is only a safety net.
+//!
+//! All ranges are in elements. The algorithms:
+//!
+//! | builder | algorithm | steps (`p` ranks) |
+//! |---------|-----------|-------------------|
+//! | [`all_reduce`] | ring reduce-scatter, then ring all-gather, in place on `Dst` | `2(p-1)` |
+//! | [`reduce`] | ring reduce-scatter, then every rank sends its block to root | `p` |
+//! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
+//! | [`all_gather`] | local copy, then ring all-gather | `p-1` (1 if `p == 1`) |
+//! | [`broadcast`] | binomial tree rooted at `root` | `ceil(log2 p)` |
+//! | [`scatter`], [`gather`] | root exchanges with every rank in one step | 1 |
+//! | [`all_to_all`] | pairwise exchange: step `s` sends to `r+s`, receives from `r-s` | `p-1` (1 if `p == 1`) |
+//!
+//! Step counts are upper bounds: steps left empty by zero-length blocks are
+//! dropped. The buffers map onto [`OpData`](crate::backends::OpData) as
+//! follows (`Src`/`Dst`):
+//!
+//! | op | `Src` | `Dst` | after the schedule |
+//! |----|-------|-------|--------------------|
+//! | `AllReduce`, `Reduce`, `Broadcast` | — | `buf` | |
+//! | `ReduceScatter` | — | `input` | copy block `rank` of `input` to `output` |
+//! | `AllGather`, `Scatter`, `Gather`, `AllToAll` | `input` | `output` | |
+//!
+//! ```
+//! use chorus::backends::cpu::schedule::{all_reduce, even_counts};
+//! // 3 ranks, 10 elements: blocks of 4, 3, 3; 2 reduce-scatter + 2 all-gather steps.
+//! assert_eq!(even_counts(10, 3), vec![4, 3, 3]);
+//! let s = all_reduce(0, 3, 10);
+//! assert_eq!(s.steps.len(), 4);
+//! assert!(all_reduce(0, 1, 10).is_empty());
+//! ```
 
 use std::ops::Range;
+
+use crate::error::{Error, Result};
 
 /// Which buffer of the op a transfer reads or writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,3 +130,465 @@ pub struct Schedule {
     /// Steps in order.
     pub steps: Vec<Step>,
 }
+
+impl Transfer {
+    /// Number of elements moved (for a `LocalCopy`, the destination length).
+    pub fn len(&self) -> usize {
+        match self {
+            Transfer::Send { range, .. } | Transfer::Recv { range, .. } => range.len(),
+            Transfer::LocalCopy { dst, .. } => dst.len(),
+        }
+    }
+
+    /// Whether the transfer moves no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The peer of a `Send` or `Recv`; `None` for a `LocalCopy`.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            Transfer::Send { peer, .. } | Transfer::Recv { peer, .. } => Some(*peer),
+            Transfer::LocalCopy { .. } => None,
+        }
+    }
+}
+
+impl Schedule {
+    /// Whether the schedule has no step (nothing to do).
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+
+    /// Every transfer, in execution order.
+    pub fn transfers(&self) -> impl Iterator<Item = &Transfer> {
+        self.steps.iter().flat_map(|s| s.transfers.iter())
+    }
+
+    /// Total elements this rank sends.
+    pub fn elements_sent(&self) -> usize {
+        self.transfers()
+            .filter(|t| matches!(t, Transfer::Send { .. }))
+            .map(Transfer::len)
+            .sum()
+    }
+
+    /// Check that the schedule of `rank` (of `size`) fits buffers of
+    /// `src_len` and `dst_len` elements: peers in range and not `rank`,
+    /// ranges in bounds and non-empty (SC-5), local copies of equal length,
+    /// and, within each step, writes disjoint from each other and from reads
+    /// (SC-6).
+    ///
+    /// Cheap (linear in the transfers, plus a sort per step); an executor may
+    /// call it before running a schedule.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] describing the first violation.
+    pub fn validate(&self, rank: usize, size: usize, src_len: usize, dst_len: usize) -> Result<()> {
+        let fail = |step: usize, what: String| {
+            Err(Error::Internal(format!(
+                "invalid schedule for rank {rank} of {size}, step {step}: {what}"
+            )))
+        };
+        let bound = |buf: BufId| match buf {
+            BufId::Src => src_len,
+            BufId::Dst => dst_len,
+        };
+        for (i, step) in self.steps.iter().enumerate() {
+            // Per buffer (index 0: Src, 1: Dst).
+            let mut writes: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+            let mut reads: [Vec<Range<usize>>; 2] = [Vec::new(), Vec::new()];
+            let slot = |buf: BufId| usize::from(buf == BufId::Dst);
+            for t in &step.transfers {
+                if t.is_empty() {
+                    return fail(i, format!("zero-length transfer {t:?}"));
+                }
+                if let Some(peer) = t.peer() {
+                    if peer >= size || peer == rank {
+                        return fail(i, format!("bad peer in {t:?}"));
+                    }
+                }
+                let (read, written) = match t {
+                    Transfer::Send { buf, range, .. } => (Some((*buf, range)), None),
+                    Transfer::Recv { buf, range, .. } => (None, Some((*buf, range))),
+                    Transfer::LocalCopy { src, dst } => {
+                        if src.len() != dst.len() {
+                            return fail(i, format!("local copy of unequal lengths {t:?}"));
+                        }
+                        (Some((BufId::Src, src)), Some((BufId::Dst, dst)))
+                    }
+                };
+                for (buf, range) in read.into_iter().chain(written) {
+                    if range.start > range.end || range.end > bound(buf) {
+                        return fail(
+                            i,
+                            format!("{t:?} is outside {buf:?} of {} elements", bound(buf)),
+                        );
+                    }
+                }
+                if let Some((buf, range)) = read {
+                    reads[slot(buf)].push(range.clone());
+                }
+                if let Some((buf, range)) = written {
+                    writes[slot(buf)].push(range.clone());
+                }
+            }
+            for (b, buf) in [BufId::Src, BufId::Dst].into_iter().enumerate() {
+                let w = &mut writes[b];
+                w.sort_by_key(|r| r.start);
+                if let Some(p) = w.windows(2).find(|p| p[1].start < p[0].end) {
+                    let (a, c) = (&p[0], &p[1]);
+                    return fail(i, format!("overlapping writes {a:?} and {c:?} in {buf:?}"));
+                }
+                // Disjoint and sorted by start, so also sorted by end: the only
+                // candidate for overlapping a read is the first write ending
+                // after the read starts.
+                for r in &reads[b] {
+                    let k = w.partition_point(|x| x.end <= r.start);
+                    if let Some(x) = w.get(k).filter(|x| x.start < r.end) {
+                        return fail(i, format!("write {x:?} overlaps read {r:?} in {buf:?}"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Near-equal partition of `count` elements into `size` blocks: the first
+/// `count % size` blocks get one element more. Empty if `size == 0`.
+///
+/// ```
+/// use chorus::backends::cpu::schedule::even_counts;
+/// assert_eq!(even_counts(7, 3), vec![3, 2, 2]);
+/// assert_eq!(even_counts(2, 4), vec![1, 1, 0, 0]);
+/// ```
+pub fn even_counts(count: usize, size: usize) -> Vec<usize> {
+    if size == 0 {
+        return Vec::new();
+    }
+    let (q, r) = (count / size, count % size);
+    (0..size).map(|i| q + usize::from(i < r)).collect()
+}
+
+/// Exclusive prefix sums of `counts`, plus the total: block `i` is
+/// `offsets[i]..offsets[i + 1]`; the result has `counts.len() + 1` entries.
+/// Saturates instead of overflowing.
+///
+/// ```
+/// use chorus::backends::cpu::schedule::offsets;
+/// assert_eq!(offsets(&[3, 0, 2]), vec![0, 3, 3, 5]);
+/// ```
+pub fn offsets(counts: &[usize]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(counts.len() + 1);
+    let mut acc = 0usize;
+    out.push(acc);
+    for &c in counts {
+        acc = acc.saturating_add(c);
+        out.push(acc);
+    }
+    out
+}
+
+/// In-place all-reduce of `count` elements in `Dst`.
+///
+/// Ring reduce-scatter (rank `r` ends with the fully reduced block `r` of
+/// [`even_counts`]), then ring all-gather. Each rank sends `2(p-1)/p` of the
+/// data: bandwidth-optimal, with `2(p-1)` latency steps.
+pub fn all_reduce(rank: usize, size: usize, count: usize) -> Schedule {
+    if rank >= size {
+        return Schedule::default();
+    }
+    let offs = offsets(&even_counts(count, size));
+    let mut b = Builder::new(rank, size);
+    b.ring_reduce_scatter(&offs);
+    b.ring_all_gather(&offs, false);
+    b.finish()
+}
+
+/// Reduce `count` elements of `Dst` into `Dst` on `root` (other ranks' `Dst`
+/// is scratch).
+///
+/// Ring reduce-scatter on [`even_counts`] blocks, then one step in which each
+/// rank sends its reduced block to `root`, which receives them with
+/// [`RecvAction::Copy`].
+pub fn reduce(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let offs = offsets(&even_counts(count, size));
+    let mut b = Builder::new(rank, size);
+    b.ring_reduce_scatter(&offs);
+    b.step();
+    if rank == root {
+        for q in (0..size).filter(|&q| q != root) {
+            b.recv(q, BufId::Dst, block(&offs, q), RecvAction::Copy);
+        }
+    } else {
+        b.send(root, BufId::Dst, block(&offs, rank));
+    }
+    b.finish()
+}
+
+/// Reduce-scatter in place on `Dst`, the concatenation of one block per rank
+/// (`counts[r]` elements for rank `r`): afterwards block `rank` of `Dst` holds
+/// the fully reduced block `rank` (other blocks are scratch).
+///
+/// Ring: at step `s`, rank `r` sends its partial block `r-s-1` to `r+1` and
+/// reduces block `r-s-2` received from `r-1`.
+pub fn reduce_scatter(rank: usize, size: usize, counts: &[usize]) -> Schedule {
+    if rank >= size || counts.len() != size {
+        return Schedule::default();
+    }
+    let offs = offsets(counts);
+    let mut b = Builder::new(rank, size);
+    b.ring_reduce_scatter(&offs);
+    b.finish()
+}
+
+/// All-gather: `Src` is this rank's block (`counts[rank]` elements), `Dst` the
+/// concatenation of all blocks.
+///
+/// The first step copies `Src` into block `rank` of `Dst` and sends `Src` to
+/// the next rank; then a ring forwards each block once around.
+pub fn all_gather(rank: usize, size: usize, counts: &[usize]) -> Schedule {
+    if rank >= size || counts.len() != size {
+        return Schedule::default();
+    }
+    let offs = offsets(counts);
+    let mut b = Builder::new(rank, size);
+    b.step();
+    b.copy(0..counts[rank], block(&offs, rank));
+    b.ring_all_gather(&offs, true);
+    b.finish()
+}
+
+/// Broadcast `count` elements of `Dst` from `root`.
+///
+/// Binomial tree on ranks renumbered relative to `root` (`v = rank - root mod
+/// p`): at step `k`, every `v < 2^k` that already holds the data sends it to
+/// `v + 2^k`. A rank appears only in the steps where it sends or receives.
+pub fn broadcast(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let v = (rank + size - root) % size;
+    let real = |v: usize| (v + root) % size;
+    let mut b = Builder::new(rank, size);
+    let mut mask = 1usize;
+    while mask < size {
+        b.step();
+        if v < mask {
+            if let Some(to) = v.checked_add(mask).filter(|&t| t < size) {
+                b.send(real(to), BufId::Dst, 0..count);
+            }
+        } else if v - mask < mask {
+            b.recv(real(v - mask), BufId::Dst, 0..count, RecvAction::Copy);
+        }
+        mask = mask.saturating_mul(2);
+    }
+    b.finish()
+}
+
+/// Scatter: `Src` on `root` holds `size * count` elements; rank `r` receives
+/// block `r` into `Dst` (`count` elements). `Src` is not read elsewhere.
+///
+/// One step: root sends every other block and copies its own locally.
+pub fn scatter(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let offs = offsets(&vec![count; size]);
+    let mut b = Builder::new(rank, size);
+    b.step();
+    if rank == root {
+        for r in 0..size {
+            if r == root {
+                b.copy(block(&offs, r), 0..count);
+            } else {
+                b.send(r, BufId::Src, block(&offs, r));
+            }
+        }
+    } else {
+        b.recv(root, BufId::Dst, 0..count, RecvAction::Copy);
+    }
+    b.finish()
+}
+
+/// Gather: every rank's `Src` (`count` elements) lands in block `r` of `Dst`
+/// on `root` (`size * count` elements). `Dst` is not written elsewhere.
+///
+/// One step: root receives every other block and copies its own locally.
+pub fn gather(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let offs = offsets(&vec![count; size]);
+    let mut b = Builder::new(rank, size);
+    b.step();
+    if rank == root {
+        for r in 0..size {
+            if r == root {
+                b.copy(0..count, block(&offs, r));
+            } else {
+                b.recv(r, BufId::Dst, block(&offs, r), RecvAction::Copy);
+            }
+        }
+    } else {
+        b.send(root, BufId::Src, 0..count);
+    }
+    b.finish()
+}
+
+/// All-to-all: block `j` of `Src` (`send_counts[j]` elements, blocks laid out
+/// by [`offsets`]) goes to rank `j`; block `j` of `Dst` (`recv_counts[j]`)
+/// comes from rank `j`.
+///
+/// Pairwise exchange: the first step copies this rank's own block locally;
+/// step `s` (1 ≤ s < p) sends to `rank + s` and receives from `rank - s`
+/// (mod p), so every rank talks to exactly one peer in each direction per step.
+/// If `send_counts[rank] != recv_counts[rank]` (inconsistent arguments, which
+/// the header check rejects) the local copy moves the shorter length.
+pub fn all_to_all(
+    rank: usize,
+    size: usize,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+) -> Schedule {
+    if rank >= size || send_counts.len() != size || recv_counts.len() != size {
+        return Schedule::default();
+    }
+    let (soffs, roffs) = (offsets(send_counts), offsets(recv_counts));
+    let mut b = Builder::new(rank, size);
+    b.step();
+    let own = send_counts[rank].min(recv_counts[rank]);
+    b.copy(
+        soffs[rank]..soffs[rank].saturating_add(own),
+        roffs[rank]..roffs[rank].saturating_add(own),
+    );
+    for s in 1..size {
+        if s > 1 {
+            b.step();
+        }
+        let (to, from) = ((rank + s) % size, (rank + size - s) % size);
+        b.send(to, BufId::Src, block(&soffs, to));
+        b.recv(from, BufId::Dst, block(&roffs, from), RecvAction::Copy);
+    }
+    b.finish()
+}
+
+/// Block `i` of a layout given by [`offsets`].
+fn block(offs: &[usize], i: usize) -> Range<usize> {
+    offs[i]..offs[i + 1]
+}
+
+/// Accumulates the steps of one rank, dropping zero-length transfers (SC-5)
+/// and empty steps.
+struct Builder {
+    rank: usize,
+    size: usize,
+    steps: Vec<Step>,
+}
+
+impl Builder {
+    fn new(rank: usize, size: usize) -> Builder {
+        Builder {
+            rank,
+            size,
+            steps: Vec::new(),
+        }
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.size
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.size - 1) % self.size
+    }
+
+    /// `rank - k (mod size)`, for `k <= 2 * size`.
+    fn back(&self, k: usize) -> usize {
+        (self.rank + 2 * self.size - k) % self.size
+    }
+
+    /// Start a new step (an empty one is dropped by `finish`).
+    fn step(&mut self) {
+        self.steps.push(Step::default());
+    }
+
+    fn push(&mut self, t: Transfer) {
+        if t.is_empty() {
+            return;
+        }
+        if self.steps.is_empty() {
+            self.step();
+        }
+        if let Some(step) = self.steps.last_mut() {
+            step.transfers.push(t);
+        }
+    }
+
+    fn send(&mut self, peer: usize, buf: BufId, range: Range<usize>) {
+        self.push(Transfer::Send { peer, buf, range });
+    }
+
+    fn recv(&mut self, peer: usize, buf: BufId, range: Range<usize>, action: RecvAction) {
+        self.push(Transfer::Recv {
+            peer,
+            buf,
+            range,
+            action,
+        });
+    }
+
+    fn copy(&mut self, src: Range<usize>, dst: Range<usize>) {
+        self.push(Transfer::LocalCopy { src, dst });
+    }
+
+    /// Ring reduce-scatter over the blocks `offs` of `Dst`: `p-1` steps, after
+    /// which block `rank` holds the reduction over all ranks. At step `s` the
+    /// partial block `rank-s-1` (reduced at step `s-1`, or local at `s = 0`)
+    /// goes to the next rank, and block `rank-s-2` from the previous rank is
+    /// reduced in (SC-2: different blocks, so no read-after-write hazard).
+    fn ring_reduce_scatter(&mut self, offs: &[usize]) {
+        let (next, prev) = (self.next(), self.prev());
+        for s in 0..self.size.saturating_sub(1) {
+            self.step();
+            let (out, inc) = (self.back(s + 1), self.back(s + 2));
+            self.send(next, BufId::Dst, block(offs, out));
+            self.recv(prev, BufId::Dst, block(offs, inc), RecvAction::Reduce);
+        }
+    }
+
+    /// Ring all-gather over the blocks `offs` of `Dst`, starting with block
+    /// `rank` complete: at step `s` block `rank-s` goes to the next rank and
+    /// block `rank-s-1` arrives from the previous one. With `first_from_src`,
+    /// the step-0 send reads `Src` (the own block is being copied into `Dst` in
+    /// that same step, so `Dst` does not hold it yet, SC-2) and shares the
+    /// current step.
+    fn ring_all_gather(&mut self, offs: &[usize], first_from_src: bool) {
+        let (next, prev) = (self.next(), self.prev());
+        for s in 0..self.size.saturating_sub(1) {
+            if !(first_from_src && s == 0) {
+                self.step();
+            }
+            let (out, inc) = (self.back(s), self.back(s + 1));
+            if first_from_src && s == 0 {
+                self.send(next, BufId::Src, 0..block(offs, out).len());
+            } else {
+                self.send(next, BufId::Dst, block(offs, out));
+            }
+            self.recv(prev, BufId::Dst, block(offs, inc), RecvAction::Copy);
+        }
+    }
+
+    fn finish(mut self) -> Schedule {
+        self.steps.retain(|s| !s.transfers.is_empty());
+        Schedule { steps: self.steps }
+    }
+}
+
+#[cfg(test)]
+#[path = "schedule_tests.rs"]
+mod tests;

@@ -1,0 +1,797 @@
+//! Schedule tests: an in-memory executor for N ranks (quinn-proto `Pair`
+//! style) with exactly the SC-1/SC-2 semantics and rendezvous sends, and every
+//! builder checked against a locally computed reference.
+//!
+//! Values are small integers stored in `f64`, so sums are exact whatever the
+//! reduction order.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::op::ReduceOp;
+
+// ---------------------------------------------------------------------------
+// Harness.
+
+/// Where a transfer sits: (rank, step, index in step).
+type Loc = (usize, usize, usize);
+
+/// One matched send/receive pair (SC-3).
+struct Match {
+    send: Loc,
+    recv: Loc,
+    done: bool,
+    payload: Vec<f64>,
+}
+
+fn combine(op: ReduceOp, a: f64, b: f64) -> f64 {
+    match op {
+        ReduceOp::Sum => a + b,
+        ReduceOp::Product => a * b,
+        ReduceOp::Min => a.min(b),
+        ReduceOp::Max => a.max(b),
+        other => panic!("harness supports sum/product/min/max, not {other}"),
+    }
+}
+
+fn buf_mut<'a>(src: &'a mut [f64], dst: &'a mut [f64], b: BufId) -> &'a mut [f64] {
+    match b {
+        BufId::Src => src,
+        BufId::Dst => dst,
+    }
+}
+
+/// Run one schedule per rank (`schedules[r]` for rank `r`) over per-rank
+/// `src`/`dst` buffers and return every rank's `dst`.
+///
+/// - SC-1: a rank posts all transfers of its current step at once and moves
+///   to the next step when all have completed.
+/// - Rendezvous: a send and its receive complete together, only when both
+///   ranks are at the steps that hold them.
+/// - SC-2: the payload is captured when the pair completes (the sender has
+///   not applied its step yet, so it reads pre-step data); receives and local
+///   copies are applied when the receiving rank's step completes.
+/// - SC-3: the k-th send from a to b matches the k-th receive at b from a;
+///   an unmatched transfer or a length mismatch is an error.
+/// - SC-4: if no rank can move and some are not finished, the run is a
+///   deadlock and the error dumps every rank's pending transfers.
+///
+/// Each schedule is first checked with [`Schedule::validate`] (bounds, SC-5,
+/// SC-6); [`simulate`] alone runs any schedule with SC-1..SC-4 semantics.
+fn run_schedules(
+    schedules: Vec<Schedule>,
+    src: Vec<Vec<f64>>,
+    dst: Vec<Vec<f64>>,
+    op: ReduceOp,
+) -> Result<Vec<Vec<f64>>, String> {
+    let n = schedules.len();
+    assert_eq!(src.len(), n);
+    assert_eq!(dst.len(), n);
+    for (r, s) in schedules.iter().enumerate() {
+        s.validate(r, n, src[r].len(), dst[r].len())
+            .map_err(|e| e.to_string())?;
+    }
+    simulate(schedules, src, dst, op)
+}
+
+/// The executor behind [`run_schedules`], without the SC-5/SC-6 checks.
+/// Ranges must be in bounds.
+fn simulate(
+    schedules: Vec<Schedule>,
+    mut src: Vec<Vec<f64>>,
+    mut dst: Vec<Vec<f64>>,
+    op: ReduceOp,
+) -> Result<Vec<Vec<f64>>, String> {
+    let n = schedules.len();
+
+    // SC-3: pair sends and receives per ordered pair, in order.
+    let mut sends: HashMap<(usize, usize), Vec<Loc>> = HashMap::new();
+    let mut recvs: HashMap<(usize, usize), Vec<Loc>> = HashMap::new();
+    for (r, s) in schedules.iter().enumerate() {
+        for (i, step) in s.steps.iter().enumerate() {
+            for (j, t) in step.transfers.iter().enumerate() {
+                match t {
+                    Transfer::Send { peer, .. } => {
+                        sends.entry((r, *peer)).or_default().push((r, i, j))
+                    }
+                    Transfer::Recv { peer, .. } => {
+                        recvs.entry((*peer, r)).or_default().push((r, i, j))
+                    }
+                    Transfer::LocalCopy { .. } => {}
+                }
+            }
+        }
+    }
+    let get = |l: Loc| &schedules[l.0].steps[l.1].transfers[l.2];
+    let mut matches: Vec<Match> = Vec::new();
+    let mut match_of: HashMap<Loc, usize> = HashMap::new();
+    let mut pairs: Vec<(usize, usize)> = sends.keys().chain(recvs.keys()).copied().collect();
+    pairs.sort();
+    pairs.dedup();
+    for pair in pairs {
+        let (ss, rs) = (
+            sends.get(&pair).cloned().unwrap_or_default(),
+            recvs.get(&pair).cloned().unwrap_or_default(),
+        );
+        if ss.len() != rs.len() {
+            return Err(format!(
+                "SC-3: rank {} sends {} times to rank {}, which receives {} times from it",
+                pair.0,
+                ss.len(),
+                pair.1,
+                rs.len()
+            ));
+        }
+        for (s, r) in ss.into_iter().zip(rs) {
+            if get(s).len() != get(r).len() {
+                return Err(format!(
+                    "SC-3: {:?} at {s:?} matched with {:?} at {r:?}: lengths differ",
+                    get(s),
+                    get(r)
+                ));
+            }
+            match_of.insert(s, matches.len());
+            match_of.insert(r, matches.len());
+            matches.push(Match {
+                send: s,
+                recv: r,
+                done: false,
+                payload: Vec::new(),
+            });
+        }
+    }
+
+    let mut cur = vec![0usize; n];
+    loop {
+        let mut progress = false;
+        // Rendezvous: complete every pair whose both ends are posted.
+        for m in matches.iter_mut().filter(|m| !m.done) {
+            if cur[m.send.0] == m.send.1 && cur[m.recv.0] == m.recv.1 {
+                if let Transfer::Send { buf, range, .. } = get(m.send) {
+                    let r = m.send.0;
+                    m.payload = buf_mut(&mut src[r], &mut dst[r], *buf)[range.clone()].to_vec();
+                }
+                m.done = true;
+                progress = true;
+            }
+        }
+        // SC-1/SC-2: finish every step whose transfers all completed.
+        for r in 0..n {
+            let Some(step) = schedules[r].steps.get(cur[r]) else {
+                continue;
+            };
+            let complete = step.transfers.iter().enumerate().all(|(j, t)| {
+                matches!(t, Transfer::LocalCopy { .. }) || matches[match_of[&(r, cur[r], j)]].done
+            });
+            if !complete {
+                continue;
+            }
+            // Reads first (pre-step state), then writes.
+            let mut writes: Vec<(BufId, Range<usize>, Vec<f64>, RecvAction)> = Vec::new();
+            for (j, t) in step.transfers.iter().enumerate() {
+                match t {
+                    Transfer::Send { .. } => {}
+                    Transfer::Recv {
+                        buf, range, action, ..
+                    } => {
+                        let m = &matches[match_of[&(r, cur[r], j)]];
+                        writes.push((*buf, range.clone(), m.payload.clone(), *action));
+                    }
+                    Transfer::LocalCopy { src: s, dst: d } => {
+                        writes.push((
+                            BufId::Dst,
+                            d.clone(),
+                            src[r][s.clone()].to_vec(),
+                            RecvAction::Copy,
+                        ));
+                    }
+                }
+            }
+            for (buf, range, data, action) in writes {
+                let target = &mut buf_mut(&mut src[r], &mut dst[r], buf)[range];
+                for (t, v) in target.iter_mut().zip(data) {
+                    *t = match action {
+                        RecvAction::Copy => v,
+                        RecvAction::Reduce => combine(op, *t, v),
+                    };
+                }
+            }
+            cur[r] += 1;
+            progress = true;
+        }
+        if (0..n).all(|r| cur[r] == schedules[r].steps.len()) {
+            return Ok(dst);
+        }
+        if !progress {
+            let mut dump = String::from("SC-4: deadlock (no rank can progress)\n");
+            for r in 0..n {
+                let total = schedules[r].steps.len();
+                let _ = writeln!(dump, "rank {r}: step {}/{total}", cur[r]);
+                if let Some(step) = schedules[r].steps.get(cur[r]) {
+                    for (j, t) in step.transfers.iter().enumerate() {
+                        let state = match match_of.get(&(r, cur[r], j)) {
+                            Some(&m) => {
+                                let m = &matches[m];
+                                let other = if m.send.0 == r { m.recv } else { m.send };
+                                format!(
+                                    "waits for rank {} step {} (it is at step {})",
+                                    other.0, other.1, cur[other.0]
+                                )
+                            }
+                            None => "local".into(),
+                        };
+                        let _ = writeln!(dump, "    {t:?}: {state}");
+                    }
+                }
+            }
+            return Err(dump);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Data and references.
+
+/// Distinct small integers per (rank, index): exact in f64 under any sum order.
+fn value(rank: usize, i: usize) -> f64 {
+    ((rank * 7919 + i * 104_729) % 1009) as f64 - 500.0
+}
+
+fn data(rank: usize, len: usize) -> Vec<f64> {
+    (0..len).map(|i| value(rank, i)).collect()
+}
+
+/// Filler for buffers whose content must be overwritten.
+const JUNK: f64 = -1.0e9;
+
+fn reduced(size: usize, len: usize, op: ReduceOp) -> Vec<f64> {
+    (0..len)
+        .map(|i| (1..size).fold(value(0, i), |acc, r| combine(op, acc, value(r, i))))
+        .collect()
+}
+
+fn run(
+    schedules: Vec<Schedule>,
+    src: Vec<Vec<f64>>,
+    dst: Vec<Vec<f64>>,
+    op: ReduceOp,
+) -> Vec<Vec<f64>> {
+    let dump: Vec<String> = schedules
+        .iter()
+        .enumerate()
+        .map(|(r, s)| format!("rank {r}: {s:?}"))
+        .collect();
+    match run_schedules(schedules, src, dst, op) {
+        Ok(out) => out,
+        Err(e) => panic!("{e}\nschedules:\n{}", dump.join("\n")),
+    }
+}
+
+fn sizes_and_counts() -> Vec<(usize, usize)> {
+    let mut v = Vec::new();
+    for size in 1..=9usize {
+        let mut counts = vec![0, 1, size - 1, size, 7, 1000 + (2 * size + 1)];
+        counts.sort();
+        counts.dedup();
+        v.extend(counts.into_iter().map(|c| (size, c)));
+    }
+    v
+}
+
+/// Uneven per-rank block sizes, including zeros.
+fn uneven_counts(size: usize, count: usize) -> Vec<usize> {
+    (0..size)
+        .map(|r| (count + r * 5) % (count + 3) * (r % 3 != 1) as usize)
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Checks, one per builder.
+
+fn check_all_reduce(size: usize, count: usize, op: ReduceOp) {
+    let scheds = (0..size).map(|r| all_reduce(r, size, count)).collect();
+    let out = run(
+        scheds,
+        vec![vec![]; size],
+        (0..size).map(|r| data(r, count)).collect(),
+        op,
+    );
+    let want = reduced(size, count, op);
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(
+            got, &want,
+            "all_reduce rank {r} size {size} count {count} {op}"
+        );
+    }
+}
+
+fn check_reduce(size: usize, count: usize, root: usize, op: ReduceOp) {
+    let scheds = (0..size).map(|r| reduce(r, size, count, root)).collect();
+    let out = run(
+        scheds,
+        vec![vec![]; size],
+        (0..size).map(|r| data(r, count)).collect(),
+        op,
+    );
+    assert_eq!(
+        out[root],
+        reduced(size, count, op),
+        "reduce size {size} count {count} root {root}"
+    );
+}
+
+fn check_reduce_scatter(size: usize, counts: &[usize], op: ReduceOp) {
+    let offs = offsets(counts);
+    let total = offs[size];
+    let scheds = (0..size).map(|r| reduce_scatter(r, size, counts)).collect();
+    let out = run(
+        scheds,
+        vec![vec![]; size],
+        (0..size).map(|r| data(r, total)).collect(),
+        op,
+    );
+    let want = reduced(size, total, op);
+    for (r, got) in out.iter().enumerate() {
+        let b = offs[r]..offs[r + 1];
+        assert_eq!(
+            got[b.clone()],
+            want[b],
+            "reduce_scatter rank {r} counts {counts:?}"
+        );
+    }
+}
+
+fn check_all_gather(size: usize, counts: &[usize]) {
+    let offs = offsets(counts);
+    let total = offs[size];
+    let scheds = (0..size).map(|r| all_gather(r, size, counts)).collect();
+    let src: Vec<Vec<f64>> = (0..size).map(|r| data(r, counts[r])).collect();
+    let want: Vec<f64> = src.concat();
+    let out = run(scheds, src, vec![vec![JUNK; total]; size], ReduceOp::Sum);
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(got, &want, "all_gather rank {r} counts {counts:?}");
+    }
+}
+
+fn check_broadcast(size: usize, count: usize, root: usize) {
+    let scheds = (0..size).map(|r| broadcast(r, size, count, root)).collect();
+    let dst = (0..size)
+        .map(|r| {
+            if r == root {
+                data(r, count)
+            } else {
+                vec![JUNK; count]
+            }
+        })
+        .collect();
+    let out = run(scheds, vec![vec![]; size], dst, ReduceOp::Sum);
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(
+            got,
+            &data(root, count),
+            "broadcast rank {r} size {size} count {count} root {root}"
+        );
+    }
+}
+
+fn check_scatter(size: usize, count: usize, root: usize) {
+    let scheds = (0..size).map(|r| scatter(r, size, count, root)).collect();
+    let src = (0..size)
+        .map(|r| {
+            if r == root {
+                data(r, size * count)
+            } else {
+                vec![]
+            }
+        })
+        .collect();
+    let out = run(scheds, src, vec![vec![JUNK; count]; size], ReduceOp::Sum);
+    let all = data(root, size * count);
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(
+            got[..],
+            all[r * count..(r + 1) * count],
+            "scatter rank {r} size {size} count {count} root {root}"
+        );
+    }
+}
+
+fn check_gather(size: usize, count: usize, root: usize) {
+    let scheds = (0..size).map(|r| gather(r, size, count, root)).collect();
+    let src: Vec<Vec<f64>> = (0..size).map(|r| data(r, count)).collect();
+    let want = src.concat();
+    let dst = (0..size)
+        .map(|r| {
+            if r == root {
+                vec![JUNK; size * count]
+            } else {
+                vec![]
+            }
+        })
+        .collect();
+    let out = run(scheds, src, dst, ReduceOp::Sum);
+    assert_eq!(
+        out[root], want,
+        "gather size {size} count {count} root {root}"
+    );
+}
+
+/// `matrix[i][j]`: elements rank `i` sends to rank `j`.
+fn check_all_to_all(matrix: &[Vec<usize>]) {
+    let size = matrix.len();
+    let recv: Vec<Vec<usize>> = (0..size)
+        .map(|j| (0..size).map(|i| matrix[i][j]).collect())
+        .collect();
+    let scheds = (0..size)
+        .map(|r| all_to_all(r, size, &matrix[r], &recv[r]))
+        .collect();
+    let src: Vec<Vec<f64>> = (0..size).map(|r| data(r, matrix[r].iter().sum())).collect();
+    let dst = (0..size)
+        .map(|r| vec![JUNK; recv[r].iter().sum()])
+        .collect();
+    let out = run(scheds, src.clone(), dst, ReduceOp::Sum);
+    for (r, got) in out.iter().enumerate() {
+        let want: Vec<f64> = (0..size)
+            .flat_map(|i| {
+                let so = offsets(&matrix[i]);
+                src[i][so[r]..so[r + 1]].to_vec()
+            })
+            .collect();
+        assert_eq!(got, &want, "all_to_all rank {r} matrix {matrix:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Grid tests: sizes 1..=9 × counts {0, 1, size-1, size, 7, 1000+odd}.
+
+#[test]
+fn all_reduce_sum_max_min_match_reference_any_size_and_count() {
+    for (size, count) in sizes_and_counts() {
+        check_all_reduce(size, count, ReduceOp::Sum);
+        check_all_reduce(size, count, ReduceOp::Max);
+        check_all_reduce(size, count.min(20), ReduceOp::Min);
+    }
+}
+
+#[test]
+fn reduce_sum_lands_on_root_any_size_count_and_root() {
+    for (size, count) in sizes_and_counts() {
+        for root in 0..size {
+            check_reduce(size, count, root, ReduceOp::Sum);
+        }
+        check_reduce(size, count, size - 1, ReduceOp::Max);
+    }
+}
+
+#[test]
+fn reduce_scatter_leaves_reduced_own_block_even_and_uneven_counts() {
+    for (size, count) in sizes_and_counts() {
+        check_reduce_scatter(size, &even_counts(count, size), ReduceOp::Sum);
+        check_reduce_scatter(size, &vec![count; size], ReduceOp::Max);
+        check_reduce_scatter(size, &uneven_counts(size, count), ReduceOp::Sum);
+    }
+}
+
+#[test]
+fn all_gather_concatenates_blocks_even_and_uneven_counts() {
+    for (size, count) in sizes_and_counts() {
+        check_all_gather(size, &vec![count; size]);
+        check_all_gather(size, &uneven_counts(size, count));
+    }
+}
+
+#[test]
+fn broadcast_copies_root_data_to_every_rank_any_root() {
+    for (size, count) in sizes_and_counts() {
+        for root in 0..size {
+            check_broadcast(size, count, root);
+        }
+    }
+}
+
+#[test]
+fn scatter_and_gather_move_blocks_to_and_from_any_root() {
+    for (size, count) in sizes_and_counts() {
+        for root in 0..size {
+            check_scatter(size, count, root);
+            check_gather(size, count, root);
+        }
+    }
+}
+
+#[test]
+fn all_to_all_delivers_every_block_uniform_and_uneven_counts() {
+    for (size, count) in sizes_and_counts() {
+        check_all_to_all(&vec![vec![count; size]; size]);
+        let m: Vec<Vec<usize>> = (0..size).map(|i| uneven_counts(size, count + i)).collect();
+        check_all_to_all(&m);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Structure.
+
+#[test]
+fn single_rank_schedules_are_empty_or_local_only() {
+    for count in [0, 1, 5] {
+        assert!(all_reduce(0, 1, count).is_empty());
+        assert!(reduce(0, 1, count, 0).is_empty());
+        assert!(reduce_scatter(0, 1, &[count]).is_empty());
+        assert!(broadcast(0, 1, count, 0).is_empty());
+        for s in [
+            all_gather(0, 1, &[count]),
+            scatter(0, 1, count, 0),
+            gather(0, 1, count, 0),
+            all_to_all(0, 1, &[count], &[count]),
+        ] {
+            assert!(
+                s.transfers()
+                    .all(|t| matches!(t, Transfer::LocalCopy { .. })),
+                "{s:?}"
+            );
+            assert_eq!(s.steps.len(), usize::from(count > 0));
+        }
+    }
+}
+
+#[test]
+fn invalid_arguments_give_empty_schedules_not_panics() {
+    assert!(all_reduce(3, 3, 10).is_empty());
+    assert!(all_reduce(0, 0, 10).is_empty());
+    assert!(reduce(0, 3, 10, 3).is_empty());
+    assert!(broadcast(0, 3, 10, 7).is_empty());
+    assert!(scatter(0, 3, 10, 3).is_empty());
+    assert!(gather(5, 3, 10, 0).is_empty());
+    assert!(reduce_scatter(0, 3, &[1, 2]).is_empty());
+    assert!(all_gather(0, 3, &[1, 2, 3, 4]).is_empty());
+    assert!(all_to_all(0, 2, &[1, 2], &[1]).is_empty());
+    // Absurd sizes still do not overflow or panic.
+    assert!(!broadcast(0, usize::MAX, 1, 0).is_empty());
+    let s = scatter(0, 3, usize::MAX / 2, 0);
+    assert_eq!(s.steps.len(), 1);
+}
+
+#[test]
+fn all_reduce_is_bandwidth_optimal_and_takes_two_p_minus_one_steps() {
+    for size in 2..=9 {
+        let count = 1000 * size;
+        for r in 0..size {
+            let s = all_reduce(r, size, count);
+            assert_eq!(s.steps.len(), 2 * (size - 1));
+            assert_eq!(s.elements_sent(), 2 * (size - 1) * count / size);
+        }
+    }
+}
+
+#[test]
+fn broadcast_takes_ceil_log2_steps() {
+    for size in 1..=33usize {
+        let depth = (0..size)
+            .map(|r| broadcast(r, size, 4, 0).steps.len())
+            .max()
+            .unwrap_or(0);
+        let want = usize::BITS - (size - 1).leading_zeros();
+        assert_eq!(depth, want as usize, "size {size}");
+        // Every non-root rank receives exactly once.
+        for r in 1..size {
+            let recvs = broadcast(r, size, 4, 0)
+                .transfers()
+                .filter(|t| matches!(t, Transfer::Recv { .. }))
+                .count();
+            assert_eq!(recvs, 1);
+        }
+    }
+}
+
+#[test]
+fn even_counts_partition_near_equally_and_offsets_are_prefix_sums() {
+    assert_eq!(even_counts(10, 4), vec![3, 3, 2, 2]);
+    assert_eq!(even_counts(0, 3), vec![0, 0, 0]);
+    assert!(even_counts(5, 0).is_empty());
+    assert_eq!(offsets(&[]), vec![0]);
+    assert_eq!(offsets(&[2, 0, 3]), vec![0, 2, 2, 5]);
+    assert_eq!(offsets(&[usize::MAX, 1]), vec![0, usize::MAX, usize::MAX]);
+}
+
+// ---------------------------------------------------------------------------
+// The harness itself catches broken schedules.
+
+fn send(peer: usize, range: Range<usize>) -> Transfer {
+    Transfer::Send {
+        peer,
+        buf: BufId::Dst,
+        range,
+    }
+}
+
+fn recv(peer: usize, range: Range<usize>) -> Transfer {
+    Transfer::Recv {
+        peer,
+        buf: BufId::Dst,
+        range,
+        action: RecvAction::Copy,
+    }
+}
+
+fn sched(steps: Vec<Vec<Transfer>>) -> Schedule {
+    Schedule {
+        steps: steps
+            .into_iter()
+            .map(|transfers| Step { transfers })
+            .collect(),
+    }
+}
+
+#[test]
+fn harness_reports_rendezvous_deadlock_with_a_dump() {
+    // Both ranks send first, then receive: fine with buffering, deadlock under
+    // rendezvous semantics (SC-4).
+    let a = sched(vec![vec![send(1, 0..2)], vec![recv(1, 0..2)]]);
+    let b = sched(vec![vec![send(0, 0..2)], vec![recv(0, 0..2)]]);
+    let err = run_schedules(
+        vec![a, b],
+        vec![vec![]; 2],
+        vec![vec![0.0; 2]; 2],
+        ReduceOp::Sum,
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("deadlock") && err.contains("rank 1: step 0/2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn harness_reports_length_mismatch_and_unmatched_transfers() {
+    let a = sched(vec![vec![send(1, 0..2)]]);
+    let b = sched(vec![vec![recv(0, 0..1)]]);
+    let err = run_schedules(
+        vec![a.clone(), b],
+        vec![vec![]; 2],
+        vec![vec![0.0; 2]; 2],
+        ReduceOp::Sum,
+    )
+    .unwrap_err();
+    assert!(err.contains("lengths differ"), "{err}");
+    let err = run_schedules(
+        vec![a, Schedule::default()],
+        vec![vec![]; 2],
+        vec![vec![0.0; 2]; 2],
+        ReduceOp::Sum,
+    )
+    .unwrap_err();
+    assert!(err.contains("receives 0 times"), "{err}");
+}
+
+#[test]
+fn harness_sends_read_pre_step_data_sc2() {
+    // A swap in one step: each rank sends its value and overwrites it with the
+    // peer's. Correct only if sends read the pre-step value.
+    let a = sched(vec![vec![send(1, 0..1), recv(1, 0..1)]]);
+    let b = sched(vec![vec![recv(0, 0..1), send(0, 0..1)]]);
+    let out = simulate(
+        vec![a, b],
+        vec![vec![]; 2],
+        vec![vec![1.0], vec![2.0]],
+        ReduceOp::Sum,
+    )
+    .unwrap();
+    assert_eq!(out, vec![vec![2.0], vec![1.0]]);
+}
+
+#[test]
+fn validate_rejects_out_of_bounds_self_peer_and_overlapping_writes() {
+    let bad = sched(vec![vec![send(0, 0..1)]]);
+    assert!(bad.validate(0, 2, 0, 4).is_err(), "send to self");
+    let bad = sched(vec![vec![send(1, 0..5)]]);
+    assert!(bad.validate(0, 2, 0, 4).is_err(), "out of bounds");
+    let bad = sched(vec![vec![
+        recv(1, 0..3),
+        Transfer::LocalCopy {
+            src: 0..2,
+            dst: 2..4,
+        },
+    ]]);
+    assert!(bad.validate(0, 2, 2, 4).is_err(), "overlapping writes");
+    let bad = sched(vec![vec![send(1, 2..2)]]);
+    assert!(bad.validate(0, 2, 0, 4).is_err(), "zero length");
+    let ok = sched(vec![vec![
+        recv(1, 0..2),
+        Transfer::LocalCopy {
+            src: 0..2,
+            dst: 2..4,
+        },
+    ]]);
+    assert!(ok.validate(0, 2, 2, 4).is_ok());
+    // SC-6: a receive may not overwrite what a send of the same step reads
+    // (sends to 1 read 4..8, receive writes 6..7) ...
+    let bad = sched(vec![vec![send(1, 4..8), recv(1, 6..7)]]);
+    let err = bad.validate(0, 2, 0, 8).unwrap_err().to_string();
+    assert!(err.contains("overlaps read"), "{err}");
+    // ... but adjacent ranges, or the same range in another buffer, are fine.
+    let ok = sched(vec![vec![
+        send(1, 4..8),
+        recv(1, 8..9),
+        recv(1, 0..4),
+        Transfer::Send {
+            peer: 1,
+            buf: BufId::Src,
+            range: 8..9,
+        },
+    ]]);
+    assert!(ok.validate(0, 2, 9, 9).is_ok());
+}
+
+#[test]
+fn all_reduce_gives_bitwise_identical_results_on_every_rank() {
+    // Inexact fractions: each block is reduced once and then copied, so the
+    // summation order may differ between blocks but never between ranks.
+    for size in [3usize, 5, 8] {
+        let count = 101;
+        let dst: Vec<Vec<f64>> = (0..size)
+            .map(|r| {
+                (0..count)
+                    .map(|i| 1.0 / (1.0 + (r * 31 + i) as f64))
+                    .collect()
+            })
+            .collect();
+        let scheds = (0..size).map(|r| all_reduce(r, size, count)).collect();
+        let out = run(scheds, vec![vec![]; size], dst, ReduceOp::Sum);
+        for r in 1..size {
+            let same = out[r]
+                .iter()
+                .zip(&out[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "rank {r} differs from rank 0 (size {size})");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Properties over random sizes, counts and roots.
+
+fn size_counts() -> impl Strategy<Value = (usize, Vec<usize>, usize)> {
+    (1usize..=9).prop_flat_map(|size| {
+        (
+            Just(size),
+            proptest::collection::vec(prop_oneof![Just(0usize), 0usize..40], size),
+            0..size,
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn rooted_and_rootless_collectives_match_reference_random_size_count_root(
+        (size, counts, root) in size_counts()
+    ) {
+        let count = counts.iter().sum::<usize>();
+        check_all_reduce(size, count, ReduceOp::Sum);
+        check_reduce(size, count, root, ReduceOp::Sum);
+        check_broadcast(size, count, root);
+        check_scatter(size, counts[0], root);
+        check_gather(size, counts[0], root);
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_gather_match_reference_random_counts(
+        (size, counts, _root) in size_counts()
+    ) {
+        check_reduce_scatter(size, &counts, ReduceOp::Sum);
+        check_all_gather(size, &counts);
+    }
+
+    #[test]
+    fn all_to_all_matches_reference_random_count_matrix(
+        matrix in (1usize..=9).prop_flat_map(|size| {
+            proptest::collection::vec(proptest::collection::vec(0usize..12, size), size)
+        })
+    ) {
+        check_all_to_all(&matrix);
+    }
+}

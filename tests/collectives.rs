@@ -1,0 +1,398 @@
+//! Every collective, on in-process ranks over the real cpu backend (TCP on
+//! loopback), checked against a reference computed locally.
+
+mod common;
+
+use chorus::{DType, P2POp, ReduceOp, Tensor, Work};
+use common::{assert_close, input, run_ranks, value};
+
+const INT_DTYPES: [DType; 6] = [
+    DType::I8,
+    DType::U8,
+    DType::I32,
+    DType::I64,
+    DType::U32,
+    DType::U64,
+];
+const FLOAT_DTYPES: [DType; 4] = [DType::F16, DType::BF16, DType::F32, DType::F64];
+
+/// Wrap an exact integer result to `dtype`'s width, as the kernels do.
+fn wrap(dtype: DType, x: i128) -> f64 {
+    match dtype {
+        DType::I8 => x as i8 as f64,
+        DType::U8 => x as u8 as f64,
+        DType::I32 => x as i32 as f64,
+        DType::U32 => x as u32 as f64,
+        DType::I64 => x as i64 as f64,
+        DType::U64 => x as u64 as f64,
+        _ => x as f64,
+    }
+}
+
+/// Reference reduction of element `i` over `n` ranks.
+fn reference(dtype: DType, op: ReduceOp, n: usize, i: usize) -> f64 {
+    let vals: Vec<f64> = (0..n).map(|r| value(r, i)).collect();
+    if dtype.is_float() {
+        match op {
+            ReduceOp::Sum => vals.iter().sum(),
+            ReduceOp::Product => vals.iter().product(),
+            ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
+            ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+            ReduceOp::Avg => vals.iter().sum::<f64>() / n as f64,
+            ReduceOp::PremulSum(s) => vals.iter().map(|v| v * s).sum(),
+            _ => unreachable!(),
+        }
+    } else {
+        let iv: Vec<i128> = vals.iter().map(|&v| v as i128).collect();
+        let x = match op {
+            ReduceOp::Sum => iv.iter().sum(),
+            ReduceOp::Product => iv.iter().product(),
+            ReduceOp::Min => *iv.iter().min().unwrap(),
+            ReduceOp::Max => *iv.iter().max().unwrap(),
+            ReduceOp::Avg => iv.iter().sum::<i128>() / n as i128,
+            ReduceOp::PremulSum(s) => iv.iter().map(|v| v * s as i128).sum(),
+            ReduceOp::BAnd => iv.iter().fold(-1, |a, b| a & b),
+            ReduceOp::BOr => iv.iter().fold(0, |a, b| a | b),
+            ReduceOp::BXor => iv.iter().fold(0, |a, b| a ^ b),
+        };
+        wrap(dtype, x)
+    }
+}
+
+fn ops_for(dtype: DType) -> Vec<ReduceOp> {
+    let mut ops = vec![
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::PremulSum(2.0),
+    ];
+    if !dtype.is_float() {
+        ops.extend([ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor]);
+    }
+    ops
+}
+
+fn all_reduce_every_dtype_and_op(n: usize) {
+    run_ranks(n, &format!("ar-all-{n}"), move |comm| {
+        let r = comm.rank();
+        for dtype in FLOAT_DTYPES.into_iter().chain(INT_DTYPES) {
+            for op in ops_for(dtype) {
+                for count in [0usize, 1, 5, 1023] {
+                    let out = comm
+                        .all_reduce(input(dtype, r, count), op)
+                        .unwrap_or_else(|e| panic!("{dtype} {op} {count}: {e}"));
+                    let want: Vec<f64> = (0..count).map(|i| reference(dtype, op, n, i)).collect();
+                    assert_close(
+                        dtype,
+                        &out,
+                        &want,
+                        &format!("all_reduce {dtype} {op} n={count}"),
+                    );
+                }
+            }
+        }
+        comm.finalize().unwrap();
+    });
+}
+
+#[test]
+fn all_reduce_matches_reference_every_dtype_and_op_world_1() {
+    all_reduce_every_dtype_and_op(1);
+}
+#[test]
+fn all_reduce_matches_reference_every_dtype_and_op_world_2() {
+    all_reduce_every_dtype_and_op(2);
+}
+#[test]
+fn all_reduce_matches_reference_every_dtype_and_op_world_3() {
+    all_reduce_every_dtype_and_op(3);
+}
+#[test]
+fn all_reduce_matches_reference_every_dtype_and_op_world_4() {
+    all_reduce_every_dtype_and_op(4);
+}
+
+/// The reference implementation's grid: counts {0, 4, 1Ki, 1Mi} x dtypes
+/// {f32, i32, i8, f16, bf16, f64} x ops {Sum, Max, Avg, PremulSum}, sync and
+/// async, 4 ranks.
+#[test]
+fn all_reduce_reference_grid_world_4_sync_and_async() {
+    let n = 4;
+    run_ranks(n, "grid", move |comm| {
+        let r = comm.rank();
+        let dtypes = [
+            DType::F32,
+            DType::I32,
+            DType::I8,
+            DType::F16,
+            DType::BF16,
+            DType::F64,
+        ];
+        let ops = [
+            ReduceOp::Sum,
+            ReduceOp::Max,
+            ReduceOp::Avg,
+            ReduceOp::PremulSum(2.0),
+        ];
+        for count in [0usize, 4, 1 << 10, 1 << 20] {
+            for dtype in dtypes {
+                // Async: issue every op first (input moved in, dropped by us), then wait.
+                let works: Vec<(ReduceOp, Work<Tensor>)> = ops
+                    .iter()
+                    .map(|&op| (op, comm.all_reduce_async(input(dtype, r, count), op)))
+                    .collect();
+                for (op, w) in works {
+                    let out = w.wait().unwrap();
+                    let want: Vec<f64> = (0..count).map(|i| reference(dtype, op, n, i)).collect();
+                    assert_close(dtype, &out, &want, &format!("async {dtype} {op} {count}"));
+                }
+                for op in ops {
+                    let out = comm.all_reduce(input(dtype, r, count), op).unwrap();
+                    let want: Vec<f64> = (0..count).map(|i| reference(dtype, op, n, i)).collect();
+                    assert_close(dtype, &out, &want, &format!("sync {dtype} {op} {count}"));
+                }
+            }
+        }
+    });
+}
+
+fn rooted_and_gathering_ops(n: usize) {
+    run_ranks(n, &format!("coll-{n}"), move |comm| {
+        let r = comm.rank();
+        for dtype in [DType::F32, DType::I32, DType::BF16, DType::U8] {
+            for count in [0usize, 3, 257] {
+                let what = |op: &str| format!("{op} {dtype} count={count} world={n}");
+                // reduce: root gets the sum, others their input back.
+                for root in 0..n {
+                    let out = comm
+                        .reduce(input(dtype, r, count), ReduceOp::Sum, root)
+                        .unwrap();
+                    let want: Vec<f64> = if r == root {
+                        (0..count)
+                            .map(|i| reference(dtype, ReduceOp::Sum, n, i))
+                            .collect()
+                    } else {
+                        (0..count).map(|i| value(r, i)).collect()
+                    };
+                    assert_close(dtype, &out, &want, &what("reduce"));
+                }
+                // broadcast from every root.
+                for root in 0..n {
+                    let t = if r == root {
+                        input(dtype, root, count)
+                    } else {
+                        Tensor::zeros(dtype, count)
+                    };
+                    let out = comm.broadcast(t, root).unwrap();
+                    let want: Vec<f64> = (0..count).map(|i| value(root, i)).collect();
+                    assert_close(dtype, &out, &want, &what("broadcast"));
+                }
+                // all_gather: rank blocks in order.
+                let out = comm.all_gather(input(dtype, r, count)).unwrap();
+                let want: Vec<f64> = (0..n)
+                    .flat_map(|p| (0..count).map(move |i| value(p, i)))
+                    .collect();
+                assert_close(dtype, &out, &want, &what("all_gather"));
+                // all_gather_v: rank p contributes count + p elements.
+                let counts: Vec<usize> = (0..n).map(|p| count + p).collect();
+                let out = comm
+                    .all_gather_v(input(dtype, r, count + r), &counts)
+                    .unwrap();
+                let want: Vec<f64> = (0..n)
+                    .flat_map(|p| (0..count + p).map(move |i| value(p, i)))
+                    .collect();
+                assert_close(dtype, &out, &want, &what("all_gather_v"));
+                // reduce_scatter: input n*count, block r reduced.
+                let full: Vec<f64> = (0..n * count).map(|i| value(r, i)).collect();
+                let out = comm
+                    .reduce_scatter(Tensor::from_f64s(dtype, &full), ReduceOp::Sum)
+                    .unwrap();
+                let want: Vec<f64> = (r * count..(r + 1) * count)
+                    .map(|i| (0..n).map(|p| value(p, i)).sum())
+                    .collect();
+                assert_close(dtype, &out, &want, &what("reduce_scatter"));
+                // reduce_scatter_v: block p has count + 2p elements.
+                let counts: Vec<usize> = (0..n).map(|p| count + 2 * p).collect();
+                let total: usize = counts.iter().sum();
+                let full: Vec<f64> = (0..total).map(|i| value(r, i)).collect();
+                let out = comm
+                    .reduce_scatter_v(Tensor::from_f64s(dtype, &full), &counts, ReduceOp::Max)
+                    .unwrap();
+                let off: usize = counts[..r].iter().sum();
+                let want: Vec<f64> = (off..off + counts[r])
+                    .map(|i| (0..n).map(|p| value(p, i)).fold(f64::MIN, f64::max))
+                    .collect();
+                assert_close(dtype, &out, &want, &what("reduce_scatter_v"));
+                // scatter and gather from every root.
+                for root in 0..n {
+                    let inputs =
+                        (r == root).then(|| (0..n).map(|p| input(dtype, p + 10, count)).collect());
+                    let out = comm
+                        .scatter(Tensor::zeros(dtype, count), inputs, root)
+                        .unwrap();
+                    let want: Vec<f64> = (0..count).map(|i| value(r + 10, i)).collect();
+                    assert_close(dtype, &out, &want, &what("scatter"));
+
+                    let got = comm.gather(input(dtype, r, count), root).unwrap();
+                    if r == root {
+                        assert_eq!(got.len(), n, "{}", what("gather"));
+                        for (p, t) in got.iter().enumerate() {
+                            let want: Vec<f64> = (0..count).map(|i| value(p, i)).collect();
+                            assert_close(dtype, t, &want, &what("gather"));
+                        }
+                    } else {
+                        assert!(got.is_empty());
+                    }
+                }
+                // all_to_all_single: block j of rank i holds value(i, j*count + k).
+                let full: Vec<f64> = (0..n * count).map(|i| value(r, i)).collect();
+                let out = comm
+                    .all_to_all_single(Tensor::from_f64s(dtype, &full))
+                    .unwrap();
+                let want: Vec<f64> = (0..n)
+                    .flat_map(|j| (0..count).map(move |k| value(j, r * count + k)))
+                    .collect();
+                assert_close(dtype, &out, &want, &what("all_to_all_single"));
+                // all_to_all_v_single: rank i sends i + j + count elements to j.
+                let send: Vec<usize> = (0..n).map(|j| r + j + count).collect();
+                let recv: Vec<usize> = (0..n).map(|j| j + r + count).collect();
+                let total: usize = send.iter().sum();
+                let data: Vec<f64> = (0..total).map(|i| value(r, i)).collect();
+                let out = comm
+                    .all_to_all_v_single(Tensor::from_f64s(dtype, &data), &send, &recv)
+                    .unwrap();
+                let want: Vec<f64> = (0..n)
+                    .flat_map(|j| {
+                        // rank j's block for us starts at sum of its sends to ranks < r.
+                        let off: usize = (0..r).map(|q| j + q + count).sum();
+                        (off..off + j + r + count).map(move |i| value(j, i))
+                    })
+                    .collect();
+                assert_close(dtype, &out, &want, &what("all_to_all_v_single"));
+                // all_to_all (list): rank i sends (i + 1) * (j + 1) elements to j.
+                let inputs: Vec<Tensor> = (0..n)
+                    .map(|j| {
+                        Tensor::from_f64s(
+                            dtype,
+                            &vec![(r * 10 + j) as f64 % 100.0; (r + 1) * (j + 1) % 7],
+                        )
+                    })
+                    .collect();
+                let outs = comm.all_to_all(inputs).unwrap();
+                assert_eq!(outs.len(), n);
+                for (j, t) in outs.iter().enumerate() {
+                    let want = vec![(j * 10 + r) as f64 % 100.0; (j + 1) * (r + 1) % 7];
+                    assert_close(dtype, t, &want, &what("all_to_all"));
+                }
+            }
+        }
+        comm.barrier().unwrap();
+        comm.finalize().unwrap();
+    });
+}
+
+#[test]
+fn every_collective_matches_reference_world_1() {
+    rooted_and_gathering_ops(1);
+}
+#[test]
+fn every_collective_matches_reference_world_2() {
+    rooted_and_gathering_ops(2);
+}
+#[test]
+fn every_collective_matches_reference_world_3() {
+    rooted_and_gathering_ops(3);
+}
+#[test]
+fn every_collective_matches_reference_world_4() {
+    rooted_and_gathering_ops(4);
+}
+
+#[test]
+fn send_recv_ring_and_batched_p2p_world_3() {
+    let n = 3;
+    run_ranks(n, "p2p", move |comm| {
+        let r = comm.rank();
+        let next = (r + 1) % n;
+        let prev = (r + n - 1) % n;
+        // Ring with plain send/recv: even ranks send first.
+        let mine = Tensor::full(r as i64, 100);
+        let got = if r % 2 == 0 {
+            comm.send(mine, next).unwrap();
+            comm.recv(Tensor::zeros(DType::I64, 100), prev).unwrap()
+        } else {
+            let got = comm.recv(Tensor::zeros(DType::I64, 100), prev).unwrap();
+            comm.send(mine, next).unwrap();
+            got
+        };
+        assert_eq!(got.to_vec::<i64>(), vec![prev as i64; 100]);
+        // Batched: two sends to next and two receives from prev, completing together.
+        let out = comm
+            .batch_p2p(vec![
+                P2POp::send(Tensor::full(r as f32, 10), next),
+                P2POp::recv(Tensor::zeros(DType::F32, 10), prev),
+                P2POp::send(Tensor::full(r as f32 + 0.5, 1000), next),
+                P2POp::recv(Tensor::zeros(DType::F32, 1000), prev),
+            ])
+            .unwrap();
+        assert_eq!(out[1].to_vec::<f32>(), vec![prev as f32; 10]);
+        assert_eq!(out[3].to_vec::<f32>(), vec![prev as f32 + 0.5; 1000]);
+        // P2P between two ranks does not disturb collectives of all three.
+        let s = comm
+            .all_reduce(Tensor::full(1u32, 3), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(s.to_vec::<u32>(), vec![3; 3]);
+    });
+}
+
+#[test]
+fn outstanding_works_complete_in_issue_order() {
+    let n = 3;
+    run_ranks(n, "overlap", move |comm| {
+        let works: Vec<Work<Tensor>> = (0..16)
+            .map(|k| comm.all_reduce_async(Tensor::full(k as f64, 4096), ReduceOp::Sum))
+            .collect();
+        let mut results = Vec::new();
+        for (k, w) in works.into_iter().enumerate() {
+            let t = w.wait().unwrap();
+            results.push((k, t.as_slice::<f64>()[0]));
+        }
+        for (k, v) in results {
+            assert_eq!(v, (k * n) as f64);
+        }
+        // Ordering: once a later op completed, every earlier one has.
+        let a = comm.barrier_async();
+        let b = comm.all_reduce_async(Tensor::full(1i32, 1), ReduceOp::Sum);
+        let bv = b.wait().unwrap();
+        assert!(a.is_completed(), "earlier op completes first");
+        assert_eq!(bv.to_vec::<i32>(), vec![n as i32]);
+        a.wait().unwrap();
+    });
+}
+
+#[test]
+fn dropping_a_work_does_not_cancel_the_op() {
+    run_ranks(2, "drop-work", |comm| {
+        let w = comm.all_reduce_async(Tensor::full(1.0f32, 1 << 16), ReduceOp::Sum);
+        drop(w);
+        // The dropped op still runs; the next one pairs with the next one.
+        let t = comm
+            .all_reduce(Tensor::full(2.0f32, 8), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(t.to_vec::<f32>(), vec![4.0; 8]);
+    });
+}
+
+#[test]
+fn async_ops_can_be_awaited_from_a_foreign_executor() {
+    run_ranks(2, "await", |comm| {
+        futures::executor::block_on(async {
+            let a = comm.all_gather_async(Tensor::full(comm.rank() as u8, 2));
+            let b = comm.broadcast_async(Tensor::full(comm.rank() as u8 + 7, 2), 1);
+            assert_eq!(a.await.unwrap().to_vec::<u8>(), vec![0, 0, 1, 1]);
+            assert_eq!(b.await.unwrap().to_vec::<u8>(), vec![8, 8]);
+        })
+    });
+}

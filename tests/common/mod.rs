@@ -1,0 +1,125 @@
+//! Shared helpers for multi-rank integration tests: run N ranks as threads of
+//! this process, each with its own communicator, sharing one in-memory store,
+//! bounded in time.
+#![allow(dead_code)]
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chorus::transport::{MemoryStore, Store};
+use chorus::{new_comm, Comm, CommOptions, DType, Device, Rendezvous, Tensor};
+
+/// Every multi-rank test finishes within this, or fails (never hangs CI).
+pub const TEST_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Options for rank `rank` of `size` on a shared store.
+pub fn opts(store: &Arc<dyn Store>, rank: usize, size: usize) -> CommOptions {
+    CommOptions::default()
+        .with_rank(rank, size)
+        .with_rendezvous(Rendezvous::Store(store.clone()))
+        .with_secret("test-secret")
+        .with_timeout(Duration::from_secs(30))
+        .with_connect_timeout(Duration::from_secs(20))
+}
+
+/// Run `f` on `size` ranks (threads), each with a communicator called `name`,
+/// and return the results by rank. Panics (failing the test) if any rank
+/// panics or the whole run exceeds [`TEST_DEADLINE`].
+pub fn run_ranks<T, F>(size: usize, name: &str, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Comm) -> T + Send + Sync + 'static,
+{
+    run_ranks_with(size, name, |_r, o| o, f)
+}
+
+/// Like [`run_ranks`], with a hook to adjust each rank's options.
+pub fn run_ranks_with<T, F, O>(size: usize, name: &str, tweak: O, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Comm) -> T + Send + Sync + 'static,
+    O: Fn(usize, CommOptions) -> CommOptions + Send + Sync + 'static,
+{
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let f = Arc::new(f);
+    let tweak = Arc::new(tweak);
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..size {
+        let (f, tweak, tx, store, name) = (
+            f.clone(),
+            tweak.clone(),
+            tx.clone(),
+            store.clone(),
+            name.to_string(),
+        );
+        std::thread::Builder::new()
+            .name(format!("rank-{rank}"))
+            .spawn(move || {
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let comm = new_comm(
+                        "cpu",
+                        Device::Cpu,
+                        &name,
+                        tweak(rank, opts(&store, rank, size)),
+                    )
+                    .unwrap_or_else(|e| panic!("rank {rank}: new_comm failed: {e}"));
+                    f(comm)
+                }));
+                let _ = tx.send((rank, result));
+            })
+            .expect("spawn rank thread");
+    }
+    drop(tx);
+    let deadline = std::time::Instant::now() + TEST_DEADLINE;
+    let mut out: Vec<Option<T>> = (0..size).map(|_| None).collect();
+    for _ in 0..size {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((rank, Ok(v))) => out[rank] = Some(v),
+            Ok((rank, Err(p))) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!("rank {rank} panicked: {msg}");
+            }
+            Err(_) => panic!("ranks did not finish within {TEST_DEADLINE:?} (hang)"),
+        }
+    }
+    out.into_iter()
+        .map(|v| v.expect("every rank reported"))
+        .collect()
+}
+
+/// Deterministic small test values (exact in every dtype, sums fit in i8).
+pub fn value(rank: usize, i: usize) -> f64 {
+    (1 + (rank * 3 + i) % 5) as f64
+}
+
+/// A tensor of `dtype` with `count` elements of [`value`] for `rank`.
+pub fn input(dtype: DType, rank: usize, count: usize) -> Tensor {
+    let v: Vec<f64> = (0..count).map(|i| value(rank, i)).collect();
+    Tensor::from_f64s(dtype, &v)
+}
+
+/// Compare with a tolerance suited to the dtype.
+pub fn assert_close(dtype: DType, got: &Tensor, want: &[f64], what: &str) {
+    assert_eq!(got.dtype(), dtype, "{what}: dtype");
+    let g = got.to_f64_vec();
+    assert_eq!(g.len(), want.len(), "{what}: length");
+    let tol = match dtype {
+        DType::F16 | DType::BF16 => 1e-2,
+        DType::F32 => 1e-6,
+        DType::F64 => 1e-12,
+        _ => 0.0,
+    };
+    for (i, (a, b)) in g.iter().zip(want).enumerate() {
+        let err = (a - b).abs();
+        assert!(
+            err <= tol * b.abs().max(1.0),
+            "{what}: element {i}: got {a}, want {b}"
+        );
+    }
+}

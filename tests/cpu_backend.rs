@@ -1,0 +1,841 @@
+//! The cpu backend over real loopback TCP links, with in-process ranks on one
+//! tokio runtime sharing a `MemoryStore`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus::backends::cpu::schedule::{BufId, RecvAction, Schedule, Step, Transfer};
+use chorus::backends::cpu::CpuBackend;
+use chorus::backends::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
+use chorus::transport::{MemoryStore, Store};
+use chorus::{DType, Error, OpKind, ReduceOp, Tensor};
+use futures::future::join_all;
+
+const TEST_BOUND: Duration = Duration::from_secs(30);
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(TEST_BOUND, f)
+        .await
+        .expect("test exceeded its 30 s bound")
+}
+
+fn init(
+    store: &Arc<MemoryStore>,
+    prefix: &str,
+    rank: usize,
+    size: usize,
+    secret: &[u8],
+    timeout: Duration,
+) -> BackendInit {
+    BackendInit {
+        comm: "test".into(),
+        key_prefix: prefix.into(),
+        rank,
+        size,
+        epoch: 3,
+        store: store.clone(),
+        secret: Arc::from(secret),
+        connect_timeout: timeout,
+        bind_ip: "127.0.0.1".parse().unwrap(),
+    }
+}
+
+async fn world(size: usize) -> Vec<CpuBackend> {
+    let store = Arc::new(MemoryStore::new());
+    let prefix = format!("comm/test#{size}/epoch/3");
+    let all = join_all((0..size).map(|r| {
+        CpuBackend::connect(init(
+            &store,
+            &prefix,
+            r,
+            size,
+            b"secret",
+            Duration::from_secs(10),
+        ))
+    }))
+    .await;
+    all.into_iter().map(|b| b.expect("connect")).collect()
+}
+
+fn ctx(rank: usize, size: usize, kind: OpKind, seq: u64) -> OpCtx {
+    OpCtx {
+        comm: "test".into(),
+        rank,
+        size,
+        epoch: 3,
+        kind,
+        seq,
+    }
+}
+
+/// Exchange a header with every other rank; panics on failure.
+async fn exchange_all(backends: &mut [CpuBackend], seq: u64) {
+    let size = backends.len();
+    let res = join_all(backends.iter_mut().enumerate().map(|(r, b)| async move {
+        let out = (0..size)
+            .filter(|&p| p != r)
+            .map(|p| (p, seq, format!("{r}->{p}").into_bytes()))
+            .collect();
+        b.exchange_headers(&ctx(r, size, OpKind::Barrier, seq), out)
+            .await
+    }))
+    .await;
+    for (r, got) in res.into_iter().enumerate() {
+        let got = got.expect("exchange");
+        let want: Vec<(usize, Vec<u8>)> = (0..size)
+            .filter(|&p| p != r)
+            .map(|p| (p, format!("{p}->{r}").into_bytes()))
+            .collect();
+        assert_eq!(got, want, "rank {r}");
+    }
+}
+
+#[tokio::test]
+async fn mesh_connects_every_pair_for_world_sizes_1_to_4() {
+    bounded(async {
+        for size in 1..=4 {
+            let mut w = world(size).await;
+            exchange_all(&mut w, 0).await;
+            exchange_all(&mut w, 1).await;
+            for b in &mut w {
+                b.finalize().await;
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn header_exchange_round_trips_including_empty_and_large_headers() {
+    bounded(async {
+        let mut w = world(3).await;
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            let out = vec![
+                ((r + 1) % 3, 7, vec![r as u8; 100_000]),
+                ((r + 2) % 3, 7, Vec::new()),
+            ];
+            b.exchange_headers(&ctx(r, 3, OpKind::AllReduce, 7), out)
+                .await
+        }))
+        .await;
+        for (r, got) in res.into_iter().enumerate() {
+            let got = got.unwrap();
+            assert_eq!(got[0].0, (r + 1) % 3);
+            assert_eq!(got[0].1, Vec::<u8>::new());
+            assert_eq!(got[1].0, (r + 2) % 3);
+            assert_eq!(got[1].1, vec![((r + 2) % 3) as u8; 100_000]);
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn header_with_other_seq_is_a_mismatch() {
+    bounded(async {
+        let mut w = world(2).await;
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            let seq = r as u64; // rank 0 at seq 0, rank 1 at seq 1
+            b.exchange_headers(
+                &ctx(r, 2, OpKind::AllReduce, seq),
+                vec![(1 - r, seq, vec![1])],
+            )
+            .await
+        }))
+        .await;
+        for r in res {
+            assert!(matches!(r, Err(Error::Mismatch { .. })), "{r:?}");
+        }
+    })
+    .await;
+}
+
+fn ring_shift(rank: usize, size: usize, n: usize) -> Schedule {
+    Schedule {
+        steps: vec![Step {
+            transfers: vec![
+                Transfer::Send {
+                    peer: (rank + 1) % size,
+                    buf: BufId::Dst,
+                    range: 0..n,
+                },
+                Transfer::Recv {
+                    peer: (rank + size - 1) % size,
+                    buf: BufId::Dst,
+                    range: 0..n,
+                    action: RecvAction::Copy,
+                },
+            ],
+        }],
+    }
+}
+
+#[tokio::test]
+async fn ring_shift_schedule_moves_each_block_to_the_next_rank() {
+    bounded(async {
+        let size = 3;
+        let mut w = world(size).await;
+        // 1 Mi elements: both directions of every link are busy at once.
+        for n in [1000usize, 1 << 20] {
+            let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let mut t = Tensor::from_vec((0..n).map(|i| (r * n + i) as i32).collect());
+                b.run_schedule(
+                    &ctx(r, size, OpKind::AllToAll, 1),
+                    &ring_shift(r, size, n),
+                    None,
+                    &mut t,
+                    ReduceOp::Sum,
+                )
+                .await
+                .map(|()| t)
+            }))
+            .await;
+            for (r, t) in res.into_iter().enumerate() {
+                let from = (r + size - 1) % size;
+                let want: Vec<i32> = (0..n).map(|i| (from * n + i) as i32).collect();
+                assert_eq!(t.unwrap().to_vec::<i32>(), want, "rank {r}, n {n}");
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn p2p_batch_with_several_transfers_per_peer_in_both_directions() {
+    bounded(async {
+        let size = 3;
+        let lens = [10usize, 0, 200_000];
+        let mut w = world(size).await;
+        let val = |from: usize, to: usize, k: usize, i: usize| {
+            (from * 1000 + to * 100 + k * 10) as f32 + i as f32
+        };
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            let mut ops = Vec::new();
+            for p in (0..size).filter(|&p| p != r) {
+                for (k, &n) in lens.iter().enumerate() {
+                    ops.push(P2PTransfer {
+                        peer: p,
+                        seq: 5,
+                        send: true,
+                        buf: Tensor::from_vec((0..n).map(|i| val(r, p, k, i)).collect()),
+                    });
+                    ops.push(P2PTransfer {
+                        peer: p,
+                        seq: 5,
+                        send: false,
+                        buf: Tensor::zeros(DType::F32, n),
+                    });
+                }
+            }
+            let mut data = OpData::P2P { ops };
+            b.execute(&ctx(r, size, OpKind::P2P, 0), &mut data)
+                .await
+                .map(|()| data)
+        }))
+        .await;
+        for (r, data) in res.into_iter().enumerate() {
+            let OpData::P2P { ops } = data.unwrap() else {
+                unreachable!()
+            };
+            let mut k_of = [0usize; 3];
+            for t in ops.iter().filter(|t| !t.send) {
+                let k = k_of[t.peer];
+                k_of[t.peer] += 1;
+                let want: Vec<f32> = (0..lens[k]).map(|i| val(t.peer, r, k, i)).collect();
+                assert_eq!(t.buf.to_vec::<f32>(), want, "rank {r} from {} #{k}", t.peer);
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn p2p_receive_of_a_different_length_is_a_mismatch_on_the_receiver() {
+    bounded(async {
+        let mut w = world(2).await;
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            let t = if r == 0 {
+                P2PTransfer {
+                    peer: 1,
+                    seq: 0,
+                    send: true,
+                    buf: Tensor::zeros(DType::I32, 5),
+                }
+            } else {
+                P2PTransfer {
+                    peer: 0,
+                    seq: 0,
+                    send: false,
+                    buf: Tensor::zeros(DType::I32, 6),
+                }
+            };
+            b.execute(
+                &ctx(r, 2, OpKind::P2P, 0),
+                &mut OpData::P2P { ops: vec![t] },
+            )
+            .await
+        }))
+        .await;
+        assert!(res[0].is_ok(), "{:?}", res[0]);
+        match &res[1] {
+            Err(Error::Mismatch { detail, .. }) => assert!(detail.contains("20 bytes"), "{detail}"),
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    })
+    .await;
+}
+
+/// `steps` ring shifts, so that every rank depends on every other (like a ring all-gather).
+fn ring_shifts(rank: usize, size: usize, n: usize, steps: usize) -> Schedule {
+    Schedule {
+        steps: (0..steps)
+            .flat_map(|_| ring_shift(rank, size, n).steps)
+            .collect(),
+    }
+}
+
+/// Ranks 0..size-1 run `size - 1` ring shifts while the last rank `leave`s mid-op; every
+/// survivor must fail with PeerFailed naming the last rank, like an executor
+/// would (abort after the error, BE-2).
+async fn survivors_fail_naming_the_departed_rank(abort_instead_of_drop: bool) {
+    let size = 4;
+    let last = size - 1;
+    let w = world(size).await;
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for (r, mut b) in w.into_iter().enumerate() {
+        handles.push(tokio::spawn(async move {
+            if r == last {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if abort_instead_of_drop {
+                    b.abort("test abort", &[]).await;
+                } else {
+                    drop(b);
+                }
+                return None;
+            }
+            let mut t = Tensor::zeros(DType::F32, 1 << 16);
+            let r = b
+                .run_schedule(
+                    &ctx(r, size, OpKind::AllToAll, 0),
+                    &ring_shifts(r, size, 1 << 16, size - 1),
+                    None,
+                    &mut t,
+                    ReduceOp::Sum,
+                )
+                .await;
+            if let Err(e) = &r {
+                b.abort(&e.to_string(), e.failed_ranks()).await;
+            }
+            Some(r)
+        }));
+    }
+    for (r, h) in handles.into_iter().enumerate() {
+        let Some(res) = h.await.unwrap() else {
+            continue;
+        };
+        match res {
+            Err(Error::PeerFailed { failed_ranks, .. }) => {
+                assert_eq!(failed_ranks, vec![last], "rank {r}")
+            }
+            other => panic!("rank {r}: expected PeerFailed, got {other:?}"),
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn dropped_rank_mid_op_fails_every_survivor_with_peer_failed_naming_it() {
+    bounded(survivors_fail_naming_the_departed_rank(false)).await;
+}
+
+#[tokio::test]
+async fn aborted_rank_mid_op_fails_every_survivor_with_peer_failed_naming_it() {
+    bounded(survivors_fail_naming_the_departed_rank(true)).await;
+}
+
+#[tokio::test]
+async fn calls_after_abort_return_aborted_and_the_peer_sees_peer_failed() {
+    bounded(async {
+        let mut w = world(2).await;
+        w[0].abort("user asked", &[]).await;
+        w[0].abort("again", &[]).await; // idempotent
+        let r0 = w[0]
+            .exchange_headers(&ctx(0, 2, OpKind::Barrier, 0), vec![(1, 0, vec![])])
+            .await;
+        match r0 {
+            Err(Error::Aborted { reason, .. }) => assert_eq!(reason, "user asked"),
+            other => panic!("{other:?}"),
+        }
+        let r1 = w[1]
+            .exchange_headers(&ctx(1, 2, OpKind::Barrier, 0), vec![(0, 0, vec![])])
+            .await;
+        match r1 {
+            Err(Error::PeerFailed {
+                failed_ranks,
+                detail,
+                ..
+            }) => {
+                assert_eq!(failed_ranks, vec![0]);
+                assert!(detail.contains("user asked"), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The failed rank's next call is refused without touching the links.
+        let again = w[1]
+            .execute(&ctx(1, 2, OpKind::Barrier, 1), &mut OpData::Barrier)
+            .await;
+        assert!(matches!(again, Err(Error::Aborted { .. })), "{again:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn abort_frame_carries_the_failed_ranks_and_reason_to_peers() {
+    bounded(async {
+        let mut w = world(3).await;
+        w[0].abort("watchdog lost rank 2", &[2]).await;
+        let res = join_all(w[1..].iter_mut().enumerate().map(|(i, b)| async move {
+            let r = i + 1;
+            b.exchange_headers(&ctx(r, 3, OpKind::Barrier, 0), vec![(0, 0, vec![])])
+                .await
+        }))
+        .await;
+        for r in res {
+            match r {
+                Err(Error::PeerFailed {
+                    failed_ranks,
+                    detail,
+                    ..
+                }) => {
+                    assert_eq!(failed_ranks, vec![2]);
+                    assert!(detail.contains("watchdog lost rank 2"), "{detail}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn calls_after_finalize_return_finalized() {
+    bounded(async {
+        let mut w = world(2).await;
+        for b in &mut w {
+            b.finalize().await;
+            b.finalize().await;
+        }
+        let r = w[0]
+            .exchange_headers(&ctx(0, 2, OpKind::Barrier, 0), vec![(1, 0, vec![])])
+            .await;
+        assert!(matches!(r, Err(Error::Finalized { .. })), "{r:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn op_cancelled_mid_transfer_leaves_the_links_refusing_further_ops() {
+    bounded(async {
+        let mut w = world(2).await;
+        let recv = P2PTransfer {
+            peer: 1,
+            seq: 0,
+            send: false,
+            buf: Tensor::zeros(DType::U8, 8),
+        };
+        let mut data = OpData::P2P { ops: vec![recv] };
+        // Rank 1 never sends: the op is abandoned by its caller.
+        let c = ctx(0, 2, OpKind::P2P, 0);
+        let fut = w[0].execute(&c, &mut data);
+        assert!(tokio::time::timeout(Duration::from_millis(50), fut)
+            .await
+            .is_err());
+        let r = w[0]
+            .exchange_headers(&ctx(0, 2, OpKind::Barrier, 0), vec![(1, 0, vec![])])
+            .await;
+        match r {
+            Err(Error::Aborted { reason, .. }) => assert!(reason.contains("cancelled"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stranger_with_a_bad_hello_does_not_break_setup() {
+    use tokio::io::AsyncWriteExt;
+    bounded(async {
+        let store = Arc::new(MemoryStore::new());
+        let prefix = "comm/stranger#0/epoch/3";
+        let t = Duration::from_secs(10);
+        let r0 = tokio::spawn(CpuBackend::connect(init(&store, prefix, 0, 2, b"s", t)));
+        let addr = store
+            .wait(&[format!("{prefix}/cpu/addr/0")], t)
+            .await
+            .unwrap()
+            .remove(0);
+        let addr = String::from_utf8(addr).unwrap();
+        // One stranger sends garbage, another connects and stays silent.
+        let mut garbage = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        garbage.write_all(&[0xAB; 72]).await.unwrap();
+        let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        // A third claims to be rank 1 with the wrong secret.
+        let bad = tokio::spawn(CpuBackend::connect(init(&store, prefix, 1, 2, b"x", t)));
+        assert!(matches!(bad.await.unwrap(), Err(Error::Transport(_))));
+        let r1 = CpuBackend::connect(init(&store, prefix, 1, 2, b"s", t)).await;
+        let mut w = vec![r0.await.unwrap().unwrap(), r1.unwrap()];
+        exchange_all(&mut w, 0).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn wrong_secret_on_one_rank_fails_setup_with_an_error_not_a_hang() {
+    bounded(async {
+        let store = Arc::new(MemoryStore::new());
+        let prefix = "comm/secret#0/epoch/3";
+        let t = Duration::from_secs(2);
+        let start = Instant::now();
+        let res = join_all((0..3).map(|r| {
+            let secret: &[u8] = if r == 2 { b"wrong" } else { b"right" };
+            CpuBackend::connect(init(&store, prefix, r, 3, secret, t))
+        }))
+        .await;
+        assert!(start.elapsed() < Duration::from_secs(6));
+        for (r, res) in res.into_iter().enumerate() {
+            match res {
+                Err(Error::PeerFailed { failed_ranks, .. }) if r < 2 => {
+                    assert_eq!(failed_ranks, vec![2])
+                }
+                Err(Error::Transport(_)) if r == 2 => {}
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn missing_rank_times_out_with_a_store_error() {
+    bounded(async {
+        let store = Arc::new(MemoryStore::new());
+        // Rank 1 of 2 waits for rank 0, which never starts.
+        let r = CpuBackend::connect(init(
+            &store,
+            "comm/missing#0/epoch/3",
+            1,
+            2,
+            b"s",
+            Duration::from_millis(300),
+        ))
+        .await;
+        assert!(matches!(r, Err(Error::Transport(_))), "{r:?}");
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Every OpData variant against a locally computed reference.
+// ---------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Case {
+    AllReduce(ReduceOp),
+    Reduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Scatter,
+    Gather,
+    AllToAll,
+    Barrier,
+}
+
+/// Element `i` of rank `r`'s input: small integers, exact in f32 and i32.
+fn v(r: usize, i: usize) -> f64 {
+    ((r + 1) * (i % 13) + r) as f64 - 6.0
+}
+
+fn vals(r: usize, from: usize, n: usize) -> Vec<f64> {
+    (from..from + n).map(|i| v(r, i)).collect()
+}
+
+/// Uneven split of `total` over `size` ranks (the last ranks get less).
+fn block_counts(total: usize, size: usize) -> Vec<usize> {
+    let mut c: Vec<usize> = (0..size)
+        .map(|r| total / size + usize::from(r < total % size))
+        .collect();
+    // Make the split lopsided where possible, including empty blocks.
+    if size > 1 && c[size - 1] > 0 {
+        c[0] += c[size - 1];
+        c[size - 1] = 0;
+    }
+    c
+}
+
+/// Elements rank `from` sends to rank `to` in the all-to-all case.
+fn a2a(c: usize, from: usize, to: usize) -> usize {
+    (c + 3 * from + 7 * to) % (c + 1)
+}
+
+fn prefix(counts: &[usize]) -> Vec<usize> {
+    let mut o = vec![0];
+    for c in counts {
+        o.push(o.last().unwrap() + c);
+    }
+    o
+}
+
+fn combine(op: ReduceOp, a: f64, b: f64) -> f64 {
+    match op {
+        ReduceOp::Sum => a + b,
+        ReduceOp::Max => a.max(b),
+        ReduceOp::Min => a.min(b),
+        ReduceOp::Product => a * b,
+        other => panic!("no reference for {other}"),
+    }
+}
+
+fn reduced(op: ReduceOp, size: usize, from: usize, n: usize) -> Vec<f64> {
+    (from..from + n)
+        .map(|i| (1..size).fold(v(0, i), |acc, r| combine(op, acc, v(r, i))))
+        .collect()
+}
+
+fn t(dtype: DType, values: &[f64]) -> Tensor {
+    Tensor::from_f64s(dtype, values)
+}
+
+fn root_of(size: usize) -> usize {
+    size - 1
+}
+
+fn build(case: Case, r: usize, size: usize, c: usize, dtype: DType) -> (OpKind, OpData) {
+    let root = root_of(size);
+    match case {
+        Case::AllReduce(op) => (
+            OpKind::AllReduce,
+            OpData::AllReduce {
+                buf: t(dtype, &vals(r, 0, c)),
+                op,
+            },
+        ),
+        Case::Reduce => (
+            OpKind::Reduce,
+            OpData::Reduce {
+                buf: t(dtype, &vals(r, 0, c)),
+                op: ReduceOp::Sum,
+                root,
+            },
+        ),
+        Case::ReduceScatter => {
+            let counts = block_counts(c, size);
+            (
+                OpKind::ReduceScatter,
+                OpData::ReduceScatter {
+                    input: t(dtype, &vals(r, 0, c)),
+                    output: Tensor::zeros(dtype, counts[r]),
+                    counts,
+                    op: ReduceOp::Sum,
+                },
+            )
+        }
+        Case::AllGather => {
+            let counts = block_counts(c, size);
+            (
+                OpKind::AllGather,
+                OpData::AllGather {
+                    input: t(dtype, &vals(r, 0, counts[r])),
+                    output: Tensor::zeros(dtype, c),
+                    counts,
+                },
+            )
+        }
+        Case::Broadcast => (
+            OpKind::Broadcast,
+            OpData::Broadcast {
+                buf: if r == root {
+                    t(dtype, &vals(r, 0, c))
+                } else {
+                    Tensor::zeros(dtype, c)
+                },
+                root,
+            },
+        ),
+        Case::Scatter => (
+            OpKind::Scatter,
+            OpData::Scatter {
+                input: if r == root {
+                    t(dtype, &vals(r, 0, size * c))
+                } else {
+                    Tensor::zeros(dtype, 0)
+                },
+                output: Tensor::zeros(dtype, c),
+                root,
+            },
+        ),
+        Case::Gather => (
+            OpKind::Gather,
+            OpData::Gather {
+                input: t(dtype, &vals(r, 0, c)),
+                output: Tensor::zeros(dtype, if r == root { size * c } else { 0 }),
+                root,
+            },
+        ),
+        Case::AllToAll => {
+            let send_counts: Vec<usize> = (0..size).map(|to| a2a(c, r, to)).collect();
+            let recv_counts: Vec<usize> = (0..size).map(|from| a2a(c, from, r)).collect();
+            (
+                OpKind::AllToAllSingle,
+                OpData::AllToAll {
+                    input: t(dtype, &vals(r, 0, send_counts.iter().sum())),
+                    output: Tensor::zeros(dtype, recv_counts.iter().sum()),
+                    send_counts,
+                    recv_counts,
+                },
+            )
+        }
+        Case::Barrier => (OpKind::Barrier, OpData::Barrier),
+    }
+}
+
+/// The tensor to check on rank `r` and its expected values, if any.
+fn check(
+    case: Case,
+    r: usize,
+    size: usize,
+    c: usize,
+    data: &OpData,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let root = root_of(size);
+    match (case, data) {
+        (Case::AllReduce(op), OpData::AllReduce { buf, .. }) => {
+            Some((buf.to_f64_vec(), reduced(op, size, 0, c)))
+        }
+        (Case::Reduce, OpData::Reduce { buf, .. }) if r == root => {
+            Some((buf.to_f64_vec(), reduced(ReduceOp::Sum, size, 0, c)))
+        }
+        (Case::ReduceScatter, OpData::ReduceScatter { output, counts, .. }) => {
+            let o = prefix(counts);
+            Some((
+                output.to_f64_vec(),
+                reduced(ReduceOp::Sum, size, o[r], counts[r]),
+            ))
+        }
+        (Case::AllGather, OpData::AllGather { output, counts, .. }) => {
+            let want = (0..size).flat_map(|j| vals(j, 0, counts[j])).collect();
+            Some((output.to_f64_vec(), want))
+        }
+        (Case::Broadcast, OpData::Broadcast { buf, .. }) => {
+            Some((buf.to_f64_vec(), vals(root, 0, c)))
+        }
+        (Case::Scatter, OpData::Scatter { output, .. }) => {
+            Some((output.to_f64_vec(), vals(root, r * c, c)))
+        }
+        (Case::Gather, OpData::Gather { output, .. }) if r == root => {
+            let want = (0..size).flat_map(|j| vals(j, 0, c)).collect();
+            Some((output.to_f64_vec(), want))
+        }
+        (Case::AllToAll, OpData::AllToAll { output, .. }) => {
+            let want = (0..size)
+                .flat_map(|j| {
+                    let off: usize = (0..r).map(|to| a2a(c, j, to)).sum();
+                    vals(j, off, a2a(c, j, r))
+                })
+                .collect();
+            Some((output.to_f64_vec(), want))
+        }
+        _ => None,
+    }
+}
+
+async fn matches_reference(case: Case, dtype: DType) {
+    for size in 1..=4 {
+        let mut w = world(size).await;
+        for (seq, c) in [0usize, 5, 1000].into_iter().enumerate() {
+            let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let (kind, mut data) = build(case, r, size, c, dtype);
+                b.execute(&ctx(r, size, kind, seq as u64), &mut data)
+                    .await
+                    .map(|()| data)
+            }))
+            .await;
+            for (r, data) in res.into_iter().enumerate() {
+                let data = data.unwrap_or_else(|e| {
+                    panic!("{case:?} {dtype} world {size} count {c} rank {r}: {e}")
+                });
+                if let Some((got, want)) = check(case, r, size, c, &data) {
+                    assert_eq!(
+                        got, want,
+                        "{case:?} {dtype} world {size} count {c} rank {r}"
+                    );
+                }
+            }
+        }
+        for b in &mut w {
+            b.finalize().await;
+        }
+    }
+}
+
+macro_rules! reference_tests {
+    ($($name:ident: $case:expr, $dtype:expr;)*) => {$(
+        #[tokio::test]
+        async fn $name() {
+            bounded(matches_reference($case, $dtype)).await;
+        }
+    )*};
+}
+
+reference_tests! {
+    all_reduce_sum_matches_reference_worlds_1_to_4_f32: Case::AllReduce(ReduceOp::Sum), DType::F32;
+    all_reduce_sum_matches_reference_worlds_1_to_4_i32: Case::AllReduce(ReduceOp::Sum), DType::I32;
+    all_reduce_max_matches_reference_worlds_1_to_4_f32: Case::AllReduce(ReduceOp::Max), DType::F32;
+    all_reduce_min_matches_reference_worlds_1_to_4_i32: Case::AllReduce(ReduceOp::Min), DType::I32;
+    reduce_sum_to_last_rank_matches_reference_worlds_1_to_4_f32: Case::Reduce, DType::F32;
+    reduce_sum_to_last_rank_matches_reference_worlds_1_to_4_i32: Case::Reduce, DType::I32;
+    reduce_scatter_uneven_sum_matches_reference_worlds_1_to_4_f32: Case::ReduceScatter, DType::F32;
+    reduce_scatter_uneven_sum_matches_reference_worlds_1_to_4_i32: Case::ReduceScatter, DType::I32;
+    all_gather_uneven_matches_reference_worlds_1_to_4_f32: Case::AllGather, DType::F32;
+    all_gather_uneven_matches_reference_worlds_1_to_4_i32: Case::AllGather, DType::I32;
+    broadcast_from_last_rank_matches_reference_worlds_1_to_4_f32: Case::Broadcast, DType::F32;
+    broadcast_from_last_rank_matches_reference_worlds_1_to_4_i32: Case::Broadcast, DType::I32;
+    scatter_from_last_rank_matches_reference_worlds_1_to_4_f32: Case::Scatter, DType::F32;
+    scatter_from_last_rank_matches_reference_worlds_1_to_4_i32: Case::Scatter, DType::I32;
+    gather_to_last_rank_matches_reference_worlds_1_to_4_f32: Case::Gather, DType::F32;
+    gather_to_last_rank_matches_reference_worlds_1_to_4_i32: Case::Gather, DType::I32;
+    all_to_all_uneven_matches_reference_worlds_1_to_4_f32: Case::AllToAll, DType::F32;
+    all_to_all_uneven_matches_reference_worlds_1_to_4_i32: Case::AllToAll, DType::I32;
+    barrier_succeeds_worlds_1_to_4_f32: Case::Barrier, DType::F32;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "timing probe; run with --ignored --nocapture"]
+async fn all_reduce_64_mib_world_4_timing_probe() {
+    bounded(async {
+        let n = 16 << 20;
+        let mut w = world(4).await;
+        for round in 0..3 {
+            let start = Instant::now();
+            let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let mut data = OpData::AllReduce {
+                    buf: Tensor::full(1.0f32, n),
+                    op: ReduceOp::Sum,
+                };
+                b.execute(&ctx(r, 4, OpKind::AllReduce, round), &mut data)
+                    .await
+            }))
+            .await;
+            assert!(res.iter().all(Result::is_ok));
+            eprintln!(
+                "round {round}: 64 MiB all_reduce on 4 ranks in {:?}",
+                start.elapsed()
+            );
+        }
+    })
+    .await;
+}
