@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command, as in the README and CI: every target of the workspace
+# (unit, integration, examples, benches in test mode) under cargo-nextest when
+# it is installed (per-test timeouts from .config/nextest.toml; set
+# NEXTEST_PROFILE=ci for the CI profile), else plain cargo test; then the
+# doctests, which nextest does not run.
+#
+# Extra arguments go to the first command, e.g. ./scripts/test.sh launcher
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --all-targets "$@"
+else
+  echo "cargo-nextest not found; using cargo test (no per-test timeouts)" >&2
+  cargo test --workspace --all-targets "$@"
+fi
+
+# Doctests have no per-test timeout: bound the whole run instead.
+doctest_timeout=${CHORUS_DOCTEST_TIMEOUT:-1200}
+if command -v timeout >/dev/null 2>&1; then
+  timeout "$doctest_timeout" cargo test --workspace --doc
+else
+  cargo test --workspace --doc
+fi
