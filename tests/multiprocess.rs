@@ -33,7 +33,12 @@ impl Drop for Ranks {
     }
 }
 
-fn spawn_ranks(n: usize, mode: &str, secret_of: impl Fn(usize) -> String) -> Ranks {
+fn spawn_ranks(
+    n: usize,
+    mode: &str,
+    connect_secs: u64,
+    secret_of: impl Fn(usize) -> String,
+) -> Ranks {
     let port = free_port();
     let exe = std::env::current_exe().expect("current exe");
     let (tx, lines) = mpsc::channel();
@@ -53,6 +58,7 @@ fn spawn_ranks(n: usize, mode: &str, secret_of: impl Fn(usize) -> String) -> Ran
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("CHORUS_SECRET", secret_of(rank))
+            .env("CHORUS_TEST_CONNECT_SECS", connect_secs.to_string())
             .env_remove("CHORUS_RANK")
             .env_remove("CHORUS_SIZE")
             .stdout(Stdio::piped())
@@ -118,9 +124,13 @@ fn worker() {
     let Ok(mode) = std::env::var("CHORUS_TEST_WORKER") else {
         return;
     };
+    let connect_secs = std::env::var("CHORUS_TEST_CONNECT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
     let opts = CommOptions::default()
         .with_timeout(Duration::from_secs(20))
-        .with_connect_timeout(Duration::from_secs(20));
+        .with_connect_timeout(Duration::from_secs(connect_secs));
     let comm = match new_comm("cpu", Device::Cpu, "world", opts) {
         Ok(c) => c,
         Err(e) => {
@@ -183,7 +193,7 @@ fn worker() {
 #[test]
 fn four_processes_all_reduce_through_quic_store() {
     let deadline = Instant::now() + DEADLINE;
-    let mut ranks = spawn_ranks(4, "all_reduce", |_| "s3cret".into());
+    let mut ranks = spawn_ranks(4, "all_reduce", 20, |_| "s3cret".into());
     let lines = ranks.wait_lines(&[0, 1, 2, 3], "@@ok", deadline);
     assert!(lines.iter().all(|l| l == "@@ok 10"), "{lines:?}");
     for r in 0..4 {
@@ -194,7 +204,7 @@ fn four_processes_all_reduce_through_quic_store() {
 #[test]
 fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout() {
     let deadline = Instant::now() + DEADLINE;
-    let mut ranks = spawn_ranks(3, "loop_until_error", |_| "s3cret".into());
+    let mut ranks = spawn_ranks(3, "loop_until_error", 20, |_| "s3cret".into());
     ranks.wait_lines(&[0, 1, 2], "@@iter 2", deadline);
     let killed_at = Instant::now();
     ranks.children[2].kill().expect("kill -9 rank 2");
@@ -222,7 +232,7 @@ fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout() {
 #[test]
 fn rank_with_wrong_secret_is_refused() {
     let deadline = Instant::now() + DEADLINE;
-    let mut ranks = spawn_ranks(2, "all_reduce", |r| {
+    let mut ranks = spawn_ranks(2, "all_reduce", 4, |r| {
         if r == 1 {
             "bad".into()
         } else {
