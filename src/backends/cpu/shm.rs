@@ -1,0 +1,498 @@
+//! Shared-memory rings: the data links between ranks on the same host.
+//!
+//! One [`ShmSegment`] per directed pair of ranks holds a single-producer,
+//! single-consumer byte ring. The receiver creates the segment (a `0600`
+//! file under `/dev/shm` with a random name, unlinked as soon as both ends
+//! mapped it), the sender maps it; see `link::setup_shm` for the exchange,
+//! which runs over the authenticated TCP link (so only a peer that proved
+//! the job secret learns the name).
+//!
+//! Layout (every counter on its own 64-byte line, to avoid false sharing):
+//!
+//! | offset | field |
+//! |--------|-------|
+//! | 0      | `head: u64` — bytes ever produced (written by the producer) |
+//! | 64     | `tail: u64` — bytes ever consumed (written by the consumer) |
+//! | 128    | `data_seq: u32`, `cons_waiting: u32` — consumer futex word and flag |
+//! | 192    | `space_seq: u32`, `prod_waiting: u32` — producer futex word and flag |
+//! | 256    | `magic: u64`, `capacity: u64` |
+//! | 512    | `capacity` data bytes (a power of two, multiple of 8) |
+//!
+//! Invariants:
+//! - SH-1: `tail <= head <= tail + capacity` at all times; the producer only
+//!   writes bytes `[head, tail + capacity)` and the consumer only reads bytes
+//!   `[tail, head)` (positions modulo `capacity`). `head` is published with
+//!   Release after the bytes are written, `tail` with Release after they were
+//!   read; each side loads the other's counter with Acquire.
+//! - SH-2: no syscall on the fast path: a side calls `futex` wake only when
+//!   the other side announced (flag + `SeqCst` fence) that it is about to
+//!   sleep, and a sleeping side re-checks the ring after announcing, so a
+//!   wake-up is never lost; every sleep also has a timeout.
+//! - SH-3: a peer that writes garbage into the counters cannot make this
+//!   side read or write outside the mapping: available byte counts are
+//!   clamped to `[0, capacity]`, and positions are taken modulo `capacity`.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const OFF_HEAD: usize = 0;
+const OFF_TAIL: usize = 64;
+const OFF_DATA_SEQ: usize = 128;
+const OFF_CONS_WAITING: usize = 132;
+const OFF_SPACE_SEQ: usize = 192;
+const OFF_PROD_WAITING: usize = 196;
+const OFF_MAGIC: usize = 256;
+const OFF_CAPACITY: usize = 264;
+const OFF_DATA: usize = 512;
+const MAGIC: u64 = u64::from_le_bytes(*b"CHSHMRG1");
+
+/// Default data capacity of one ring.
+pub(crate) const RING_CAPACITY: usize = 1 << 20;
+
+/// A shared mapping holding one ring.
+#[derive(Debug)]
+pub(crate) struct ShmSegment {
+    ptr: *mut u8,
+    len: usize,
+    capacity: usize,
+    /// The file behind the mapping, if any (unlinked by `unlink`).
+    path: Option<PathBuf>,
+}
+
+// SAFETY: the mapping is plain shared memory; every access to it from this
+// type goes through atomics (counters) or through the SPSC protocol (SH-1),
+// which gives each byte range a single writer at a time.
+unsafe impl Send for ShmSegment {}
+// SAFETY: as above; `&ShmSegment` only exposes atomic counters and the
+// protocol-guarded copies of `RingProducer`/`RingConsumer`.
+unsafe impl Sync for ShmSegment {}
+
+fn os_err(what: &str) -> std::io::Error {
+    let e = std::io::Error::last_os_error();
+    std::io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+impl ShmSegment {
+    fn map(fd: Option<i32>, len: usize) -> std::io::Result<*mut u8> {
+        let (flags, fd) = match fd {
+            Some(fd) => (libc::MAP_SHARED, fd),
+            None => (libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a fresh mapping chosen by the kernel (null hint); the
+        // arguments are valid and the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("mmap"));
+        }
+        Ok(p.cast())
+    }
+
+    fn init(ptr: *mut u8, len: usize, capacity: usize, path: Option<PathBuf>) -> ShmSegment {
+        let s = ShmSegment {
+            ptr,
+            len,
+            capacity,
+            path,
+        };
+        s.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Relaxed);
+        s.u64_at(OFF_CAPACITY)
+            .store(capacity as u64, Ordering::Release);
+        s
+    }
+
+    /// An anonymous shared ring (for rings inside one process: tests).
+    pub(crate) fn anonymous(capacity: usize) -> std::io::Result<ShmSegment> {
+        let capacity = check_capacity(capacity)?;
+        let len = OFF_DATA + capacity;
+        let ptr = Self::map(None, len)?;
+        Ok(Self::init(ptr, len, capacity, None))
+    }
+
+    /// Create a new ring in a fresh `0600` file at `path` (which must not exist).
+    pub(crate) fn create(path: &Path, capacity: usize) -> std::io::Result<ShmSegment> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let capacity = check_capacity(capacity)?;
+        let len = OFF_DATA + capacity;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)?;
+        file.set_len(len as u64)?;
+        let ptr = Self::map(Some(file.as_raw_fd()), len).inspect_err(|_| {
+            let _ = std::fs::remove_file(path);
+        })?;
+        Ok(Self::init(ptr, len, capacity, Some(path.to_path_buf())))
+    }
+
+    /// Map an existing ring created by a peer.
+    pub(crate) fn open(path: &Path) -> std::io::Result<ShmSegment> {
+        let file: File = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        let len = usize::try_from(file.metadata()?.len()).unwrap_or(0);
+        if len <= OFF_DATA {
+            return Err(std::io::Error::other("shm ring file too small"));
+        }
+        let ptr = Self::map(Some(file.as_raw_fd()), len)?;
+        let mut s = ShmSegment {
+            ptr,
+            len,
+            capacity: 0,
+            path: None,
+        };
+        let magic = s.u64_at(OFF_MAGIC).load(Ordering::Acquire);
+        let cap = s.u64_at(OFF_CAPACITY).load(Ordering::Acquire) as usize;
+        if magic != MAGIC || cap != len - OFF_DATA || check_capacity(cap).is_err() {
+            return Err(std::io::Error::other("not a chorus shm ring"));
+        }
+        s.capacity = cap;
+        Ok(s)
+    }
+
+    /// Remove the backing file (the mapping stays valid). Idempotent.
+    pub(crate) fn unlink(&mut self) {
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off + 8 <= OFF_DATA && off % 8 == 0);
+        // SAFETY: `off` is one of the 8-aligned header offsets, inside the
+        // mapping (len > OFF_DATA), and the mapping is page aligned; the
+        // memory is only ever accessed atomically at these offsets.
+        unsafe { &*self.ptr.add(off).cast::<AtomicU64>() }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off + 4 <= OFF_DATA && off % 4 == 0);
+        // SAFETY: as `u64_at`, for 4-aligned u32 header fields.
+        unsafe { &*self.ptr.add(off).cast::<AtomicU32>() }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: OFF_DATA < len, so the result is inside the mapping.
+        unsafe { self.ptr.add(OFF_DATA) }
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        self.unlink();
+        // SAFETY: `ptr`/`len` are exactly what mmap returned; no reference
+        // into the mapping outlives `self` (borrows of ring data are tied to
+        // `&self` of the producer/consumer holding this segment).
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+fn check_capacity(c: usize) -> std::io::Result<usize> {
+    if c.is_power_of_two() && (64..=(1 << 30)).contains(&c) {
+        Ok(c)
+    } else {
+        Err(std::io::Error::other(format!(
+            "shm ring capacity {c} is not a power of two in [64, 1 GiB]"
+        )))
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, aligned u32 in shared memory that outlives
+    // the call; FUTEX_WAIT only reads it. Spurious returns are fine.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned u32; FUTEX_WAKE does not access
+    // memory beyond looking up waiters on that address.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+/// Announce a sleep on `seq` (flag + fence), re-check `ready`, then sleep
+/// at most `timeout` (SH-2).
+fn sleep_unless(seq: &AtomicU32, flag: &AtomicU32, timeout: Duration, ready: impl Fn() -> bool) {
+    flag.store(1, Ordering::Relaxed);
+    fence(Ordering::SeqCst);
+    let s = seq.load(Ordering::Acquire);
+    if !ready() {
+        futex_wait(seq, s, timeout);
+    }
+    flag.store(0, Ordering::Relaxed);
+}
+
+/// Wake the other side if it announced a sleep (SH-2).
+fn wake_if_waiting(seq: &AtomicU32, flag: &AtomicU32) {
+    fence(Ordering::SeqCst);
+    if flag.load(Ordering::Relaxed) != 0 {
+        seq.fetch_add(1, Ordering::Release);
+        futex_wake(seq);
+    }
+}
+
+/// The writing end of a ring.
+#[derive(Debug, Clone)]
+pub(crate) struct RingProducer {
+    seg: Arc<ShmSegment>,
+}
+
+/// The reading end of a ring.
+#[derive(Debug, Clone)]
+pub(crate) struct RingConsumer {
+    seg: Arc<ShmSegment>,
+}
+
+/// Both ends of one ring over the same segment.
+pub(crate) fn ring(seg: ShmSegment) -> (RingProducer, RingConsumer) {
+    let seg = Arc::new(seg);
+    (RingProducer { seg: seg.clone() }, RingConsumer { seg })
+}
+
+impl RingProducer {
+    /// The producing end of `seg`.
+    pub(crate) fn new(seg: ShmSegment) -> RingProducer {
+        RingProducer { seg: Arc::new(seg) }
+    }
+
+    /// Bytes that can be written now (SH-3: clamped).
+    pub(crate) fn writable(&self) -> usize {
+        let s = &self.seg;
+        let head = s.u64_at(OFF_HEAD).load(Ordering::Relaxed);
+        let tail = s.u64_at(OFF_TAIL).load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail).min(s.capacity as u64) as usize;
+        s.capacity - used
+    }
+
+    /// Copy as much of `src` as fits, publish it, and return the bytes written.
+    pub(crate) fn write_some(&self, src: &[u8]) -> usize {
+        let s = &self.seg;
+        let n = self.writable().min(src.len());
+        if n == 0 {
+            return 0;
+        }
+        let head = s.u64_at(OFF_HEAD).load(Ordering::Relaxed);
+        let pos = (head as usize) & (s.capacity - 1);
+        let first = n.min(s.capacity - pos);
+        // SAFETY: `pos + first <= capacity` and `n - first <= capacity`, so
+        // both copies stay inside the data area; by SH-1 the consumer does
+        // not read these bytes until `head` is published below; `src` is a
+        // separate (private) buffer, so the ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), s.data().add(pos), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), s.data(), n - first);
+        }
+        s.u64_at(OFF_HEAD)
+            .store(head.wrapping_add(n as u64), Ordering::Release);
+        wake_if_waiting(s.u32_at(OFF_DATA_SEQ), s.u32_at(OFF_CONS_WAITING));
+        n
+    }
+
+    /// Sleep until space frees up or `timeout` passes.
+    pub(crate) fn wait_space(&self, timeout: Duration) {
+        let s = &self.seg;
+        sleep_unless(
+            s.u32_at(OFF_SPACE_SEQ),
+            s.u32_at(OFF_PROD_WAITING),
+            timeout,
+            || self.writable() > 0,
+        );
+    }
+}
+
+impl RingConsumer {
+    /// The consuming end of `seg`.
+    pub(crate) fn new(seg: ShmSegment) -> RingConsumer {
+        RingConsumer { seg: Arc::new(seg) }
+    }
+
+    /// Bytes readable now (SH-3: clamped).
+    pub(crate) fn readable(&self) -> usize {
+        let s = &self.seg;
+        let head = s.u64_at(OFF_HEAD).load(Ordering::Acquire);
+        let tail = s.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        head.wrapping_sub(tail).min(s.capacity as u64) as usize
+    }
+
+    /// Call `f` on the longest contiguous readable run (at most `max` bytes);
+    /// `f` returns how many bytes it used, which are then released to the
+    /// producer. Returns that count.
+    pub(crate) fn consume_with(&self, max: usize, f: impl FnOnce(&[u8]) -> usize) -> usize {
+        let s = &self.seg;
+        let avail = self.readable().min(max);
+        if avail == 0 {
+            return 0;
+        }
+        let tail = s.u64_at(OFF_TAIL).load(Ordering::Relaxed);
+        let pos = (tail as usize) & (s.capacity - 1);
+        let n = avail.min(s.capacity - pos);
+        // SAFETY: `pos + n <= capacity`: inside the data area. By SH-1 the
+        // producer does not write `[tail, head)` until `tail` moves, which
+        // happens only after `f` returned and the slice is gone.
+        let run = unsafe { std::slice::from_raw_parts(s.data().add(pos), n) };
+        let used = f(run).min(n);
+        if used > 0 {
+            s.u64_at(OFF_TAIL)
+                .store(tail.wrapping_add(used as u64), Ordering::Release);
+            wake_if_waiting(s.u32_at(OFF_SPACE_SEQ), s.u32_at(OFF_PROD_WAITING));
+        }
+        used
+    }
+
+    /// Sleep until data arrives or `timeout` passes.
+    pub(crate) fn wait_data(&self, timeout: Duration) {
+        let s = &self.seg;
+        sleep_unless(
+            s.u32_at(OFF_DATA_SEQ),
+            s.u32_at(OFF_CONS_WAITING),
+            timeout,
+            || self.readable() > 0,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_round_trips_across_wraparound() {
+        let (p, c) = ring(ShmSegment::anonymous(64).unwrap());
+        let mut got = Vec::new();
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut sent = 0;
+        // Odd-sized writes and reads force every wrap position.
+        while got.len() < data.len() {
+            sent += p.write_some(&data[sent..(sent + 37).min(data.len())]);
+            c.consume_with(23, |b| {
+                got.extend_from_slice(b);
+                b.len()
+            });
+        }
+        assert_eq!(got, data);
+        assert_eq!(p.writable(), 64);
+        assert_eq!(c.readable(), 0);
+    }
+
+    #[test]
+    fn full_ring_refuses_writes_until_consumed() {
+        let (p, c) = ring(ShmSegment::anonymous(64).unwrap());
+        assert_eq!(p.write_some(&[1u8; 100]), 64);
+        assert_eq!(p.write_some(&[1u8; 1]), 0);
+        assert_eq!(c.consume_with(usize::MAX, |b| b.len().min(10)), 10);
+        assert_eq!(p.writable(), 10);
+    }
+
+    #[test]
+    fn garbage_counters_are_clamped_sh_3() {
+        let (p, c) = ring(ShmSegment::anonymous(64).unwrap());
+        p.seg
+            .u64_at(OFF_HEAD)
+            .store(u64::MAX - 3, Ordering::Relaxed);
+        assert!(c.readable() <= 64);
+        assert!(p.writable() <= 64);
+        c.consume_with(usize::MAX, |b| {
+            assert!(b.len() <= 64);
+            b.len()
+        });
+    }
+
+    #[test]
+    fn concurrent_producer_and_consumer_threads_see_every_byte_in_order() {
+        let (p, c) = ring(ShmSegment::anonymous(4096).unwrap());
+        const N: usize = 4 << 20;
+        let producer = std::thread::spawn(move || {
+            let chunk: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+            let mut sent = 0usize;
+            while sent < N {
+                let off = sent % 256;
+                let want = (N - sent).min(chunk.len() - off);
+                let n = p.write_some(&chunk[off..off + want]);
+                if n == 0 {
+                    p.wait_space(Duration::from_millis(5));
+                }
+                sent += n;
+            }
+        });
+        let mut seen = 0usize;
+        while seen < N {
+            let n = c.consume_with(usize::MAX, |b| {
+                for (i, &x) in b.iter().enumerate() {
+                    assert_eq!(x, ((seen + i) % 256) as u8, "byte {}", seen + i);
+                }
+                b.len()
+            });
+            if n == 0 {
+                c.wait_data(Duration::from_millis(5));
+            }
+            seen += n;
+        }
+        producer.join().unwrap();
+    }
+
+    #[test]
+    fn file_backed_ring_is_shared_between_two_mappings() {
+        let path = std::env::temp_dir().join(format!("chorus-shm-test-{}", std::process::id()));
+        let mut created = ShmSegment::create(&path, 128).unwrap();
+        let opened = ShmSegment::open(&path).unwrap();
+        created.unlink();
+        assert!(!path.exists());
+        let p = RingProducer::new(opened);
+        let c = RingConsumer::new(created);
+        assert_eq!(p.write_some(b"hello"), 5);
+        let mut got = Vec::new();
+        c.consume_with(usize::MAX, |b| {
+            got.extend_from_slice(b);
+            b.len()
+        });
+        assert_eq!(got, b"hello");
+    }
+
+    #[test]
+    fn open_rejects_a_file_that_is_not_a_ring() {
+        let path = std::env::temp_dir().join(format!("chorus-shm-bad-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; 4096]).unwrap();
+        assert!(ShmSegment::open(&path).is_err());
+        let _ = std::fs::remove_file(&path);
+    }
+}
