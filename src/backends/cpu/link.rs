@@ -48,6 +48,7 @@
 //!   that is at a frame boundary, so it is never read as payload.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,8 +60,11 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
+use super::shm::{self, RingConsumer, RingProducer, ShmSegment};
 use crate::backends::{BackendInit, OpCtx};
 use crate::error::{Error, Result};
+use crate::op::ReduceOp;
+use crate::tensor::DType;
 use crate::transport::TransportError;
 
 /// Size of a frame header in bytes.
@@ -286,6 +290,37 @@ pub(crate) enum RecvInto<'a> {
     Exact(&'a mut [u8]),
     /// Any length up to the bound, into this vector (replacing its contents).
     Bounded(&'a mut Vec<u8>, u64),
+    /// Exactly this many bytes, combined into this slice with `op`
+    /// (elements of `dtype`; used by shared-memory links to reduce straight
+    /// out of the ring).
+    Reduce(&'a mut [u8], DType, ReduceOp),
+}
+
+impl RecvInto<'_> {
+    /// Whether a payload of `len` bytes fits this target (`Err` says why not).
+    pub(crate) fn accepts(&self, len: u64) -> std::result::Result<(), String> {
+        match self {
+            RecvInto::Exact(b) | RecvInto::Reduce(b, ..) if len != b.len() as u64 => Err(format!(
+                "sent {len} bytes but this rank expects {}",
+                b.len()
+            )),
+            RecvInto::Bounded(_, max) if len > *max => {
+                Err(format!("sent a {len}-byte frame (limit {max})"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Whether the peer's end of a link is still there, without blocking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Liveness {
+    /// Nothing to read and not closed.
+    Quiet,
+    /// Bytes are waiting (on a link used only for control, an Abort frame).
+    Readable,
+    /// The peer closed the connection or its process died.
+    Closed,
 }
 
 /// The receiving half of a link.
@@ -381,6 +416,20 @@ impl LinkReader {
                     .await
                     .map_err(|e| self.io_error(ctx, e))?;
             }
+            RecvInto::Reduce(buf, dtype, op) => {
+                if len != buf.len() as u64 {
+                    return Err(ctx.mismatch(format!(
+                        "rank {peer} sent {len} bytes but this rank expects {} ({expect})",
+                        buf.len()
+                    )));
+                }
+                let mut tmp = vec![0u8; buf.len()];
+                self.half
+                    .read_exact(&mut tmp)
+                    .await
+                    .map_err(|e| self.io_error(ctx, e))?;
+                crate::backends::cpu::reduce::reduce_into(dtype, op, buf, &tmp)?;
+            }
             RecvInto::Bounded(buf, max) => {
                 if len > max {
                     return Err(ctx.mismatch(format!(
@@ -402,6 +451,34 @@ impl LinkReader {
 }
 
 impl LinkReader {
+    /// Peek at the socket without blocking: closed, readable, or quiet.
+    pub(crate) fn liveness(&self) -> Liveness {
+        use std::os::fd::AsRawFd;
+        if !self.half.buffer().is_empty() {
+            return Liveness::Readable;
+        }
+        let fd = self.half.get_ref().as_ref().as_raw_fd();
+        let mut b = [0u8; 1];
+        // SAFETY: `fd` is the live socket owned by this reader; the 1-byte
+        // buffer is valid for writes; MSG_PEEK leaves the data in the socket.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => Liveness::Closed,
+            n if n > 0 => Liveness::Readable,
+            _ => match std::io::Error::last_os_error().kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Liveness::Quiet,
+                _ => Liveness::Closed,
+            },
+        }
+    }
+
     /// Read and discard whatever the peer still sends, until it closes or
     /// `linger` passes, then drop the link. Used after an abort: a peer
     /// blocked writing to us is released, and our Abort frame is not lost
@@ -639,6 +716,178 @@ pub(crate) fn addr_key(prefix: &str, rank: usize) -> String {
     format!("{prefix}/cpu/addr/{rank}")
 }
 
+/// The store key under which `rank` publishes its host id (see [`host_id`]).
+pub(crate) fn host_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/cpu/host/{rank}")
+}
+
+/// This host's identity for choosing shared-memory links: `/etc/machine-id`
+/// and the kernel boot id (equal for two processes that can share
+/// `/dev/shm`). Empty, meaning "never use shared memory", when either is
+/// unreadable, when `/dev/shm` is missing, or when `CHORUS_SHM=0`.
+pub(crate) fn host_id() -> String {
+    if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") || !Path::new(SHM_DIR).is_dir() {
+        return String::new();
+    }
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
+    match (
+        read("/etc/machine-id"),
+        read("/proc/sys/kernel/random/boot_id"),
+    ) {
+        (Ok(m), Ok(b)) if !m.is_empty() && !b.is_empty() => format!("{m}/{b}"),
+        _ => String::new(),
+    }
+}
+
+/// Where ring files are created.
+const SHM_DIR: &str = "/dev/shm";
+/// Sequence number of the frames of the shared-memory setup exchange.
+const SHM_SETUP_SEQ: u64 = u64::MAX - 1;
+
+/// After the mesh is up: for every peer on the same host (equal non-empty
+/// [`host_id`]s), create this rank's incoming ring, exchange ring paths over
+/// the authenticated link, map the peer's ring, and agree (both ends mapped)
+/// before unlinking. Returns one `Some((to_peer, from_peer))` per peer that
+/// uses shared memory; both ends of a pair always decide the same.
+///
+/// # Errors
+/// `PeerFailed` if a link fails during the exchange; `Transport` if the
+/// store does not answer.
+pub(crate) async fn setup_shm(
+    init: &BackendInit,
+    writers: &mut [Option<LinkWriter>],
+    readers: &mut [Option<LinkReader>],
+) -> Result<Vec<Option<(RingProducer, RingConsumer)>>> {
+    let (me, size) = (init.rank, init.size);
+    let mut out: Vec<Option<(RingProducer, RingConsumer)>> = (0..size).map(|_| None).collect();
+    let mine = host_id();
+    if size <= 1 || mine.is_empty() {
+        return Ok(out);
+    }
+    let keys: Vec<String> = (0..size).map(|r| host_key(&init.key_prefix, r)).collect();
+    let hosts = init.store.wait(&keys, init.connect_timeout).await?;
+    let same: Vec<usize> = (0..size)
+        .filter(|&r| r != me && hosts.get(r).is_some_and(|h| h == mine.as_bytes()))
+        .collect();
+    if same.is_empty() {
+        return Ok(out);
+    }
+    let capacity = if size <= 8 {
+        shm::RING_CAPACITY
+    } else {
+        shm::RING_CAPACITY / 4
+    };
+    let ctx = OpCtx {
+        comm: init.comm.clone(),
+        rank: me,
+        size,
+        epoch: init.epoch,
+        kind: crate::op::OpKind::Barrier,
+        seq: SHM_SETUP_SEQ,
+    };
+    let mut nonce = [0u8; 8];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| Error::Internal("system random generator failed".into()))?;
+    let tag: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    let ctx = &ctx;
+    let mut pairs: Vec<(usize, &mut LinkWriter, &mut LinkReader)> = Vec::new();
+    for (peer, (w, r)) in writers.iter_mut().zip(readers.iter_mut()).enumerate() {
+        if let (true, Some(w), Some(r)) = (same.contains(&peer), w.as_mut(), r.as_mut()) {
+            pairs.push((peer, w, r));
+        }
+    }
+    let results = futures::future::join_all(pairs.into_iter().map(|(peer, w, r)| {
+        let path = PathBuf::from(format!(
+            "{SHM_DIR}/chorus-{tag}-{}-{peer}-{me}",
+            std::process::id()
+        ));
+        async move {
+            // Our incoming ring (peer -> me).
+            let mut incoming = match ShmSegment::create(&path, capacity) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::debug!(peer, error = %e, "cannot create a shm ring; using TCP");
+                    None
+                }
+            };
+            let offer = if incoming.is_some() {
+                path.to_string_lossy().into_owned().into_bytes()
+            } else {
+                Vec::new()
+            };
+            let mut theirs = Vec::new();
+            let (sent, got) = futures::future::join(
+                w.send(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    &offer,
+                ),
+                r.recv(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    RecvInto::Bounded(&mut theirs, 4096),
+                ),
+            )
+            .await;
+            sent?;
+            got?;
+            let outgoing = String::from_utf8(theirs)
+                .ok()
+                .filter(|p| p.starts_with(&format!("{SHM_DIR}/chorus-")) && !p.contains(".."))
+                .and_then(|p| match ShmSegment::open(Path::new(&p)) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::debug!(peer, error = %e, "cannot map the peer's shm ring");
+                        None
+                    }
+                });
+            let ok = [u8::from(incoming.is_some() && outgoing.is_some())];
+            let mut ack = Vec::new();
+            let (sent, got) = futures::future::join(
+                w.send(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    &ok,
+                ),
+                r.recv(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    RecvInto::Bounded(&mut ack, 1),
+                ),
+            )
+            .await;
+            if let Some(s) = incoming.as_mut() {
+                s.unlink();
+            }
+            sent?;
+            got?;
+            Ok::<_, Error>(match (incoming, outgoing) {
+                (Some(i), Some(o)) if ok[0] == 1 && ack == [1] => {
+                    Some((peer, RingProducer::new(o), RingConsumer::new(i)))
+                }
+                _ => None,
+            })
+        }
+    }))
+    .await;
+    for r in results {
+        if let Some((peer, tx, rx)) = r? {
+            out[peer] = Some((tx, rx));
+        }
+    }
+    tracing::debug!(rank = me, peers = ?same, "shared-memory links set up");
+    Ok(out)
+}
+
 /// Connect the full mesh for `init`: returns one authenticated stream per
 /// peer (`None` at this rank's own index). See the module docs (LK-1, LK-2).
 pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStream>>> {
@@ -667,6 +916,9 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
             &addr_key(&init.key_prefix, me),
             local.to_string().into_bytes(),
         )
+        .await?;
+    init.store
+        .set(&host_key(&init.key_prefix, me), host_id().into_bytes())
         .await?;
     tracing::debug!(comm = %init.comm, rank = me, addr = %local, "data-link listener published");
 

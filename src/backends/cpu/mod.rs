@@ -45,12 +45,13 @@ use crate::tensor::Tensor;
 mod link;
 pub mod reduce;
 pub mod schedule;
-#[allow(dead_code)] // wired into the executor in the next commit
 mod shm;
+mod shm_exec;
 
 use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
 use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule, Step, Transfer};
+use shm_exec::ShmLink;
 
 /// How long `abort` waits for each peer to take its Abort frame.
 const ABORT_BOUND: Duration = Duration::from_secs(1);
@@ -82,6 +83,9 @@ pub struct CpuBackend {
     epoch: u64,
     writers: Vec<Option<LinkWriter>>,
     readers: Vec<Option<LinkReader>>,
+    /// Shared-memory rings of same-host peers (their TCP link then only
+    /// carries Abort frames and liveness).
+    shm: Vec<Option<ShmLink>>,
     /// Reusable receive buffers for schedule steps.
     scratch: Vec<Vec<u8>>,
     state: State,
@@ -117,6 +121,11 @@ impl CpuBackend {
                 }
             }
         }
+        let shm = link::setup_shm(&init, &mut writers, &mut readers)
+            .await?
+            .into_iter()
+            .map(|p| p.map(|(tx, rx)| ShmLink { tx, rx }))
+            .collect();
         Ok(CpuBackend {
             comm: init.comm,
             rank: init.rank,
@@ -124,6 +133,7 @@ impl CpuBackend {
             epoch: init.epoch,
             writers,
             readers,
+            shm,
             scratch: Vec::new(),
             state: State::Ready,
         })
@@ -228,12 +238,14 @@ impl CpuBackend {
             ))
         };
         for (step_no, step) in schedule.steps.iter().enumerate() {
-            let items = plan_step(
+            let shm = &self.shm;
+            let items = plan_step_with(
                 step,
                 self.rank,
                 self.size,
                 es,
                 [src.len_bytes(), dst.len_bytes()],
+                &|p| shm.get(p).is_some_and(Option::is_some),
             )
             .map_err(|w| bad(format!("step {step_no}: {w}")))?;
             let n_staged = items
@@ -286,17 +298,18 @@ impl CpuBackend {
                         Item::Recv {
                             peer,
                             bytes,
+                            action,
                             direct: true,
                             ..
                         } => {
                             let slot = direct[k].take().ok_or_else(|| {
                                 bad(format!("step {step_no}: lost in-place slot {bytes:?}"))
                             })?;
-                            push_grouped(
-                                &mut recvs,
-                                *peer,
-                                (FrameKind::Data, ctx.seq, RecvInto::Exact(slot)),
-                            );
+                            let into = match action {
+                                RecvAction::Copy => RecvInto::Exact(slot),
+                                RecvAction::Reduce => RecvInto::Reduce(slot, dtype, combine),
+                            };
+                            push_grouped(&mut recvs, *peer, (FrameKind::Data, ctx.seq, into));
                         }
                         Item::Recv {
                             peer,
@@ -321,9 +334,10 @@ impl CpuBackend {
                         Item::LocalCopy { .. } => {}
                     }
                 }
-                run_transfers(
+                run_links(
                     &mut self.writers,
                     &mut self.readers,
+                    &self.shm,
                     ctx,
                     class,
                     sends,
@@ -395,9 +409,10 @@ impl CpuBackend {
                 );
             }
         }
-        run_transfers(
+        run_links(
             &mut self.writers,
             &mut self.readers,
+            &self.shm,
             ctx,
             FrameClass::P2P,
             sends,
@@ -438,9 +453,10 @@ impl CpuBackend {
                 ),
             );
         }
-        run_transfers(
+        run_links(
             &mut self.writers,
             &mut self.readers,
+            &self.shm,
             ctx,
             class,
             sends,
@@ -592,12 +608,27 @@ fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
 
 /// Check one step against the buffers (`lens` = byte lengths of Src, Dst)
 /// and decide which receives can land in place.
+#[cfg(test)]
 fn plan_step(
     step: &Step,
     rank: usize,
     size: usize,
     es: usize,
     lens: [usize; 2],
+) -> std::result::Result<Vec<Item>, String> {
+    plan_step_with(step, rank, size, es, lens, &|_| false)
+}
+
+/// [`plan_step`], where a `Reduce` receive from a peer for which
+/// `reduce_in_place` holds may also land in place (combined straight into
+/// the buffer as it arrives: shared-memory peers) when its range is private.
+fn plan_step_with(
+    step: &Step,
+    rank: usize,
+    size: usize,
+    es: usize,
+    lens: [usize; 2],
+    reduce_in_place: &dyn Fn(usize) -> bool,
 ) -> std::result::Result<Vec<Item>, String> {
     let slot = |b: BufId| usize::from(b == BufId::Dst);
     let bytes = |b: BufId, r: &Range<usize>| -> std::result::Result<Range<usize>, String> {
@@ -660,13 +691,16 @@ fn plan_step(
     }
     for item in &mut items {
         if let Item::Recv {
+            peer,
             buf,
             bytes,
-            action: RecvAction::Copy,
+            action,
             direct,
-            ..
         } = item
         {
+            if *action == RecvAction::Reduce && !reduce_in_place(*peer) {
+                continue;
+            }
             let (s, range) = (slot(*buf), bytes.clone());
             let writers = writes[s].iter().filter(|w| overlaps(w, &range)).count();
             // Overlapping itself once is expected; anything more is shared.
@@ -746,12 +780,66 @@ fn push_grouped<T>(groups: &mut Vec<(usize, Vec<T>)>, peer: usize, item: T) {
     }
 }
 
+/// Run per-peer send and receive lists: shared-memory peers through the
+/// ring engine ([`shm_exec::run_shm`]), the others over TCP
+/// ([`run_transfers`]), both at once.
+#[allow(clippy::too_many_arguments)]
+async fn run_links<'a>(
+    writers: &'a mut [Option<LinkWriter>],
+    readers: &'a mut [Option<LinkReader>],
+    shm: &'a [Option<ShmLink>],
+    ctx: &'a OpCtx,
+    class: FrameClass,
+    sends: Vec<(usize, SendFrames<'a>)>,
+    recvs: Vec<(usize, RecvFrames<'a>)>,
+) -> Result<()> {
+    let is_shm = |p: usize| shm.get(p).is_some_and(Option::is_some);
+    let (shm_sends, tcp_sends): (Vec<_>, Vec<_>) = sends.into_iter().partition(|(p, _)| is_shm(*p));
+    let (shm_recvs, tcp_recvs): (Vec<_>, Vec<_>) = recvs.into_iter().partition(|(p, _)| is_shm(*p));
+    let mut tcp_w = Vec::with_capacity(writers.len());
+    for (p, w) in writers.iter_mut().enumerate() {
+        tcp_w.push(if is_shm(p) { None } else { w.as_mut() });
+    }
+    let (mut tcp_r, mut shm_r) = (
+        Vec::with_capacity(readers.len()),
+        Vec::with_capacity(readers.len()),
+    );
+    for (p, r) in readers.iter_mut().enumerate() {
+        if is_shm(p) {
+            tcp_r.push(None);
+            shm_r.push(r.as_mut());
+        } else {
+            tcp_r.push(r.as_mut());
+            shm_r.push(None);
+        }
+    }
+    let shm_idle = shm_sends.is_empty() && shm_recvs.is_empty();
+    let tcp_idle = tcp_sends.is_empty() && tcp_recvs.is_empty();
+    // SX-3: sleep in the kernel only on a multi-thread runtime and when no
+    // TCP transfer of this step needs this task to poll it.
+    let may_block = tcp_idle
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    match (shm_idle, tcp_idle) {
+        (true, _) => run_transfers(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs).await,
+        (false, true) => {
+            shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, may_block).await
+        }
+        (false, false) => futures::future::try_join(
+            run_transfers(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs),
+            shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, false),
+        )
+        .await
+        .map(|_| ()),
+    }
+}
+
 /// Run per-peer send and receive lists concurrently: one task-free future per
 /// (peer, direction), frames in list order. On the first error the receives
 /// are dropped and the sends get [`DRAIN_BOUND`] to finish (CPU-3).
 async fn run_transfers<'a>(
-    writers: &'a mut [Option<LinkWriter>],
-    readers: &'a mut [Option<LinkReader>],
+    writers: Vec<Option<&'a mut LinkWriter>>,
+    readers: Vec<Option<&'a mut LinkReader>>,
     ctx: &'a OpCtx,
     class: FrameClass,
     sends: Vec<(usize, SendFrames<'a>)>,
@@ -777,11 +865,11 @@ async fn run_transfers<'a>(
         }
         v
     };
-    for (peer, w) in writers.iter_mut().enumerate() {
+    for (peer, w) in writers.into_iter().enumerate() {
         let Some(frames) = sends[peer].take() else {
             continue;
         };
-        let Some(w) = w.as_mut() else {
+        let Some(w) = w else {
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
         send_futs.push(Box::pin(async move {
@@ -791,11 +879,11 @@ async fn run_transfers<'a>(
             Ok(())
         }));
     }
-    for (peer, r) in readers.iter_mut().enumerate() {
+    for (peer, r) in readers.into_iter().enumerate() {
         let Some(frames) = recvs[peer].take() else {
             continue;
         };
-        let Some(r) = r.as_mut() else {
+        let Some(r) = r else {
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
         recv_futs.push(Box::pin(async move {

@@ -114,6 +114,7 @@ impl ShmSegment {
     }
 
     /// An anonymous shared ring (for rings inside one process: tests).
+    #[cfg(test)]
     pub(crate) fn anonymous(capacity: usize) -> std::io::Result<ShmSegment> {
         let capacity = check_capacity(capacity)?;
         let len = OFF_DATA + capacity;
@@ -284,6 +285,7 @@ pub(crate) struct RingConsumer {
 }
 
 /// Both ends of one ring over the same segment.
+#[cfg(test)]
 pub(crate) fn ring(seg: ShmSegment) -> (RingProducer, RingConsumer) {
     let seg = Arc::new(seg);
     (RingProducer { seg: seg.clone() }, RingConsumer { seg })

@@ -1,0 +1,365 @@
+//! Moving frames over shared-memory rings: the progress engine used for
+//! same-host peers.
+//!
+//! A message on a ring is a 24-byte prefix (`kind u8`, `class u8`, 6 zero
+//! bytes, `seq u64`, `len u64`, little endian; the same fields as a TCP
+//! frame header), `len` payload bytes, and zero padding to a multiple of 8,
+//! so every payload starts 8-aligned in the ring and no element of any dtype
+//! straddles the wrap point. One thread drives every transfer of a step:
+//! it copies send payloads into the peers' rings and copies — or reduces —
+//! received bytes straight out of the rings as they arrive, chunk by chunk,
+//! so a reduction overlaps the peer's copy (pipelining) and no staging
+//! buffer is needed.
+//!
+//! Invariants:
+//! - SX-1: messages between one ordered pair of ranks are matched in order
+//!   (SC-3); a prefix whose kind, class, seq or length is not the expected
+//!   one is a `Mismatch`, checked before any payload byte is used (as LK-3).
+//! - SX-2: waiting never spins unboundedly: a short spin, then `sched_yield`,
+//!   then futex sleeps of at most [`SLEEP`]; at least every [`ROUND`] the
+//!   engine returns to the async runtime (so op timeouts and aborts fire)
+//!   and checks the TCP link of every peer it waits for: a closed link is
+//!   `PeerFailed`, a readable one carries the peer's Abort frame (nothing
+//!   else travels on the TCP link of a shared-memory peer) and becomes
+//!   `PeerFailed` with the peer's reason.
+//! - SX-3: on a current-thread runtime the engine never sleeps in the
+//!   kernel (the peer may be a task on the same thread): it yields to the
+//!   runtime instead.
+
+use std::time::{Duration, Instant};
+
+use super::link::{FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
+use super::reduce;
+use super::shm::{RingConsumer, RingProducer};
+use crate::backends::OpCtx;
+use crate::error::Result;
+
+/// Bytes of the prefix in front of every message.
+const PREFIX: usize = 24;
+/// Spins before yielding the CPU.
+const SPIN: u32 = 200;
+/// `sched_yield`s before sleeping in the kernel.
+const YIELDS: u32 = 8;
+/// Longest single futex sleep.
+const SLEEP: Duration = Duration::from_micros(200);
+/// Longest time spent blocking before returning to the runtime (SX-2).
+const ROUND: Duration = Duration::from_millis(2);
+
+/// Both rings of a same-host peer.
+#[derive(Debug)]
+pub(crate) struct ShmLink {
+    /// This rank -> peer.
+    pub(crate) tx: RingProducer,
+    /// Peer -> this rank.
+    pub(crate) rx: RingConsumer,
+}
+
+fn prefix(kind: FrameKind, class: FrameClass, seq: u64, len: u64) -> [u8; PREFIX] {
+    let mut h = [0u8; PREFIX];
+    h[0] = kind as u8;
+    h[1] = class as u8;
+    h[8..16].copy_from_slice(&seq.to_le_bytes());
+    h[16..24].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+fn padded(len: usize) -> usize {
+    PREFIX + len.div_ceil(8) * 8
+}
+
+struct SendJob<'a> {
+    ring: &'a RingProducer,
+    prefix: [u8; PREFIX],
+    payload: &'a [u8],
+    pos: usize,
+}
+
+impl SendJob<'_> {
+    fn total(&self) -> usize {
+        padded(self.payload.len())
+    }
+
+    fn done(&self) -> bool {
+        self.pos >= self.total()
+    }
+
+    /// Write what fits; returns whether anything was written.
+    fn progress(&mut self) -> bool {
+        const ZEROS: [u8; 8] = [0u8; 8];
+        let mut any = false;
+        while !self.done() {
+            let p = self.pos;
+            let l = self.payload.len();
+            let src = if p < PREFIX {
+                &self.prefix[p..]
+            } else if p < PREFIX + l {
+                &self.payload[p - PREFIX..]
+            } else {
+                &ZEROS[..self.total() - p]
+            };
+            let n = self.ring.write_some(src);
+            if n == 0 {
+                break;
+            }
+            self.pos += n;
+            any = true;
+        }
+        any
+    }
+}
+
+struct RecvJob<'a> {
+    ring: &'a RingConsumer,
+    peer: usize,
+    kind: FrameKind,
+    class: FrameClass,
+    seq: u64,
+    into: RecvInto<'a>,
+    head: [u8; PREFIX],
+    got: usize,
+    /// Payload length, once the prefix is in.
+    len: usize,
+}
+
+impl RecvJob<'_> {
+    fn done(&self) -> bool {
+        self.got >= PREFIX && self.got >= padded(self.len)
+    }
+
+    /// Read what has arrived; returns whether anything was consumed.
+    fn progress(&mut self, ctx: &OpCtx) -> Result<bool> {
+        let mut any = false;
+        loop {
+            if self.got < PREFIX {
+                let (got, head) = (self.got, &mut self.head);
+                let n = self.ring.consume_with(PREFIX - got, |b| {
+                    head[got..got + b.len()].copy_from_slice(b);
+                    b.len()
+                });
+                if n == 0 {
+                    return Ok(any);
+                }
+                any = true;
+                self.got += n;
+                if self.got == PREFIX {
+                    self.check_prefix(ctx)?;
+                }
+                continue;
+            }
+            if self.done() {
+                return Ok(any);
+            }
+            let off = self.got - PREFIX;
+            let n = if off < self.len {
+                let want = self.len - off;
+                match &mut self.into {
+                    RecvInto::Exact(buf) => self.ring.consume_with(want, |b| {
+                        buf[off..off + b.len()].copy_from_slice(b);
+                        b.len()
+                    }),
+                    RecvInto::Bounded(buf, _) => self.ring.consume_with(want, |b| {
+                        buf[off..off + b.len()].copy_from_slice(b);
+                        b.len()
+                    }),
+                    RecvInto::Reduce(buf, dtype, op) => {
+                        let es = dtype.size();
+                        let mut res = Ok(());
+                        let n = self.ring.consume_with(want, |b| {
+                            let k = b.len() / es * es;
+                            res = reduce::reduce_into(*dtype, *op, &mut buf[off..off + k], &b[..k]);
+                            k
+                        });
+                        res?;
+                        n
+                    }
+                }
+            } else {
+                let pad = padded(self.len) - self.got;
+                self.ring.consume_with(pad, |b| b.len())
+            };
+            if n == 0 {
+                return Ok(any);
+            }
+            any = true;
+            self.got += n;
+        }
+    }
+
+    fn check_prefix(&mut self, ctx: &OpCtx) -> Result<()> {
+        let h = &self.head;
+        let le = |b: &[u8]| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            u64::from_le_bytes(a)
+        };
+        let (seq, len) = (le(&h[8..16]), le(&h[16..24]));
+        let peer = self.peer;
+        if h[0] != self.kind as u8
+            || h[1] != self.class as u8
+            || h[2..8] != [0u8; 6]
+            || seq != self.seq
+        {
+            return Err(ctx.mismatch(format!(
+                "rank {peer} is out of step: expected frame kind {} class {} seq {} on the shared-memory link, got kind {} class {} seq {seq} ({len} bytes)",
+                self.kind as u8, self.class as u8, self.seq, h[0], h[1]
+            )));
+        }
+        self.into
+            .accepts(len)
+            .map_err(|w| ctx.mismatch(format!("rank {peer} {w} (seq {seq})")))?;
+        self.len = len as usize;
+        if let RecvInto::Bounded(buf, _) = &mut self.into {
+            buf.clear();
+            buf.resize(self.len, 0);
+        }
+        Ok(())
+    }
+}
+
+/// Per-peer frames to send / receive (as for the TCP links).
+pub(crate) type Sends<'a> = Vec<(usize, Vec<(FrameKind, u64, &'a [u8])>)>;
+/// Per-peer frames to receive.
+pub(crate) type Recvs<'a> = Vec<(usize, Vec<(FrameKind, u64, RecvInto<'a>)>)>;
+
+/// Run every frame of `sends` and `recvs` over the peers' rings, in order
+/// per (peer, direction), all peers at once. `readers[peer]` is the peer's
+/// TCP reader (liveness and Abort frames, SX-2). `may_block`: whether the
+/// engine may sleep in the kernel (SX-3).
+pub(crate) async fn run_shm(
+    links: &[Option<ShmLink>],
+    mut readers: Vec<Option<&mut LinkReader>>,
+    ctx: &OpCtx,
+    class: FrameClass,
+    sends: Sends<'_>,
+    recvs: Recvs<'_>,
+    may_block: bool,
+) -> Result<()> {
+    let link = |peer: usize| {
+        links.get(peer).and_then(Option::as_ref).ok_or_else(|| {
+            ctx.peer_failed(vec![peer], format!("no shared-memory link to rank {peer}"))
+        })
+    };
+    // Per peer, the queue of jobs in order; the engine works on the front.
+    let mut send_q: Vec<(usize, std::collections::VecDeque<SendJob<'_>>)> = Vec::new();
+    for (peer, frames) in sends {
+        let l = link(peer)?;
+        let q = frames
+            .into_iter()
+            .map(|(kind, seq, payload)| SendJob {
+                ring: &l.tx,
+                prefix: prefix(kind, class, seq, payload.len() as u64),
+                payload,
+                pos: 0,
+            })
+            .collect();
+        send_q.push((peer, q));
+    }
+    let mut recv_q: Vec<(usize, std::collections::VecDeque<RecvJob<'_>>)> = Vec::new();
+    for (peer, frames) in recvs {
+        let l = link(peer)?;
+        let q = frames
+            .into_iter()
+            .map(|(kind, seq, into)| RecvJob {
+                ring: &l.rx,
+                peer,
+                kind,
+                class,
+                seq,
+                into,
+                head: [0u8; PREFIX],
+                got: 0,
+                len: 0,
+            })
+            .collect();
+        recv_q.push((peer, q));
+    }
+    loop {
+        let round = Instant::now();
+        let mut idle = 0u32;
+        loop {
+            let mut any = false;
+            for (_, q) in send_q.iter_mut() {
+                while let Some(j) = q.front_mut() {
+                    any |= j.progress();
+                    if j.done() {
+                        q.pop_front();
+                    } else {
+                        break;
+                    }
+                }
+            }
+            for (_, q) in recv_q.iter_mut() {
+                while let Some(j) = q.front_mut() {
+                    any |= j.progress(ctx)?;
+                    if j.done() {
+                        q.pop_front();
+                    } else {
+                        break;
+                    }
+                }
+            }
+            send_q.retain(|(_, q)| !q.is_empty());
+            recv_q.retain(|(_, q)| !q.is_empty());
+            if send_q.is_empty() && recv_q.is_empty() {
+                return Ok(());
+            }
+            if any {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            if !may_block || round.elapsed() >= ROUND {
+                break;
+            }
+            if idle < SPIN + YIELDS {
+                std::thread::yield_now();
+                continue;
+            }
+            // Sleep on the ring we most likely wait for.
+            if let Some(j) = recv_q.first().and_then(|(_, q)| q.front()) {
+                j.ring.wait_data(SLEEP);
+            } else if let Some(j) = send_q.first().and_then(|(_, q)| q.front()) {
+                j.ring.wait_space(SLEEP);
+            }
+        }
+        // SX-2: liveness of every peer still pending.
+        let mut peers: Vec<usize> = send_q.iter().map(|(p, _)| *p).collect();
+        peers.extend(recv_q.iter().map(|(p, _)| *p));
+        peers.sort_unstable();
+        peers.dedup();
+        for peer in peers {
+            let Some(r) = readers.get_mut(peer).and_then(|r| r.as_deref_mut()) else {
+                continue;
+            };
+            match r.liveness() {
+                Liveness::Quiet => {}
+                Liveness::Closed => {
+                    return Err(ctx.peer_failed(
+                        vec![peer],
+                        format!("rank {peer} closed its link (process exited or aborted)"),
+                    ))
+                }
+                Liveness::Readable => {
+                    let mut junk = Vec::new();
+                    // An Abort frame becomes PeerFailed; anything else is out of step.
+                    r.recv(
+                        ctx,
+                        FrameKind::Data,
+                        class,
+                        ctx.seq,
+                        RecvInto::Bounded(&mut junk, 0),
+                    )
+                    .await?;
+                    return Err(ctx.mismatch(format!(
+                        "rank {peer} sent a frame on the control link of a shared-memory peer"
+                    )));
+                }
+            }
+        }
+        tokio::task::yield_now().await;
+    }
+}
