@@ -461,10 +461,24 @@ fn time_ops(
     out_of_place: bool,
 ) -> chorus::Result<Vec<f64>> {
     let input = Tensor::zeros(chorus::DType::F32, len);
-    let mut t = input.clone();
+    // In place, the input itself circulates (no copy, no first-touch pages).
+    let mut t = if out_of_place {
+        input.clone()
+    } else {
+        Tensor::zeros(chorus::DType::F32, 0)
+    };
+    let mut input = Some(input);
+    if !out_of_place {
+        t = input.take().unwrap_or(t);
+    }
+    let fresh = |input: &Option<Tensor>| {
+        input
+            .clone()
+            .unwrap_or_else(|| Tensor::zeros(chorus::DType::F32, len))
+    };
     for _ in 0..warmup {
         t = if out_of_place {
-            run_op(comm, op, input.clone())?
+            run_op(comm, op, fresh(&input))?
         } else {
             run_op(comm, op, reuse(op, t, len))?
         };
@@ -473,7 +487,7 @@ fn time_ops(
     for _ in 0..iters {
         let start = Instant::now();
         t = if out_of_place {
-            run_op(comm, op, input.clone())?
+            run_op(comm, op, fresh(&input))?
         } else {
             run_op(comm, op, reuse(op, t, len))?
         };

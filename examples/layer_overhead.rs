@@ -1,0 +1,179 @@
+//! Overhead of the actor layer: the same all_reduce (f32 sum, 2 ranks in one
+//! process, shared-memory links) through [`Comm`] and through the cpu
+//! backend directly (header exchange + execute, as the executor calls it).
+//!
+//! ```text
+//! cargo run --release --example layer_overhead [iters]
+//! ```
+//!
+//! Prints the median time per op of each layer for 8 B, 64 KiB and 1 MiB.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus::backends::cpu::CpuBackend;
+use chorus::backends::{Backend, BackendInit, OpCtx, OpData};
+use chorus::transport::MemoryStore;
+use chorus::{new_comm, CommOptions, Device, OpKind, ReduceOp, Rendezvous, Tensor};
+
+const SIZES: [usize; 3] = [8, 64 << 10, 1 << 20];
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn init(store: &Arc<MemoryStore>, rank: usize) -> BackendInit {
+    BackendInit {
+        comm: "layers".into(),
+        key_prefix: "comm/layers#0/epoch/0".into(),
+        rank,
+        size: 2,
+        epoch: 0,
+        store: store.clone(),
+        secret: Arc::from(&b"layers"[..]),
+        connect_timeout: Duration::from_secs(10),
+        bind_ip: "127.0.0.1".parse().expect("ip"),
+    }
+}
+
+/// Per size, the median seconds per op over both ranks (max of the two per op).
+fn backend_direct(iters: usize) -> Vec<f64> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let store = Arc::new(MemoryStore::new());
+        let tasks: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let mut b = CpuBackend::connect(init(&store, rank))
+                        .await
+                        .expect("connect");
+                    let mut per_size = Vec::new();
+                    let mut seq = 0u64;
+                    for bytes in SIZES {
+                        let mut buf = Tensor::zeros(chorus::DType::F32, bytes / 4);
+                        let mut times = Vec::with_capacity(iters);
+                        for i in 0..iters + 10 {
+                            let ctx = OpCtx {
+                                comm: "layers".into(),
+                                rank,
+                                size: 2,
+                                epoch: 0,
+                                kind: OpKind::AllReduce,
+                                seq,
+                            };
+                            let start = Instant::now();
+                            b.exchange_headers(&ctx, vec![(1 - rank, seq, vec![0u8; 48])])
+                                .await
+                                .expect("headers");
+                            let mut data = OpData::AllReduce {
+                                buf,
+                                op: ReduceOp::Sum,
+                            };
+                            b.execute(&ctx, &mut data).await.expect("execute");
+                            buf = match data {
+                                OpData::AllReduce { buf, .. } => buf,
+                                _ => unreachable!("all_reduce data"),
+                            };
+                            if i >= 10 {
+                                times.push(start.elapsed().as_secs_f64());
+                            }
+                            seq += 1;
+                        }
+                        per_size.push(times);
+                    }
+                    b.finalize().await;
+                    per_size
+                })
+            })
+            .collect();
+        let mut res = Vec::new();
+        for t in tasks {
+            res.push(t.await.expect("rank task"));
+        }
+        (0..SIZES.len())
+            .map(|s| {
+                median(
+                    res[0][s]
+                        .iter()
+                        .zip(&res[1][s])
+                        .map(|(a, b)| a.max(*b))
+                        .collect(),
+                )
+            })
+            .collect()
+    })
+}
+
+fn through_comm(iters: usize) -> Vec<f64> {
+    let store: Arc<MemoryStore> = Arc::new(MemoryStore::new());
+    let threads: Vec<_> = (0..2)
+        .map(|rank| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let opts = CommOptions::default()
+                    .with_rank(rank, 2)
+                    .with_secret(b"layers".to_vec())
+                    .with_rendezvous(Rendezvous::Store(store));
+                let comm = new_comm("cpu", Device::Cpu, "layers", opts).expect("new_comm");
+                let mut per_size = Vec::new();
+                for bytes in SIZES {
+                    let mut t = Tensor::zeros(chorus::DType::F32, bytes / 4);
+                    let mut times = Vec::with_capacity(iters);
+                    for i in 0..iters + 10 {
+                        let start = Instant::now();
+                        t = comm.all_reduce(t, ReduceOp::Sum).expect("all_reduce");
+                        if i >= 10 {
+                            times.push(start.elapsed().as_secs_f64());
+                        }
+                    }
+                    per_size.push(times);
+                }
+                comm.finalize().expect("finalize");
+                per_size
+            })
+        })
+        .collect();
+    let res: Vec<Vec<Vec<f64>>> = threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread"))
+        .collect();
+    (0..SIZES.len())
+        .map(|s| {
+            median(
+                res[0][s]
+                    .iter()
+                    .zip(&res[1][s])
+                    .map(|(a, b)| a.max(*b))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+fn main() {
+    let iters: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(200);
+    // Interleave the two layers so machine load hits both alike.
+    let (mut direct, mut comm) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        direct.push(backend_direct(iters));
+        comm.push(through_comm(iters));
+    }
+    println!(
+        "{:>10} {:>14} {:>14} {:>14}",
+        "bytes", "backend (us)", "Comm (us)", "overhead (us)"
+    );
+    for (s, bytes) in SIZES.iter().enumerate() {
+        let d = median(direct.iter().map(|v| v[s]).collect()) * 1e6;
+        let c = median(comm.iter().map(|v| v[s]).collect()) * 1e6;
+        println!("{bytes:>10} {d:>14.2} {c:>14.2} {:>14.2}", c - d);
+    }
+}

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Compare Chorus's cpu backend with its peers on this host, in one run:
+# PyTorch gloo, MPICH (PyPI wheel + mpi4py) and OpenMPI (Debian + mpi4py
+# built against it). Same sizes, ops and rank counts for every system,
+# interleaved per (ranks, op) so machine load hits all of them alike.
+#
+#   scripts/compare-peers.sh            # sizes 8 B .. 128 MiB, factor 4, 2 and 4 ranks
+#   RANKS="2" OPS="all_reduce" FACTOR=2 scripts/compare-peers.sh
+#
+# Writes $OUT/results.jsonl (one JSON object per system/op/ranks/size),
+# prints the ratio table, and draws $OUT/busbw.png (needs matplotlib, which
+# the peers venv installs). Not run in CI: it installs packages and takes
+# minutes. Environment: PEERS_DIR (venvs, default target/peers), OUT
+# (default target/peers/run-<date>), MAXBYTES, FACTOR, RANKS, OPS, BUDGET.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PEERS_DIR=${PEERS_DIR:-target/peers}
+OUT=${OUT:-$PEERS_DIR/run-$(date -u +%Y%m%dT%H%M%S)}
+MAXBYTES=${MAXBYTES:-128M}
+FACTOR=${FACTOR:-4}
+RANKS=${RANKS:-"2 4"}
+OPS=${OPS:-"all_reduce all_gather broadcast reduce_scatter"}
+BUDGET=${BUDGET:-1}
+SYSTEMS=${SYSTEMS:-"chorus chorus-tcp mpich openmpi gloo"}
+mkdir -p "$PEERS_DIR" "$OUT"
+
+log() { echo "compare-peers: $*" >&2; }
+
+# --- installs (idempotent) -------------------------------------------------
+MPICH_VENV=$PEERS_DIR/mpich-venv     # mpich wheel + mpi4py + torch (gloo) + plotting
+OMPI_VENV=$PEERS_DIR/ompi-venv       # mpi4py built against Debian's OpenMPI
+if [ ! -x "$MPICH_VENV/bin/mpiexec" ]; then
+  log "installing MPICH, mpi4py, numpy, matplotlib into $MPICH_VENV"
+  python3 -m venv "$MPICH_VENV"
+  "$MPICH_VENV/bin/pip" install -q mpich mpi4py numpy matplotlib
+fi
+if ! "$MPICH_VENV/bin/python" -c "import torch.distributed" 2>/dev/null; then
+  # download.pytorch.org is not reachable here; PyPI's torch wheel runs on
+  # CPU without its CUDA dependencies, so skip those (--no-deps) and add the
+  # pure-Python ones by hand.
+  log "installing PyTorch (gloo; CUDA deps skipped) into $MPICH_VENV"
+  "$MPICH_VENV/bin/pip" install -q --no-deps torch
+  "$MPICH_VENV/bin/pip" install -q filelock typing-extensions sympy networkx jinja2 fsspec
+fi
+if ! command -v /usr/bin/mpicc >/dev/null || ! [ -x /usr/bin/mpirun.openmpi ]; then
+  log "installing OpenMPI from Debian"
+  if [ "$(id -u)" = 0 ]; then apt-get install -y -q openmpi-bin libopenmpi-dev; else sudo apt-get install -y -q openmpi-bin libopenmpi-dev; fi
+fi
+if ! "$OMPI_VENV/bin/python" -c "import mpi4py" 2>/dev/null; then
+  log "building mpi4py against OpenMPI into $OMPI_VENV"
+  python3 -m venv "$OMPI_VENV"
+  env MPICC=/usr/bin/mpicc "$OMPI_VENV/bin/pip" install -q --no-binary mpi4py --no-cache-dir mpi4py numpy
+fi
+
+log "building chorus-perf (release)"
+cargo build --release --quiet --bin chorus-perf
+PERF=target/release/chorus-perf
+BENCH=scripts/peer_bench.py
+
+# --- measurements ----------------------------------------------------------
+{
+  echo "# host: $(nproc) cores, $(uname -r), load: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "# torch: $("$MPICH_VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+  echo "# mpich: $("$MPICH_VENV/bin/python" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>/dev/null)"
+  echo "# openmpi: $("$OMPI_VENV/bin/python" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>/dev/null)"
+} > "$OUT/env.txt"
+cat "$OUT/env.txt" >&2
+RES=$OUT/results.jsonl
+: > "$RES"
+common=(-b 8 -e "$MAXBYTES" -f "$FACTOR")
+for n in $RANKS; do
+  for op in $OPS; do
+    for sys in $SYSTEMS; do
+      log "$sys $op n=$n"
+      case $sys in
+        chorus)
+          timeout 600 "$PERF" "$op" "${common[@]}" -n "$n" --in-place-only --budget "$BUDGET" --json \
+            | sed 's/"system":"chorus"/"system":"chorus"/' >> "$RES" || log "chorus $op n=$n failed" ;;
+        chorus-tcp)
+          CHORUS_SHM=0 timeout 600 "$PERF" "$op" "${common[@]}" -n "$n" --in-place-only --budget "$BUDGET" --json \
+            | sed 's/"system":"chorus"/"system":"chorus-tcp"/' >> "$RES" || log "chorus-tcp $op n=$n failed" ;;
+        mpich)
+          timeout 600 "$MPICH_VENV/bin/mpiexec" -n "$n" "$MPICH_VENV/bin/python" "$BENCH" \
+            --system mpich --op "$op" "${common[@]}" --budget "$BUDGET" >> "$RES" || log "mpich $op n=$n failed" ;;
+        openmpi)
+          timeout 600 /usr/bin/mpirun.openmpi --oversubscribe --allow-run-as-root -n "$n" \
+            "$OMPI_VENV/bin/python" "$BENCH" --system openmpi --op "$op" "${common[@]}" --budget "$BUDGET" \
+            >> "$RES" 2>"$OUT/openmpi-$op-$n.err" || log "openmpi $op n=$n failed" ;;
+        gloo)
+          timeout 600 "$MPICH_VENV/bin/python" "$BENCH" --system gloo --op "$op" -n "$n" "${common[@]}" \
+            --budget "$BUDGET" >> "$RES" 2>"$OUT/gloo-$op-$n.err" || log "gloo $op n=$n failed" ;;
+      esac
+    done
+  done
+done
+
+"$MPICH_VENV/bin/python" scripts/peer_report.py "$RES" "$OUT" | tee "$OUT/report.md"
+log "results in $OUT"

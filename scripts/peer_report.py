@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Summarise compare-peers results: busbw table per (ranks, op, size) for
+every system, Chorus/peer busbw ratios, small-message latency ratios, and a
+busbw-vs-size PNG per (ranks, op).
+
+  python peer_report.py results.jsonl OUTDIR
+"""
+import collections
+import json
+import sys
+
+
+def main():
+    path, out = sys.argv[1], sys.argv[2]
+    rows = [json.loads(l) for l in open(path) if l.startswith("{")]
+    data = collections.defaultdict(dict)  # (n, op) -> {system: {size: (us, busbw)}}
+    for r in rows:
+        ip = r["in_place"]
+        data[(r["nranks"], r["op"])].setdefault(r["system"], {})[r["size"]] = (ip["time_us"], ip["busbw_gbs"])
+    peers = ["mpich", "openmpi", "gloo", "chorus-tcp"]
+    for (n, op), systems in sorted(data.items()):
+        print(f"\n### {op}, {n} ranks (busbw GB/s; time µs for sizes < 64 KiB; ratio = chorus / peer)\n")
+        present = [s for s in ["chorus"] + peers if s in systems]
+        hdr = "| size | " + " | ".join(present) + " | " + " | ".join(f"chorus/{p}" for p in present if p != "chorus") + " |"
+        print(hdr)
+        print("|" + "---|" * (1 + 2 * len(present) - 1))
+        sizes = sorted(set().union(*[systems[s].keys() for s in present]))
+        for size in sizes:
+            small = size < 64 << 10
+            cells, ratios = [], []
+            c = systems.get("chorus", {}).get(size)
+            for s in present:
+                v = systems[s].get(size)
+                cells.append("-" if v is None else (f"{v[0]:.1f} µs" if small else f"{v[1]:.2f}"))
+            for s in present:
+                if s == "chorus":
+                    continue
+                v = systems[s].get(size)
+                if v is None or c is None:
+                    ratios.append("-")
+                elif small:
+                    # Latency ratio: < 1 means Chorus is faster.
+                    ratios.append(f"{c[0] / v[0]:.2f}× t")
+                else:
+                    ratios.append(f"**{c[1] / v[1]:.2f}**" if c[1] < v[1] else f"{c[1] / v[1]:.2f}")
+            print(f"| {size} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\n(matplotlib missing: no plot)")
+        return
+    keys = sorted(data)
+    cols = 4
+    rows_n = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        n, op = key
+        for s, series in sorted(data[key].items()):
+            xs = sorted(series)
+            ax.plot(xs, [series[x][1] for x in xs], marker="o", ms=3, label=s)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op}, {n} ranks")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("busbw GB/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(f"{out}/busbw.png", dpi=80)
+    print(f"\nplot: {out}/busbw.png")
+
+
+if __name__ == "__main__":
+    main()
