@@ -772,11 +772,17 @@ pub(crate) async fn setup_shm(
     if same.is_empty() {
         return Ok(out);
     }
-    let capacity = if size <= 8 {
-        shm::RING_CAPACITY
-    } else {
-        shm::RING_CAPACITY / 4
-    };
+    // CHORUS_SHM_RING (bytes, a power of two) overrides the ring size for
+    // tuning; both ends size their own incoming ring, so ranks may differ.
+    let capacity = std::env::var("CHORUS_SHM_RING")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|c| c.is_power_of_two() && (4096..=(256 << 20)).contains(c))
+        .unwrap_or(if size <= 8 {
+            shm::RING_CAPACITY
+        } else {
+            shm::RING_CAPACITY / 4
+        });
     let ctx = OpCtx {
         comm: init.comm.clone(),
         rank: me,

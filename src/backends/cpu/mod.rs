@@ -469,7 +469,11 @@ impl CpuBackend {
         let (rank, size) = (self.rank, self.size);
         let p = match data {
             OpData::AllReduce { buf, op } => Planned {
-                schedule: builders::all_reduce(rank, size, buf.len()),
+                schedule: if small_all_reduce_enabled() {
+                    builders::all_reduce_auto(rank, size, buf.len(), buf.dtype().size())
+                } else {
+                    builders::all_reduce(rank, size, buf.len())
+                },
                 src: None,
                 dst: buf,
                 op: *op,
@@ -752,6 +756,13 @@ fn read_from<'b>(gaps: &[(Range<usize>, &'b [u8])], r: &Range<usize>) -> Option<
     gaps.iter()
         .find(|(g, _)| g.start <= r.start && r.end <= g.end)
         .map(|(g, bytes)| &bytes[r.start - g.start..r.end - g.start])
+}
+
+/// Whether the small-message all-reduce of the tuning table is used
+/// (`CHORUS_SMALL_ALLREDUCE=0` forces the ring, for A/B measurements).
+fn small_all_reduce_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CHORUS_SMALL_ALLREDUCE").map_or(true, |v| v != "0"))
 }
 
 /// The buffers and schedule of one collective.

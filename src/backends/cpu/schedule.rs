@@ -37,6 +37,8 @@
 //! | builder | algorithm | steps (`p` ranks) |
 //! |---------|-----------|-------------------|
 //! | [`all_reduce`] | ring reduce-scatter, then ring all-gather, in place on `Dst` | `2(p-1)` |
+//! | [`all_reduce_small`] | recursive doubling (power-of-two `p`; breaks SC-6 on purpose, staged by the executor) | `log2 p` |
+//! | [`all_reduce_auto`] | the tuning table: `all_reduce_small` up to [`SMALL_ALL_REDUCE_BYTES`] on power-of-two `p`, else the ring | |
 //! | [`reduce`] | ring reduce-scatter, then every rank sends its block to root | `p` |
 //! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
 //! | [`all_gather`] | local copy, then ring all-gather | `p-1` (1 if `p == 1`) |
@@ -303,6 +305,53 @@ pub fn all_reduce(rank: usize, size: usize, count: usize) -> Schedule {
     let mut b = Builder::new(rank, size);
     b.ring_reduce_scatter(&offs);
     b.ring_all_gather(&offs, false);
+    b.finish()
+}
+
+/// All-reduce messages up to this many bytes use [`all_reduce_small`] when
+/// the number of ranks is a power of two (the tuning table: latency-optimal
+/// below, bandwidth-optimal ring above).
+pub const SMALL_ALL_REDUCE_BYTES: usize = 16 << 10;
+
+/// The all-reduce schedule for `count` elements of `elem_bytes` bytes:
+/// [`all_reduce_small`] for small messages on a power-of-two number of
+/// ranks, else the ring ([`all_reduce`]).
+pub fn all_reduce_auto(rank: usize, size: usize, count: usize, elem_bytes: usize) -> Schedule {
+    if size.is_power_of_two()
+        && size > 1
+        && count.saturating_mul(elem_bytes) <= SMALL_ALL_REDUCE_BYTES
+    {
+        all_reduce_small(rank, size, count)
+    } else {
+        all_reduce(rank, size, count)
+    }
+}
+
+/// Latency-optimal in-place all-reduce: recursive doubling, `log2 p` steps
+/// of a whole-buffer exchange with partner `rank ^ 2^k`, for a power-of-two
+/// number of ranks (other sizes get the ring, [`all_reduce`]).
+///
+/// Both partners combine the same two partial results, so every rank ends
+/// with bitwise the same values. This schedule deliberately breaks SC-6
+/// (each step's receive overlaps its send): the executor then stages the
+/// receive and applies it after the step (CPU-1), which for the small
+/// messages it is meant for costs one copy of at most
+/// [`SMALL_ALL_REDUCE_BYTES`].
+pub fn all_reduce_small(rank: usize, size: usize, count: usize) -> Schedule {
+    if rank >= size || !size.is_power_of_two() {
+        return all_reduce(rank, size, count);
+    }
+    let mut b = Builder::new(rank, size);
+    if count > 0 {
+        let mut mask = 1usize;
+        while mask < size {
+            b.step();
+            let partner = rank ^ mask;
+            b.send(partner, BufId::Dst, 0..count);
+            b.recv(partner, BufId::Dst, 0..count, RecvAction::Reduce);
+            mask <<= 1;
+        }
+    }
     b.finish()
 }
 

@@ -795,3 +795,49 @@ proptest! {
         check_all_to_all(&matrix);
     }
 }
+
+#[test]
+fn all_reduce_small_matches_reference_and_is_bitwise_equal_on_every_rank() {
+    for size in [1usize, 2, 4, 8] {
+        for count in [0usize, 1, 3, 64] {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let scheds: Vec<Schedule> = (0..size)
+                    .map(|r| all_reduce_small(r, size, count))
+                    .collect();
+                assert_eq!(
+                    scheds[0].steps.len(),
+                    if count == 0 {
+                        0
+                    } else {
+                        size.trailing_zeros() as usize
+                    }
+                );
+                let out = simulate(
+                    scheds,
+                    vec![vec![]; size],
+                    (0..size).map(|r| data(r, count)).collect(),
+                    op,
+                )
+                .unwrap();
+                let want = reduced(size, count, op);
+                for (r, o) in out.iter().enumerate() {
+                    assert_eq!(o.len(), count);
+                    for (a, b) in o.iter().zip(&want) {
+                        assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0), "rank {r}");
+                    }
+                    assert_eq!(o, &out[0], "rank {r} differs from rank 0");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn all_reduce_auto_picks_recursive_doubling_only_for_small_power_of_two_worlds() {
+    assert_eq!(all_reduce_auto(0, 4, 2, 4), all_reduce_small(0, 4, 2));
+    assert_eq!(all_reduce_auto(0, 3, 2, 4), all_reduce(0, 3, 2));
+    let big = SMALL_ALL_REDUCE_BYTES / 4 + 1;
+    assert_eq!(all_reduce_auto(1, 4, big, 4), all_reduce(1, 4, big));
+    // Non-power-of-two sizes fall back to the ring inside all_reduce_small too.
+    assert_eq!(all_reduce_small(0, 3, 5), all_reduce(0, 3, 5));
+}

@@ -15,8 +15,10 @@
 //! - SX-1: messages between one ordered pair of ranks are matched in order
 //!   (SC-3); a prefix whose kind, class, seq or length is not the expected
 //!   one is a `Mismatch`, checked before any payload byte is used (as LK-3).
-//! - SX-2: waiting never spins unboundedly: a short spin, then `sched_yield`,
-//!   then futex sleeps of at most [`SLEEP`]; at least every [`ROUND`] the
+//! - SX-2: waiting never spins unboundedly: a short spin, then futex sleeps
+//!   of at most [`SLEEP`] (no `sched_yield`: on a loaded machine a yielding
+//!   rank lost its CPU for a whole time slice, measured as bimodal 2-4 ms
+//!   ops, while a futex sleeper is woken promptly); at least every [`ROUND`] the
 //!   engine returns to the async runtime (so op timeouts and aborts fire)
 //!   and checks the TCP link of every peer it waits for: a closed link is
 //!   `PeerFailed`, a readable one carries the peer's Abort frame (nothing
@@ -38,12 +40,10 @@ use crate::error::Result;
 const PREFIX: usize = 24;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
-/// `sched_yield`s before sleeping in the kernel.
-const YIELDS: u32 = 8;
 /// Longest single futex sleep.
-const SLEEP: Duration = Duration::from_micros(200);
+const SLEEP: Duration = Duration::from_micros(50);
 /// Longest time spent blocking before returning to the runtime (SX-2).
-const ROUND: Duration = Duration::from_millis(2);
+const ROUND: Duration = Duration::from_millis(1);
 
 /// Both rings of a same-host peer.
 #[derive(Debug)]
@@ -314,10 +314,6 @@ pub(crate) async fn run_shm(
             }
             if !may_block || round.elapsed() >= ROUND {
                 break;
-            }
-            if idle < SPIN + YIELDS {
-                std::thread::yield_now();
-                continue;
             }
             // Sleep on the ring we most likely wait for.
             if let Some(j) = recv_q.first().and_then(|(_, q)| q.front()) {
