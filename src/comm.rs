@@ -413,27 +413,13 @@ impl Comm {
     }
 
     pub(crate) fn closed_error(&self, state: u8) -> Error {
-        if state == STATE_ABORTED {
-            let cause = self.shared.poison.lock().ok().and_then(|p| p.clone());
-            Error::Aborted {
-                comm: self.shared.name.clone(),
-                rank: self.shared.rank,
-                epoch: self.shared.epoch,
-                failed_ranks: cause
-                    .as_ref()
-                    .map(|e| e.failed_ranks().to_vec())
-                    .unwrap_or_default(),
-                reason: match cause {
-                    Some(e) => format!("an earlier operation failed: {e}"),
-                    None => "the communicator was aborted".into(),
-                },
-            }
-        } else {
-            Error::Finalized {
-                comm: self.shared.name.clone(),
-                rank: self.shared.rank,
-            }
-        }
+        closed_error(
+            &self.shared.name,
+            self.shared.rank,
+            self.shared.epoch,
+            state,
+            &self.shared.poison,
+        )
     }
 
     // ---------------------------------------------------------------- all_reduce
@@ -1069,6 +1055,38 @@ impl Comm {
     /// Whether the communicator is still accepting ops.
     pub fn is_active(&self) -> bool {
         self.shared.state.load(Ordering::Acquire) == STATE_ACTIVE
+    }
+}
+
+/// The error for an op submitted to a communicator that no longer runs ops:
+/// `Aborted` (with the original cause, if a failure aborted it) or `Finalized`.
+pub(crate) fn closed_error(
+    name: &str,
+    rank: usize,
+    epoch: u64,
+    state: u8,
+    poison: &std::sync::Mutex<Option<Error>>,
+) -> Error {
+    if state == STATE_ABORTED {
+        let cause = poison.lock().ok().and_then(|p| p.clone());
+        Error::Aborted {
+            comm: name.to_string(),
+            rank,
+            epoch,
+            failed_ranks: cause
+                .as_ref()
+                .map(|e| e.failed_ranks().to_vec())
+                .unwrap_or_default(),
+            reason: match cause {
+                Some(e) => format!("an earlier operation failed: {e}"),
+                None => "the communicator was aborted".into(),
+            },
+        }
+    } else {
+        Error::Finalized {
+            comm: name.to_string(),
+            rank,
+        }
     }
 }
 

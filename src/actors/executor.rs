@@ -161,6 +161,8 @@ impl Executor {
         self.rx.close();
         let err = self.abort_error();
         self.drain(|_| err.clone());
+        // AC-3: the actor does not outlive its executor.
+        self.actor.stop(Some("aborted".into()));
     }
 
     /// Run one request. Returns false if the communicator must shut down.
@@ -216,6 +218,9 @@ impl Executor {
                 if let Ok(mut p) = self.poison.lock() {
                     p.get_or_insert(e.clone());
                 }
+                // Mark the communicator aborted before the caller can see the
+                // error, so an op it submits next is refused as Aborted.
+                self.state.store(STATE_ABORTED, Ordering::Release);
                 completer.complete(Err(e));
                 false
             }

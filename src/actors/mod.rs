@@ -158,6 +158,8 @@ pub struct CommActor;
 /// The actor's state.
 pub struct CommState {
     info: CommInfo,
+    state: Arc<AtomicU8>,
+    poison: Arc<Mutex<Option<Error>>>,
     coll_seq: u64,
     p2p_seq: Vec<u64>,
     tx: mpsc::UnboundedSender<executor::ExecMsg>,
@@ -185,13 +187,15 @@ impl Actor for CommActor {
             rx,
             cancel: cancel.clone(),
             abort_reason: abort_reason.clone(),
-            state: args.state,
-            poison: args.poison,
+            state: args.state.clone(),
+            poison: args.poison.clone(),
             actor: myself,
             desync: false,
         };
         let handle = tokio::spawn(exec.run());
         Ok(CommState {
+            state: args.state,
+            poison: args.poison,
             p2p_seq: vec![0; args.info.size],
             info: args.info,
             coll_seq: 0,
@@ -233,10 +237,13 @@ impl Actor for CommActor {
                     state.tx.send(executor::ExecMsg::Run(req))
                 {
                     if let Some(c) = req.completer.take() {
-                        c.complete(Err(Error::Finalized {
-                            comm: state.info.name.clone(),
-                            rank: state.info.rank,
-                        }));
+                        c.complete(Err(crate::comm::closed_error(
+                            &state.info.name,
+                            state.info.rank,
+                            state.info.epoch,
+                            state.state.load(std::sync::atomic::Ordering::Acquire),
+                            &state.poison,
+                        )));
                     }
                 }
             }
