@@ -74,6 +74,10 @@ pub enum Error {
         epoch: u64,
         /// Which ranks disagreed and on what.
         detail: String,
+        /// Whether the ranks are out of step (different ops at the same
+        /// point), which aborts the communicator; a mere parameter mismatch
+        /// (count, dtype, root...) leaves it usable.
+        fatal: bool,
     },
 
     /// The operation did not complete within its timeout. The communicator is
@@ -169,14 +173,17 @@ pub enum Error {
 impl Error {
     /// Whether the communicator can no longer be used after this error.
     ///
-    /// `Mismatch` and `InvalidArgument` leave the communicator usable (the check
-    /// happens before any data moves); timeouts, peer failures and aborts do not.
+    /// A parameter `Mismatch` and `InvalidArgument` leave the communicator
+    /// usable (the check happens before any data moves); timeouts, peer
+    /// failures, aborts and ranks out of step (`Mismatch { fatal: true, .. }`)
+    /// do not.
     pub fn is_fatal(&self) -> bool {
         matches!(
             self,
             Error::Timeout { .. }
                 | Error::PeerFailed { .. }
                 | Error::Aborted { .. }
+                | Error::Mismatch { fatal: true, .. }
                 | Error::Transport(_)
                 | Error::Internal(_)
         )

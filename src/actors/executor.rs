@@ -46,8 +46,6 @@ pub(crate) struct Executor {
     pub(crate) state: Arc<AtomicU8>,
     pub(crate) poison: Arc<Mutex<Option<Error>>>,
     pub(crate) actor: ActorRef<CommMsg>,
-    /// Set when the last op's headers showed ranks out of step (fatal mismatch).
-    pub(crate) desync: bool,
 }
 
 enum Outcome {
@@ -209,7 +207,7 @@ impl Executor {
                 completer.complete(Ok(c));
                 true
             }
-            Outcome::Done(Err(e)) if !e.is_fatal() && !std::mem::take(&mut self.desync) => {
+            Outcome::Done(Err(e)) if !e.is_fatal() => {
                 completer.complete(Err(e));
                 true
             }
@@ -291,15 +289,22 @@ impl Executor {
 
     /// A `Mismatch` error; when the ranks are out of step the communicator
     /// is aborted after this op (EX-2), otherwise it stays usable (EX-3).
-    fn mismatch(&mut self, ctx: &OpCtx, m: HeaderMismatch) -> Error {
+    fn mismatch(&self, ctx: &OpCtx, m: HeaderMismatch) -> Error {
         if m.fatal {
-            self.desync = true;
             ctx.mismatch(format!(
                 "{}; the ranks are out of step, so the communicator is aborted",
                 m.detail
             ))
         } else {
-            ctx.mismatch(m.detail)
+            Error::Mismatch {
+                comm: ctx.comm.clone(),
+                rank: ctx.rank,
+                op: ctx.kind.name(),
+                seq: ctx.seq,
+                epoch: ctx.epoch,
+                detail: m.detail,
+                fatal: false,
+            }
         }
     }
 

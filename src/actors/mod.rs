@@ -190,7 +190,6 @@ impl Actor for CommActor {
             state: args.state.clone(),
             poison: args.poison.clone(),
             actor: myself,
-            desync: false,
         };
         let handle = tokio::spawn(exec.run());
         Ok(CommState {

@@ -112,6 +112,7 @@ impl OpCtx {
             seq: self.seq,
             epoch: self.epoch,
             detail: detail.into(),
+            fatal: true,
         }
     }
 }
