@@ -465,7 +465,17 @@ impl Comm {
                 failed.extend(n.failed_ranks);
             }
         }
-        failed.retain(|&r| r != me && r < n);
+        if failed.contains(&me) {
+            // Declared failed (hung, partitioned): the others moved on without us.
+            return Err(Error::Excluded {
+                comm: ctx.name.clone(),
+                epoch: next,
+                reason: format!(
+                    "rank {me} was declared failed in epoch {old_epoch}; join again with join_comm"
+                ),
+            });
+        }
+        failed.retain(|&r| r < n);
         failed.sort_unstable();
         failed.dedup();
         tracing::info!(comm = %ctx.name, rank = me, epoch = next, ?failed, "reconfiguring");
