@@ -382,7 +382,12 @@ impl Comm {
         let _ = self
             .shared
             .actor
-            .send_message(CommMsg::AddChild(child.shared.actor.clone()));
+            .send_message(CommMsg::AddChild(crate::actors::Child {
+                actor: child.shared.actor.clone(),
+                state: child.shared.state.clone(),
+                poison: child.shared.poison.clone(),
+                name: name.to_string(),
+            }));
         Ok(Some(child))
     }
 
@@ -459,11 +464,16 @@ impl Comm {
         let (me, n, old_epoch) = (self.rank(), self.size(), self.epoch());
         let next = old_epoch + 1;
         let prefix = epoch_prefix(&ctx.base, next);
-        let mut failed: Vec<usize> = self.health().failed_ranks;
-        if let Ok(Some(raw)) = store.get(&notice_key(&self.shared.key_prefix)).await {
-            if let Some(n) = Notice::parse(&raw, old_epoch) {
-                failed.extend(n.failed_ranks);
-            }
+        // The published notice is what every rank agreed on (WD-2); this
+        // rank's own view is the fallback.
+        let mut failed: Vec<usize> = match store.get(&notice_key(&self.shared.key_prefix)).await {
+            Ok(Some(raw)) => Notice::parse(&raw, old_epoch)
+                .map(|n| n.failed_ranks)
+                .unwrap_or_default(),
+            _ => vec![],
+        };
+        if failed.is_empty() {
+            failed = self.health().failed_ranks;
         }
         if failed.contains(&me) {
             // Declared failed (hung, partitioned): the others moved on without us.

@@ -11,6 +11,8 @@
 
 mod common;
 
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -18,7 +20,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chorus::transport::{CompareSet, MemoryStore, Store, TransportError};
 
-use chorus::{new_comm, Comm, Device, Error, ReconfigureOptions, ReduceOp, Rendezvous, Tensor};
+use chorus::{
+    new_comm, Comm, CommOptions, Device, Error, ReconfigureOptions, ReduceOp, Rendezvous, Tensor,
+};
 use common::{opts, run_ranks_with};
 
 const HB: Duration = Duration::from_millis(100);
@@ -339,5 +343,305 @@ fn rank_that_never_arrives_fails_bootstrap_with_a_typed_error_in_time() {
             "rank {rank}: {e}"
         );
         assert!(took < Duration::from_secs(6), "rank {rank}: {took:?}");
+    }
+}
+
+// ------------------------------------------------------------------ processes
+
+#[path = "../examples/elastic_train.rs"]
+#[allow(dead_code)]
+mod elastic_train;
+
+/// Every multi-process test finishes within this (nextest kills at 2 min).
+const MP_DEADLINE: Duration = Duration::from_secs(40);
+
+fn worker_cmd(mode: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().expect("current exe"));
+    c.args([
+        "--ignored",
+        "--exact",
+        "worker",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("CHORUS_TEST_WORKER", mode);
+    c
+}
+
+struct Ranks {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    /// Every line received so far (a later wait may look for an earlier line).
+    log: std::cell::RefCell<Vec<(usize, String)>>,
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_ranks(n: usize, mode: &str) -> Ranks {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("free port")
+        .port();
+    let (tx, lines) = mpsc::channel();
+    let mut children = Vec::new();
+    for rank in 0..n {
+        let mut child = worker_cmd(mode)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("CHORUS_SECRET", "faults-secret")
+            .env_remove("CHORUS_RANK")
+            .env_remove("CHORUS_SIZE")
+            .env_remove("CHORUS_STORE_ADDR")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn rank");
+        let out = child.stdout.take().expect("stdout");
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("@@") {
+                    if tx.send((rank, line[at..].to_string())).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        children.push(child);
+    }
+    Ranks {
+        children,
+        lines,
+        log: Default::default(),
+    }
+}
+
+impl Ranks {
+    /// Wait until each of `ranks` printed a line starting with `what`.
+    fn wait_lines(&self, ranks: &[usize], what: &str, deadline: Instant) -> Vec<String> {
+        let mut seen: Vec<Option<String>> = vec![None; self.children.len()];
+        for (r, line) in self.log.borrow().iter() {
+            if line.starts_with(what) {
+                seen[*r].get_or_insert(line.clone());
+            }
+        }
+        while ranks.iter().any(|&r| seen[r].is_none()) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) => {
+                    self.log.borrow_mut().push((r, line.clone()));
+                    if line.starts_with(what) {
+                        seen[r].get_or_insert(line);
+                    }
+                }
+                Err(_) => panic!("ranks {ranks:?} did not print {what:?} in time; saw {seen:?}"),
+            }
+        }
+        ranks
+            .iter()
+            .map(|&r| seen[r].clone().unwrap_or_default())
+            .collect()
+    }
+
+    fn signal(&mut self, rank: usize, sig: &str) {
+        let pid = self.children[rank].id();
+        let st = Command::new("sh")
+            .args(["-c", &format!("kill -{sig} {pid}")])
+            .status()
+            .expect("sh");
+        assert!(st.success(), "kill -{sig} {pid}");
+    }
+}
+
+/// Parse `@@error kind=K ms=M failed=[..]`.
+fn parse_error(line: &str) -> (String, u128, String) {
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .unwrap_or_default()
+            .to_string()
+    };
+    (
+        field("kind="),
+        field("ms=").parse().unwrap_or(u128::MAX),
+        field("failed="),
+    )
+}
+
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::PeerFailed { .. } => "PeerFailed",
+        Error::Aborted { .. } => "Aborted",
+        Error::Timeout { .. } => "Timeout",
+        Error::Transport(_) => "Transport",
+        Error::Mismatch { .. } => "Mismatch",
+        _ => "Other",
+    }
+}
+
+fn fault_worker(what: &str) {
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    if what == "boot" && rank == 3 {
+        println!("@@booting");
+        let mut s = String::new();
+        let _ = std::io::stdin().read_line(&mut s); // killed here
+        return;
+    }
+    let connect = match what {
+        "boot" | "split" => Duration::from_secs(3),
+        _ => Duration::from_secs(20),
+    };
+    let o = CommOptions::default()
+        .with_heartbeat(HB, HB_TIMEOUT)
+        .with_timeout(Duration::from_secs(20))
+        .with_connect_timeout(connect);
+    let t0 = Instant::now();
+    let comm = match new_comm("cpu", Device::Cpu, "faults", o) {
+        Ok(c) => c,
+        Err(e) => {
+            println!(
+                "@@error kind={} ms={} failed={:?} {e}",
+                kind(&e),
+                t0.elapsed().as_millis(),
+                e.failed_ranks()
+            );
+            println!("@@alive");
+            return;
+        }
+    };
+    let mut done = 0;
+    let (e, took) = loop {
+        let t = Instant::now();
+        let r = if what == "split" {
+            comm.split_by_color(Some(0), rank as i64, "sub")
+                .and_then(|c| {
+                    let c = c.expect("member");
+                    let s = c.all_reduce(Tensor::full(1i32, 256), ReduceOp::Sum)?;
+                    assert!(s.to_vec::<i32>().iter().all(|&v| v == 4), "corrupt");
+                    c.finalize()
+                })
+        } else {
+            comm.all_reduce(Tensor::full(1.0f32, 1 << 16), ReduceOp::Sum)
+                .map(|s| assert!(s.as_slice::<f32>().iter().all(|&v| v == 4.0), "corrupt"))
+        };
+        match r {
+            Ok(()) => {
+                done += 1;
+                if done == 3 {
+                    println!("@@running");
+                }
+            }
+            Err(e) => break (e, t.elapsed()),
+        }
+    };
+    println!(
+        "@@error kind={} ms={} failed={:?} {e}",
+        kind(&e),
+        took.as_millis(),
+        e.failed_ranks()
+    );
+    let (next, map) = comm
+        .reconfigure(ReconfigureOptions::default())
+        .expect("reconfigure");
+    let s = next
+        .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
+        .expect("new epoch all_reduce");
+    let ok = s.to_vec::<i64>().iter().all(|&v| v == next.size() as i64);
+    println!(
+        "@@reconf size={} epoch={} ok={ok} map={:?}",
+        next.size(),
+        next.epoch(),
+        map.old_to_new
+    );
+    next.finalize().expect("finalize");
+    println!("@@alive");
+}
+
+/// The body of one rank process (run by the tests below, not on its own).
+#[test]
+#[ignore = "a rank of the multi-process tests; run by them"]
+fn worker() {
+    match std::env::var("CHORUS_TEST_WORKER").as_deref() {
+        Ok("elastic") => elastic_train::run_rank().expect("elastic rank"),
+        Ok(mode) => fault_worker(mode),
+        Err(_) => {}
+    }
+}
+
+/// Kill (or stop) `victim` once every rank runs `mode`; every survivor must
+/// report a typed error naming it within the bound, then reconfigure to 3.
+fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
+    let deadline = Instant::now() + MP_DEADLINE;
+    let mut ranks = spawn_ranks(4, mode);
+    ranks.wait_lines(&[0, 1, 2, 3], "@@running", deadline);
+    ranks.signal(victim, sig);
+    let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
+    for line in ranks.wait_lines(&survivors, "@@error", deadline) {
+        let (k, ms, failed) = parse_error(&line);
+        assert!(
+            ["PeerFailed", "Aborted", "Transport"].contains(&k.as_str()),
+            "{line}"
+        );
+        assert!(ms < bound.as_millis(), "too slow: {line}");
+        if k != "Transport" {
+            assert!(failed.contains(&victim.to_string()), "{line}");
+        }
+    }
+    for line in ranks.wait_lines(&survivors, "@@reconf", deadline) {
+        assert!(line.contains("size=3 epoch=1 ok=true"), "{line}");
+    }
+    ranks.wait_lines(&survivors, "@@alive", deadline);
+}
+
+#[test]
+fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout_then_reconfigures() {
+    survivors_recover("allreduce", 3, "KILL", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn peer_killed_during_split_errors_every_survivor_then_reconfigures() {
+    // A split's child bootstrap waits at most the connect timeout (3 s).
+    survivors_recover("split", 3, "KILL", Duration::from_secs(3) + SLACK);
+}
+
+#[test]
+fn hung_process_sigstop_is_detected_by_heartbeats_then_survivors_reconfigure() {
+    survivors_recover("hang", 2, "STOP", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn peer_killed_during_bootstrap_fails_new_comm_on_every_rank_in_time() {
+    let deadline = Instant::now() + MP_DEADLINE;
+    let mut ranks = spawn_ranks(4, "boot");
+    ranks.wait_lines(&[3], "@@booting", deadline);
+    ranks.signal(3, "KILL");
+    for line in ranks.wait_lines(&[0, 1, 2], "@@error", deadline) {
+        let (k, ms, _) = parse_error(&line);
+        assert!(["PeerFailed", "Transport"].contains(&k.as_str()), "{line}");
+        assert!(ms < (Duration::from_secs(3) + SLACK).as_millis(), "{line}");
+    }
+    ranks.wait_lines(&[0, 1, 2], "@@alive", deadline);
+}
+
+#[test]
+fn elastic_train_example_survives_a_killed_rank_and_regrows_with_a_joiner() {
+    let s = elastic_train::launch(|| worker_cmd("elastic"), MP_DEADLINE).expect("launch");
+    assert_eq!(s.failures.len(), 3, "{s:?}");
+    let want = format!("param={}", elastic_train::expected_param());
+    for f in &s.finals {
+        assert!(
+            f.contains(&want) && f.contains("size=4"),
+            "{f} (want {want})"
+        );
     }
 }

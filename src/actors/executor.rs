@@ -123,7 +123,8 @@ impl Executor {
                         if let Some(c) = done {
                             c.complete(Ok(Completion::Unit));
                         }
-                        self.actor.stop(Some("finalized".into()));
+                        // Drain: requests queued behind Finalize complete with Finalized.
+                        let _ = self.actor.drain();
                         return;
                     }
                     None => {

@@ -142,7 +142,8 @@ pub enum CommMsg {
         detail: String,
     },
     /// A child communicator (split) was created under this one (AC-4).
-    AddChild(ActorRef<CommMsg>),
+    #[allow(private_interfaces)]
+    AddChild(Child),
 }
 
 impl std::fmt::Debug for CommMsg {
@@ -155,6 +156,15 @@ impl std::fmt::Debug for CommMsg {
             CommMsg::AddChild(_) => f.write_str("AddChild"),
         }
     }
+}
+
+/// A child communicator as its parent tracks it.
+#[derive(Clone)]
+pub(crate) struct Child {
+    pub(crate) actor: ActorRef<CommMsg>,
+    pub(crate) state: Arc<AtomicU8>,
+    pub(crate) poison: Arc<Mutex<Option<Error>>>,
+    pub(crate) name: String,
 }
 
 /// Identity of a communicator on one rank.
@@ -197,7 +207,7 @@ pub struct CommState {
     poison: Arc<Mutex<Option<Error>>>,
     state: Arc<AtomicU8>,
     health: Arc<Mutex<crate::elastic::HealthState>>,
-    children: Vec<ActorRef<CommMsg>>,
+    children: Vec<Child>,
 }
 
 impl CommState {
@@ -230,6 +240,7 @@ impl CommState {
     /// AC-4: abort every live child and wait (bounded) for each to finish.
     async fn abort_children(&mut self, reason: &str) {
         for child in std::mem::take(&mut self.children) {
+            let child = child.actor;
             let (work, completer) = crate::work::Work::new(crate::work::to_unit);
             if child
                 .send_message(CommMsg::Abort {
@@ -247,6 +258,7 @@ impl CommState {
     /// AC-4: finalize every live child and wait for each to finish.
     async fn finalize_children(&mut self) {
         for child in std::mem::take(&mut self.children) {
+            let child = child.actor;
             let (work, completer) = crate::work::Work::new(crate::work::to_unit);
             if child
                 .send_message(CommMsg::Finalize(Some(completer)))
@@ -373,7 +385,8 @@ impl Actor for CommActor {
                 if let Some(c) = done {
                     c.complete(Ok(crate::work::Completion::Unit));
                 }
-                myself.stop(Some("aborted".into()));
+                // Drain, not stop: requests already queued complete with Aborted.
+                let _ = myself.drain();
             }
             CommMsg::PeerFailed {
                 failed_ranks,
@@ -403,12 +416,12 @@ impl Actor for CommActor {
                 let reason = format!("ranks {failed_ranks:?} failed: {detail}");
                 state.abort_children(&reason).await;
                 state.stop_executor(reason).await;
-                myself.stop(Some("peer failed".into()));
+                let _ = myself.drain();
             }
             CommMsg::AddChild(child) => {
                 state
                     .children
-                    .retain(|c| c.get_status() != ractor::ActorStatus::Stopped);
+                    .retain(|c| c.actor.get_status() != ractor::ActorStatus::Stopped);
                 state.children.push(child);
             }
         }
@@ -425,14 +438,32 @@ impl Actor for CommActor {
         tracing::debug!(comm = %state.info.name, rank = state.info.rank, ?event, "supervision event");
         let failure = match &event {
             SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                state.children.retain(|c| c.get_id() != cell.get_id());
-                match reason.as_deref() {
-                    Some("finalized") | None => None,
-                    Some(r) => Some((cell.get_name().unwrap_or_default(), r.to_string())),
+                let child = state
+                    .children
+                    .iter()
+                    .position(|c| c.actor.get_id() == cell.get_id())
+                    .map(|i| state.children.remove(i));
+                // A child that ended aborted (by a failure or an abort) failed;
+                // one that finalized did not.
+                match child {
+                    Some(c)
+                        if c.state.load(std::sync::atomic::Ordering::Acquire)
+                            == crate::comm::STATE_ABORTED =>
+                    {
+                        let cause = c.poison.lock().ok().and_then(|p| p.clone());
+                        Some((
+                            c.name,
+                            cause
+                                .map(|e| e.to_string())
+                                .or_else(|| reason.clone())
+                                .unwrap_or_else(|| "aborted".into()),
+                        ))
+                    }
+                    _ => None,
                 }
             }
             SupervisionEvent::ActorFailed(cell, e) => {
-                state.children.retain(|c| c.get_id() != cell.get_id());
+                state.children.retain(|c| c.actor.get_id() != cell.get_id());
                 Some((cell.get_name().unwrap_or_default(), e.to_string()))
             }
             _ => None,
