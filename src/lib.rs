@@ -50,6 +50,17 @@
 //! ranks (op, dtype, count, root, split sizes) is [`Error::Mismatch`] on every
 //! rank; a dead peer or an expired timeout completes every outstanding op with
 //! a typed error and aborts the communicator, never the process.
+//!
+//! ## Subgroups and fault tolerance
+//!
+//! [`Comm::split`] / [`Comm::split_by_color`] create child communicators
+//! (actors linked under the parent's; finalized or aborted before it), and
+//! [`Comm::hierarchy`] builds intra-host × inter-host groups. A watchdog
+//! heartbeats through the store ([`CommOptions::heartbeat_interval`]); a dead,
+//! hung or partitioned rank completes every outstanding op with
+//! [`Error::PeerFailed`] stamped with the epoch, and [`Comm::reconfigure`]
+//! forms the next epoch from the survivors (and ranks that [`join_comm`]ed),
+//! under a majority rule ([`Error::NoQuorum`]).
 #![deny(missing_docs)]
 
 use std::sync::atomic::AtomicU8;
