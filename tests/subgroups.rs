@@ -4,7 +4,7 @@
 
 mod common;
 
-use chorus::{debug, Error, ReduceOp, Tensor};
+use chorus::{Error, ReduceOp, Tensor};
 use common::run_ranks;
 
 #[test]
@@ -95,43 +95,6 @@ fn two_level_all_reduce_through_hierarchy_matches_flat_all_reduce() {
         two_level.as_slice::<f64>()[0]
     });
     assert_eq!(out, vec![10.0; 4]);
-}
-
-#[test]
-fn sv1_parent_abort_stops_children_and_leaves_no_actor_backend_or_watchdog() {
-    let (a0, b0, w0) = (
-        debug::live_actors(),
-        debug::live_backends(),
-        debug::live_watchdogs(),
-    );
-    run_ranks(2, "sv1", |comm| {
-        let child = comm.split(&[0, 1], "kid").unwrap().expect("member");
-        let grandchild = child.split(&[0, 1], "grandkid").unwrap().expect("member");
-        child.barrier().unwrap();
-        comm.barrier().unwrap();
-        comm.abort();
-        assert!(!child.is_active(), "parent abort aborts the child");
-        assert!(!grandchild.is_active(), "and the grandchild");
-        let e = child.barrier().unwrap_err();
-        assert!(matches!(e, Error::Aborted { .. }), "{e}");
-    });
-    // Every handle is dropped: nothing of the 6 communicators survives.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while (
-        debug::live_actors(),
-        debug::live_backends(),
-        debug::live_watchdogs(),
-    ) != (a0, b0, w0)
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "leaked: actors {} (was {a0}), backends {} (was {b0}), watchdogs {} (was {w0})",
-            debug::live_actors(),
-            debug::live_backends(),
-            debug::live_watchdogs()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
 }
 
 #[test]
