@@ -378,16 +378,24 @@ impl Comm {
             parent: Some(self.shared.actor.get_cell()),
         };
         let child = crate::runtime::block_on(crate::start(spec))??;
-        // AC-4: the parent finalizes/aborts it first.
-        let _ = self
+        // AC-4: the parent finalizes/aborts it first. Wait until the parent
+        // knows it, so that anything the caller does to the child next
+        // (abort, drop) is seen as a child's.
+        let (work, completer) = crate::work::Work::new(crate::work::to_unit);
+        let child_entry = crate::actors::Child {
+            actor: child.shared.actor.clone(),
+            state: child.shared.state.clone(),
+            poison: child.shared.poison.clone(),
+            name: name.to_string(),
+        };
+        if self
             .shared
             .actor
-            .send_message(CommMsg::AddChild(crate::actors::Child {
-                actor: child.shared.actor.clone(),
-                state: child.shared.state.clone(),
-                poison: child.shared.poison.clone(),
-                name: name.to_string(),
-            }));
+            .send_message(CommMsg::AddChild(child_entry, Some(completer)))
+            .is_ok()
+        {
+            let _ = work.wait();
+        }
         Ok(Some(child))
     }
 

@@ -143,7 +143,7 @@ pub enum CommMsg {
     },
     /// A child communicator (split) was created under this one (AC-4).
     #[allow(private_interfaces)]
-    AddChild(Child),
+    AddChild(Child, Option<Completer>),
 }
 
 impl std::fmt::Debug for CommMsg {
@@ -153,7 +153,7 @@ impl std::fmt::Debug for CommMsg {
             CommMsg::Finalize(_) => f.write_str("Finalize"),
             CommMsg::Abort { reason, .. } => write!(f, "Abort({reason})"),
             CommMsg::PeerFailed { failed_ranks, .. } => write!(f, "PeerFailed({failed_ranks:?})"),
-            CommMsg::AddChild(_) => f.write_str("AddChild"),
+            CommMsg::AddChild(..) => f.write_str("AddChild"),
         }
     }
 }
@@ -165,6 +165,21 @@ pub(crate) struct Child {
     pub(crate) state: Arc<AtomicU8>,
     pub(crate) poison: Arc<Mutex<Option<Error>>>,
     pub(crate) name: String,
+}
+
+/// A child that ended aborted (by a failure or an abort) failed; one that
+/// finalized did not.
+fn child_failure(c: Child) -> Option<crate::elastic::ChildFailure> {
+    if c.state.load(std::sync::atomic::Ordering::Acquire) != crate::comm::STATE_ABORTED {
+        return None;
+    }
+    let cause = c.poison.lock().ok().and_then(|p| p.clone());
+    Some(crate::elastic::ChildFailure {
+        name: c.name,
+        reason: cause
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "aborted".into()),
+    })
 }
 
 /// Identity of a communicator on one rank.
@@ -418,11 +433,25 @@ impl Actor for CommActor {
                 state.stop_executor(reason).await;
                 let _ = myself.drain();
             }
-            CommMsg::AddChild(child) => {
+            CommMsg::AddChild(child, done) => {
                 state
                     .children
                     .retain(|c| c.actor.get_status() != ractor::ActorStatus::Stopped);
-                state.children.push(child);
+                if child.actor.get_status() == ractor::ActorStatus::Stopped {
+                    // It ended before we heard of it: supervision events
+                    // overtake messages, so its termination may already have
+                    // been handled (and not recognised as a child's).
+                    if let Some(f) = child_failure(child) {
+                        if let Ok(mut h) = state.health.lock() {
+                            h.child_failures.push(f);
+                        }
+                    }
+                } else {
+                    state.children.push(child);
+                }
+                if let Some(c) = done {
+                    c.complete(Ok(crate::work::Completion::Unit));
+                }
             }
         }
         Ok(())
@@ -437,30 +466,13 @@ impl Actor for CommActor {
         // Override ractor's default (stop the parent when any child exits).
         tracing::debug!(comm = %state.info.name, rank = state.info.rank, ?event, "supervision event");
         let failure = match &event {
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+            SupervisionEvent::ActorTerminated(cell, _, _) => {
                 let child = state
                     .children
                     .iter()
                     .position(|c| c.actor.get_id() == cell.get_id())
                     .map(|i| state.children.remove(i));
-                // A child that ended aborted (by a failure or an abort) failed;
-                // one that finalized did not.
-                match child {
-                    Some(c)
-                        if c.state.load(std::sync::atomic::Ordering::Acquire)
-                            == crate::comm::STATE_ABORTED =>
-                    {
-                        let cause = c.poison.lock().ok().and_then(|p| p.clone());
-                        Some((
-                            c.name,
-                            cause
-                                .map(|e| e.to_string())
-                                .or_else(|| reason.clone())
-                                .unwrap_or_else(|| "aborted".into()),
-                        ))
-                    }
-                    _ => None,
-                }
+                child.and_then(child_failure).map(|f| (f.name, f.reason))
             }
             SupervisionEvent::ActorFailed(cell, e) => {
                 state.children.retain(|c| c.actor.get_id() != cell.get_id());
