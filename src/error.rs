@@ -157,6 +157,38 @@ pub enum Error {
         dtype: DType,
     },
 
+    /// `reconfigure` could not form the next epoch: too few of the old ranks
+    /// survived (a minority partition never forms its own epoch).
+    #[error(
+        "no quorum for epoch {epoch} of communicator {comm:?} (rank {rank}): only ranks \
+         {survivors:?} of {old_size} survived; more than half (or ReconfigureOptions::min_size) \
+         must, so this side stops instead of forming a split-brain epoch"
+    )]
+    NoQuorum {
+        /// Communicator name.
+        comm: String,
+        /// This rank in the old epoch (`usize::MAX` for a joiner).
+        rank: usize,
+        /// The epoch that was not formed.
+        epoch: u64,
+        /// Old ranks that registered for it.
+        survivors: Vec<usize>,
+        /// Size of the old epoch.
+        old_size: usize,
+    },
+
+    /// This rank was left out of a new epoch (it arrived after the membership
+    /// was closed); create or join the communicator again.
+    #[error("left out of epoch {epoch} of communicator {comm:?}: {reason}")]
+    Excluded {
+        /// Communicator name.
+        comm: String,
+        /// The epoch.
+        epoch: u64,
+        /// Why.
+        reason: String,
+    },
+
     /// Bootstrap or configuration problem (missing environment, bad address...).
     #[error("configuration error: {0}")]
     Config(String),
