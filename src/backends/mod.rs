@@ -10,7 +10,7 @@
 //! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
 //!
 //! Backends are selected by name at run time ([`create`]); an unknown name is
-//! [`Error::UnknownBackend`](crate::Error::UnknownBackend).
+//! [`Error::UnknownBackend`].
 //!
 //! Invariants:
 //! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
@@ -112,6 +112,7 @@ impl OpCtx {
             seq: self.seq,
             epoch: self.epoch,
             detail: detail.into(),
+            fatal: true,
         }
     }
 }
