@@ -12,7 +12,12 @@ import sys
 
 def main():
     path, out = sys.argv[1], sys.argv[2]
-    rows = [json.loads(l) for l in open(path) if l.startswith("{")]
+    rows = []
+    for line in open(path):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass  # a partial line (run still going) or a stray message
     data = collections.defaultdict(dict)  # (n, op) -> {system: {size: (us, busbw)}}
     for r in rows:
         ip = r["in_place"]
