@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use chorus::backends::cpu::reduce::reduce_into;
-use chorus::backends::cpu::schedule::all_reduce;
+use chorus::backends::cpu::schedule::{all_reduce, all_reduce_auto};
 use chorus::{DType, ReduceOp};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
@@ -52,6 +52,10 @@ fn build_schedule(c: &mut Criterion) {
         .sample_size(20);
     group.bench_function("all_reduce_size_64_count_16Mi", |b| {
         b.iter(|| all_reduce(black_box(17), black_box(64), black_box(16 << 20)))
+    });
+    // The small-message path of the tuning table (recursive doubling).
+    group.bench_function("all_reduce_auto_size_64_count_2", |b| {
+        b.iter(|| all_reduce_auto(black_box(17), black_box(64), black_box(2), 4))
     });
     group.finish();
 }

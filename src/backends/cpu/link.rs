@@ -3,7 +3,10 @@
 //!
 //! # Setup
 //! Every rank binds a listener on `(bind_ip, 0)` and publishes its address in
-//! the store under `{key_prefix}/cpu/addr/{rank}`. Rank `r` connects to every
+//! the store under `{key_prefix}/cpu/addr/{rank}`. It also publishes its
+//! host id under `{key_prefix}/cpu/host/{rank}`; once the mesh is up,
+//! same-host pairs set up shared-memory rings over their link
+//! ([`setup_shm`]). Rank `r` connects to every
 //! rank below it and accepts from every rank above it (a full mesh). The
 //! connector sends a [`HELLO_LEN`]-byte hello proving the job secret; the
 //! acceptor checks it and answers with its own proof, bound to the

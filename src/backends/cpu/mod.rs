@@ -1,7 +1,11 @@
 //! The `cpu` backend: Chorus's own data plane, built in and the default.
 //!
 //! Every pair of ranks shares one authenticated TCP link (see the `link` module for
-//! setup and the frame format). A collective is turned into a sans-IO
+//! setup and the frame format). Peers on the same host (equal host ids in the
+//! store) additionally get a pair of shared-memory rings (`shm`), which then
+//! carry every header and data frame; their TCP link only carries Abort
+//! frames and tells the ring engine (`shm_exec`) when the peer is gone. A
+//! collective is turned into a sans-IO
 //! [`Schedule`] by the builders in [`schedule`]; this module only executes
 //! schedules: per step, every send and every receive runs concurrently (each
 //! link is split into a read and a write half, so a rank can write to one peer
