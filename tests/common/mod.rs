@@ -13,6 +13,21 @@ use chorus::{new_comm, Comm, CommOptions, DType, Device, Rendezvous, Tensor};
 /// Every multi-rank test finishes within this, or fails (never hangs CI).
 pub const TEST_DEADLINE: Duration = Duration::from_secs(60);
 
+/// The backend the shared suite runs on: `CHORUS_TEST_BACKEND` (e.g.
+/// `gloo`, with the matching cargo feature), else `cpu`. GPU backends put
+/// rank `r` on device `r`.
+pub fn test_backend() -> String {
+    std::env::var("CHORUS_TEST_BACKEND").unwrap_or_else(|_| "cpu".to_string())
+}
+
+/// The device of `rank` for [`test_backend`].
+pub fn test_device(backend: &str, rank: usize) -> Device {
+    match backend {
+        "nccl" | "rccl" => Device::Cuda(rank),
+        _ => Device::Cpu,
+    }
+}
+
 /// Options for rank `rank` of `size` on a shared store.
 pub fn opts(store: &Arc<dyn Store>, rank: usize, size: usize) -> CommOptions {
     CommOptions::default()
@@ -41,25 +56,37 @@ where
     F: Fn(Comm) -> T + Send + Sync + 'static,
     O: Fn(usize, CommOptions) -> CommOptions + Send + Sync + 'static,
 {
+    run_ranks_on(&test_backend(), size, name, tweak, f)
+}
+
+/// Like [`run_ranks_with`], on the named backend.
+pub fn run_ranks_on<T, F, O>(backend: &str, size: usize, name: &str, tweak: O, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Comm) -> T + Send + Sync + 'static,
+    O: Fn(usize, CommOptions) -> CommOptions + Send + Sync + 'static,
+{
+    let backend = backend.to_string();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let f = Arc::new(f);
     let tweak = Arc::new(tweak);
     let (tx, rx) = mpsc::channel();
     for rank in 0..size {
-        let (f, tweak, tx, store, name) = (
+        let (f, tweak, tx, store, name, backend) = (
             f.clone(),
             tweak.clone(),
             tx.clone(),
             store.clone(),
             name.to_string(),
+            backend.clone(),
         );
         std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let comm = new_comm(
-                        "cpu",
-                        Device::Cpu,
+                        &backend,
+                        test_device(&backend, rank),
                         &name,
                         tweak(rank, opts(&store, rank, size)),
                     )
