@@ -46,6 +46,10 @@ use crate::tensor::{DType, Tensor};
 use crate::transport::Store;
 
 pub mod cpu;
+#[cfg(feature = "gloo")]
+pub mod gloo;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 pub mod xccl;
 
@@ -334,6 +338,10 @@ pub async fn create_on(
         "rccl" => Ok(Box::new(
             xccl::XcclBackend::connect(xccl::Flavor::Rccl, device, init).await?,
         )),
+        #[cfg(feature = "gloo")]
+        "gloo" => Ok(Box::new(gloo::GlooBackend::connect(init).await?)),
+        #[cfg(feature = "mpi")]
+        "mpi" => Ok(Box::new(mpi::MpiBackend::connect(init).await?)),
         other => Err(Error::UnknownBackend {
             name: other.to_string(),
             available: available(),

@@ -91,6 +91,11 @@ where
                         tweak(rank, opts(&store, rank, size)),
                     )
                     .unwrap_or_else(|e| panic!("rank {rank}: new_comm failed: {e}"));
+                    assert_eq!(
+                        comm.backend(),
+                        backend,
+                        "the suite runs on the asked backend"
+                    );
                     f(comm)
                 }));
                 let _ = tx.send((rank, result));
