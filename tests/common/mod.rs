@@ -67,6 +67,9 @@ where
     O: Fn(usize, CommOptions) -> CommOptions + Send + Sync + 'static,
 {
     let backend = backend.to_string();
+    if backend == "mpi" {
+        return run_this_mpi_rank(size, name, tweak, f);
+    }
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let f = Arc::new(f);
     let tweak = Arc::new(tweak);
@@ -123,6 +126,48 @@ where
     out.into_iter()
         .map(|v| v.expect("every rank reported"))
         .collect()
+}
+
+/// Under `mpirun -n N` (backend `mpi`) each process is one rank: run `f`
+/// on this process's rank when the test wants a world of `N`, else skip
+/// (printed). Rendezvous through `MASTER_ADDR`/`MASTER_PORT`, which the CI
+/// script exports. Run with `--test-threads 1` so every process creates its
+/// communicators in the same order. Returns this rank's result only.
+fn run_this_mpi_rank<T, F, O>(size: usize, name: &str, tweak: O, f: F) -> Vec<T>
+where
+    F: Fn(Comm) -> T,
+    O: Fn(usize, CommOptions) -> CommOptions,
+{
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+    let (Some(rank), Some(world)) = (env("OMPI_COMM_WORLD_RANK"), env("OMPI_COMM_WORLD_SIZE"))
+    else {
+        eprintln!("SKIP {name}: backend mpi needs mpirun (no OMPI_COMM_WORLD_RANK/SIZE)");
+        return Vec::new();
+    };
+    if world != size {
+        eprintln!("SKIP {name}: needs mpirun -n {size}, this job has {world}");
+        return Vec::new();
+    }
+    // A fresh store port per communicator (rank 0 hosts it; the previous
+    // one may still be closing): MASTER_PORT + k for the k-th, the same k
+    // on every process because every process runs the same tests in order.
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let base: u16 = std::env::var("MASTER_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(29500);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], base.wrapping_add(k)));
+    let o = CommOptions::default()
+        .with_rendezvous(Rendezvous::Master(addr))
+        .with_rank(rank, size)
+        .with_secret("test-secret")
+        .with_timeout(Duration::from_secs(60))
+        .with_connect_timeout(Duration::from_secs(30));
+    let comm = new_comm("mpi", Device::Cpu, name, tweak(rank, o))
+        .unwrap_or_else(|e| panic!("rank {rank}: new_comm failed: {e}"));
+    assert_eq!(comm.backend(), "mpi");
+    vec![f(comm)]
 }
 
 /// Deterministic small test values (exact in every dtype, sums fit in i8).
