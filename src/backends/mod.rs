@@ -374,6 +374,11 @@ pub fn check_name(name: &str) -> Result<()> {
     }
 }
 
+/// Element size helper for backends.
+pub fn elem_size(t: &Tensor) -> usize {
+    DType::size(t.dtype())
+}
+
 #[cfg(test)]
 mod registry_tests {
     use super::*;
@@ -417,9 +422,4 @@ mod registry_tests {
         assert!(check_device("rccl", Device::Cuda(0)).is_ok());
         assert!(check_device("nccl", Device::Cpu).is_err());
     }
-}
-
-/// Element size helper for backends.
-pub fn elem_size(t: &Tensor) -> usize {
-    DType::size(t.dtype())
 }

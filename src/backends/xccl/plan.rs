@@ -461,6 +461,7 @@ mod tests {
 
     /// XP-1: every range of every plan lies inside its staged buffer.
     #[test]
+    #[allow(clippy::single_range_in_vec_init)]
     fn xp_1_plans_stay_inside_staged_buffers() {
         let size = 3;
         for rank in 0..size {
