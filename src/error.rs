@@ -1,7 +1,7 @@
 //! Errors returned by Chorus.
 //!
 //! Every layer has its own `thiserror` enum: the control plane reports
-//! [`TransportError`](crate::transport::TransportError); everything a user can
+//! [`TransportError`]; everything a user can
 //! see from a communicator is an [`Error`]. Errors carry the context needed to
 //! act on them — the communicator's name, this rank, the operation and its
 //! sequence number, the epoch — and their messages say what to do.

@@ -396,3 +396,25 @@ fn async_ops_can_be_awaited_from_a_foreign_executor() {
         })
     });
 }
+
+#[test]
+fn work_dropped_mid_poll_still_completes_the_op_in_order() {
+    use std::future::Future;
+    use std::task::{Context, Poll};
+    run_ranks(2, "drop-mid-poll", |comm| {
+        let mut w = comm.all_reduce_async(Tensor::full(3i32, 1 << 15), ReduceOp::Sum);
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        // Poll once (registers a waker), then drop the future mid-flight.
+        let first = std::pin::Pin::new(&mut w).poll(&mut cx);
+        drop(w);
+        if let Poll::Ready(r) = first {
+            assert_eq!(r.unwrap().as_slice::<i32>()[0], 6);
+        }
+        // The abandoned op ran; the next op pairs with the next op.
+        let t = comm
+            .all_reduce(Tensor::full(5i32, 4), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(t.to_vec::<i32>(), vec![10; 4]);
+    });
+}

@@ -9,16 +9,16 @@
 //! |-------|---------|-------|-------|
 //! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
 //! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12) at run time, a CUDA device | host tensors staged through device memory |
-//! | `rccl` | `rccl` | librccl.so + libamdhip64.so at run time, a ROCm device | same layer as `nccl` ([`xccl`]) |
+//! | `rccl` | `rccl` | librccl.so + libamdhip64.so at run time, a ROCm device | same layer as `nccl` (module `xccl`) |
 //! | `gloo` | `gloo` | Debian `libgloo-dev` at build time | C++ shim over Gloo's TCP transport |
 //! | `mpi` | `mpi` | Open MPI (`libopenmpi-dev`, `libclang-dev` to build), run under `mpirun` | rsmpi |
 //!
 //! Backends are selected by name at run time ([`create`]). Registry rules
 //! (see `docs/backends.md`):
 //! - REG-1: a name Chorus does not know at all is
-//!   [`Error::UnknownBackend`](crate::Error::UnknownBackend), listing [`available`].
+//!   [`Error::UnknownBackend`], listing [`available`].
 //! - REG-2: a known backend whose cargo feature was not enabled is
-//!   [`Error::BackendUnavailable`](crate::Error::BackendUnavailable) whose
+//!   [`Error::BackendUnavailable`] whose
 //!   reason names the feature to enable; so is a compiled-in backend whose
 //!   run-time library or device is missing (never a panic).
 //! - REG-3: each backend runs on one kind of [`Device`](crate::Device)

@@ -7,7 +7,7 @@
 //! [`Backend`]). Pure-Rust planning lives in [`plan`] and is unit-tested
 //! without a GPU.
 //!
-//! What exists today: the public [`Tensor`](crate::Tensor) is host memory, so
+//! What exists today: the public [`Tensor`] is host memory, so
 //! every op stages its host buffers through device memory on the
 //! communicator's own stream: host → device copy, the NCCL call(s), wait for
 //! the stream, device → host copy. There is no device-buffer API yet.

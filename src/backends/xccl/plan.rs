@@ -149,7 +149,8 @@ fn offsets(counts: &[usize]) -> Vec<usize> {
 }
 
 /// The plan of a collective `data` on `rank` of `size` (everything but P2P,
-/// which [`p2p_plan`] handles). `op` must already be validated by [`nccl_op`].
+/// which the backend plans byte-wise itself). The reduce op must already be
+/// validated by [`nccl_op`].
 pub fn plan(data: &OpData, rank: usize, size: usize) -> Plan {
     let single = |calls: Vec<Call>, in_len, out_len| Plan {
         in_len,

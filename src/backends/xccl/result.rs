@@ -1,4 +1,4 @@
-//! Layer 2: `Result`-returning wrappers over [`sys`](super::sys). Each turns
+//! Layer 2: `Result`-returning wrappers over [`sys`]. Each turns
 //! a C status into a [`CallError`] carrying the library's own message; the
 //! safe layer ([`super::XcclBackend`]) adds the communicator context.
 
