@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vendor backends, as CI runs them (after ./scripts/install-deps.sh):
-#   1. clippy with every backend feature (this also type-checks nccl/rccl);
+#   1. clippy and rustdoc (-D warnings) with every backend feature;
 #   2. one test build with every backend feature (nccl and rccl build here
 #      with no CUDA/ROCm: their libraries are loaded at run time);
 #   3. unit tests of the backends (registry, xccl planning, gloo, mpi);
@@ -20,6 +20,9 @@ if [ -z "${CHORUS_SKIP_CLIPPY:-}" ]; then
   step "clippy --features $features"
   cargo clippy --all-targets --features "$features" -- -D warnings
 fi
+
+step "docs --features $features"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --features "$features"
 
 step "build tests --features $features"
 build_log=$(mktemp)

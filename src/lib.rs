@@ -41,7 +41,7 @@
 //! | `cpu` | built in (default) | nothing | all |
 //! | `nccl` | `nccl` | libnccl + libcudart at run time, a CUDA GPU | all but bitwise ops |
 //! | `rccl` | `rccl` | librccl + libamdhip64 at run time, a ROCm GPU | all but bitwise ops |
-//! | `gloo` | `gloo` | `libgloo-dev` (Debian) | see `docs/backends.md` |
+//! | `gloo` | `gloo` | `libgloo-dev` (Debian) | all |
 //! | `mpi` | `mpi` | Open MPI, launched by `mpirun` | all |
 //!
 //! Switching backends is a string: `new_comm("cpu", ..)`. An unknown name is

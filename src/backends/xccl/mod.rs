@@ -645,7 +645,7 @@ impl XcclBackend {
         // then synchronise before returning.
         unsafe {
             let mut off = 0;
-            for t in outputs(data) {
+            for t in outputs(data, self.rank) {
                 let b = t.as_bytes_mut();
                 if !b.is_empty() {
                     result::rt(
@@ -699,8 +699,10 @@ fn inputs(d: &OpData) -> Vec<&Tensor> {
 }
 
 /// Host tensors the device output buffer is copied back into, in order.
-fn outputs(d: &mut OpData) -> Vec<&mut Tensor> {
+/// A reduce's non-root keeps its input: NCCL leaves its output untouched.
+fn outputs(d: &mut OpData, rank: usize) -> Vec<&mut Tensor> {
     match d {
+        OpData::Reduce { root, .. } if *root != rank => vec![],
         OpData::AllReduce { buf, .. }
         | OpData::Reduce { buf, .. }
         | OpData::Broadcast { buf, .. } => vec![buf],
@@ -835,6 +837,18 @@ mod tests {
                 Err(other) => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_reduce_copies_back_on_the_root_only() {
+        let mut d = OpData::Reduce {
+            buf: Tensor::zeros(DType::F32, 4),
+            op: crate::op::ReduceOp::Sum,
+            root: 1,
+        };
+        assert_eq!(outputs(&mut d, 0).len(), 0);
+        assert_eq!(outputs(&mut d, 1).len(), 1);
+        assert_eq!(inputs(&d).len(), 1);
     }
 
     #[test]

@@ -130,7 +130,6 @@ fn_table! {
         comm_get_async_error: "CommGetAsyncError" => fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t;
         comm_abort: "CommAbort" => fn(ncclComm_t) -> ncclResult_t;
         comm_destroy: "CommDestroy" => fn(ncclComm_t) -> ncclResult_t;
-        comm_split: "CommSplit" => fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut ncclConfig_t) -> ncclResult_t;
         get_error_string: "GetErrorString" => fn(ncclResult_t) -> *const c_char;
         all_reduce: "AllReduce" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, Stream) -> ncclResult_t;
         reduce: "Reduce" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, c_int, ncclComm_t, Stream) -> ncclResult_t;
