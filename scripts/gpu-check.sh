@@ -36,9 +36,18 @@ if [ "$features" = nccl ]; then
   fi
 fi
 
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
 if ! command -v cargo >/dev/null 2>&1; then
-  echo "gpu-check: cargo not found; install Rust (rustup) first" >&2
-  exit 1
+  if command -v curl >/dev/null 2>&1; then
+    echo "gpu-check: installing Rust with rustup" >&2
+    curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+    export PATH="$HOME/.cargo/bin:$PATH"
+  else
+    echo "gpu-check: cargo not found and no curl to install it; install Rust first" >&2
+    exit 1
+  fi
 fi
 
 export RUST_LOG=${RUST_LOG:-warn}
