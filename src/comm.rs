@@ -123,6 +123,13 @@ pub struct CommOptions {
     /// IP address for data links; `None` reads `CHORUS_DATA_IP`, else uses the
     /// address this host uses to reach the store.
     pub bind_ip: Option<IpAddr>,
+    /// How often each rank writes its heartbeat to the store and reads its
+    /// peers' (1 s). `Duration::ZERO` turns the watchdog off. A world of one
+    /// rank never runs one.
+    pub heartbeat_interval: Duration,
+    /// A peer whose heartbeat did not advance for this long (10 s) is declared
+    /// failed, and so is this rank if it cannot reach the store for this long.
+    pub heartbeat_timeout: Duration,
 }
 
 impl Default for CommOptions {
@@ -135,6 +142,8 @@ impl Default for CommOptions {
             rank: None,
             size: None,
             bind_ip: None,
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -179,6 +188,14 @@ impl CommOptions {
     /// Set the data-link IP address.
     pub fn with_bind_ip(mut self, ip: IpAddr) -> Self {
         self.bind_ip = Some(ip);
+        self
+    }
+
+    /// Set the watchdog's heartbeat interval and failure timeout
+    /// (`interval == Duration::ZERO` turns heartbeats off).
+    pub fn with_heartbeat(mut self, interval: Duration, timeout: Duration) -> Self {
+        self.heartbeat_interval = interval;
+        self.heartbeat_timeout = timeout;
         self
     }
 }
@@ -228,6 +245,16 @@ pub(crate) struct Shared {
     pub(crate) state: Arc<AtomicU8>,
     pub(crate) poison: Arc<std::sync::Mutex<Option<Error>>>,
     pub(crate) _server: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// What split and reconfigure need to build related communicators.
+    pub(crate) ctx: Arc<crate::elastic::CommCtx>,
+    /// Store key prefix of this communicator instance and epoch.
+    pub(crate) key_prefix: String,
+    /// The backend name as the user asked for it (children and new epochs use it).
+    pub(crate) backend_requested: String,
+    /// Failures seen by the actor (watchdog notices, children).
+    pub(crate) health: Arc<std::sync::Mutex<crate::elastic::HealthState>>,
+    /// Splits issued on this handle's communicator (part of child key prefixes).
+    pub(crate) splits: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for Shared {
@@ -249,7 +276,7 @@ impl Drop for Shared {
 #[derive(Clone)]
 pub struct Comm {
     pub(crate) shared: Arc<Shared>,
-    timeout: Duration,
+    pub(crate) timeout: Duration,
 }
 
 impl std::fmt::Debug for Comm {
@@ -413,27 +440,13 @@ impl Comm {
     }
 
     pub(crate) fn closed_error(&self, state: u8) -> Error {
-        if state == STATE_ABORTED {
-            let cause = self.shared.poison.lock().ok().and_then(|p| p.clone());
-            Error::Aborted {
-                comm: self.shared.name.clone(),
-                rank: self.shared.rank,
-                epoch: self.shared.epoch,
-                failed_ranks: cause
-                    .as_ref()
-                    .map(|e| e.failed_ranks().to_vec())
-                    .unwrap_or_default(),
-                reason: match cause {
-                    Some(e) => format!("an earlier operation failed: {e}"),
-                    None => "the communicator was aborted".into(),
-                },
-            }
-        } else {
-            Error::Finalized {
-                comm: self.shared.name.clone(),
-                rank: self.shared.rank,
-            }
-        }
+        closed_error(
+            &self.shared.name,
+            self.shared.rank,
+            self.shared.epoch,
+            state,
+            &self.shared.poison,
+        )
     }
 
     // ---------------------------------------------------------------- all_reduce
@@ -1069,6 +1082,38 @@ impl Comm {
     /// Whether the communicator is still accepting ops.
     pub fn is_active(&self) -> bool {
         self.shared.state.load(Ordering::Acquire) == STATE_ACTIVE
+    }
+}
+
+/// The error for an op submitted to a communicator that no longer runs ops:
+/// `Aborted` (with the original cause, if a failure aborted it) or `Finalized`.
+pub(crate) fn closed_error(
+    name: &str,
+    rank: usize,
+    epoch: u64,
+    state: u8,
+    poison: &std::sync::Mutex<Option<Error>>,
+) -> Error {
+    if state == STATE_ABORTED {
+        let cause = poison.lock().ok().and_then(|p| p.clone());
+        Error::Aborted {
+            comm: name.to_string(),
+            rank,
+            epoch,
+            failed_ranks: cause
+                .as_ref()
+                .map(|e| e.failed_ranks().to_vec())
+                .unwrap_or_default(),
+            reason: match cause {
+                Some(e) => format!("an earlier operation failed: {e}"),
+                None => "the communicator was aborted".into(),
+            },
+        }
+    } else {
+        Error::Finalized {
+            comm: name.to_string(),
+            rank,
+        }
     }
 }
 

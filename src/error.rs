@@ -74,6 +74,10 @@ pub enum Error {
         epoch: u64,
         /// Which ranks disagreed and on what.
         detail: String,
+        /// Whether the ranks are out of step (different ops at the same
+        /// point), which aborts the communicator; a mere parameter mismatch
+        /// (count, dtype, root...) leaves it usable.
+        fatal: bool,
     },
 
     /// The operation did not complete within its timeout. The communicator is
@@ -153,6 +157,38 @@ pub enum Error {
         dtype: DType,
     },
 
+    /// `reconfigure` could not form the next epoch: too few of the old ranks
+    /// survived (a minority partition never forms its own epoch).
+    #[error(
+        "no quorum for epoch {epoch} of communicator {comm:?} (rank {rank}): only ranks \
+         {survivors:?} of {old_size} survived; more than half (or ReconfigureOptions::min_size) \
+         must, so this side stops instead of forming a split-brain epoch"
+    )]
+    NoQuorum {
+        /// Communicator name.
+        comm: String,
+        /// This rank in the old epoch (`usize::MAX` for a joiner).
+        rank: usize,
+        /// The epoch that was not formed.
+        epoch: u64,
+        /// Old ranks that registered for it.
+        survivors: Vec<usize>,
+        /// Size of the old epoch.
+        old_size: usize,
+    },
+
+    /// This rank was left out of a new epoch (it arrived after the membership
+    /// was closed); create or join the communicator again.
+    #[error("left out of epoch {epoch} of communicator {comm:?}: {reason}")]
+    Excluded {
+        /// Communicator name.
+        comm: String,
+        /// The epoch.
+        epoch: u64,
+        /// Why.
+        reason: String,
+    },
+
     /// Bootstrap or configuration problem (missing environment, bad address...).
     #[error("configuration error: {0}")]
     Config(String),
@@ -169,14 +205,17 @@ pub enum Error {
 impl Error {
     /// Whether the communicator can no longer be used after this error.
     ///
-    /// `Mismatch` and `InvalidArgument` leave the communicator usable (the check
-    /// happens before any data moves); timeouts, peer failures and aborts do not.
+    /// A parameter `Mismatch` and `InvalidArgument` leave the communicator
+    /// usable (the check happens before any data moves); timeouts, peer
+    /// failures, aborts and ranks out of step (`Mismatch { fatal: true, .. }`)
+    /// do not.
     pub fn is_fatal(&self) -> bool {
         matches!(
             self,
             Error::Timeout { .. }
                 | Error::PeerFailed { .. }
                 | Error::Aborted { .. }
+                | Error::Mismatch { fatal: true, .. }
                 | Error::Transport(_)
                 | Error::Internal(_)
         )

@@ -56,6 +56,17 @@
 //! ranks (op, dtype, count, root, split sizes) is [`Error::Mismatch`] on every
 //! rank; a dead peer or an expired timeout completes every outstanding op with
 //! a typed error and aborts the communicator, never the process.
+//!
+//! ## Subgroups and fault tolerance
+//!
+//! [`Comm::split`] / [`Comm::split_by_color`] create child communicators
+//! (actors linked under the parent's; finalized or aborted before it), and
+//! [`Comm::hierarchy`] builds intra-host × inter-host groups. A watchdog
+//! heartbeats through the store ([`CommOptions::heartbeat_interval`]); a dead,
+//! hung or partitioned rank completes every outstanding op with
+//! [`Error::PeerFailed`] stamped with the epoch, and [`Comm::reconfigure`]
+//! forms the next epoch from the survivors (and ranks that [`join_comm`]ed),
+//! under a majority rule ([`Error::NoQuorum`]).
 #![deny(missing_docs)]
 
 use std::sync::atomic::AtomicU8;
@@ -67,6 +78,8 @@ pub mod actors;
 pub mod backends;
 pub mod bootstrap;
 mod comm;
+pub mod debug;
+mod elastic;
 pub mod error;
 pub mod op;
 mod runtime;
@@ -75,6 +88,9 @@ pub mod transport;
 mod work;
 
 pub use comm::{Comm, CommOptions, Device, P2POp, Rendezvous};
+pub use elastic::{
+    join_comm, join_comm_async, ChildFailure, Health, Hierarchy, RankMap, ReconfigureOptions,
+};
 pub use error::{Error, Result};
 pub use op::{OpKind, ReduceOp};
 pub use tensor::{DType, Element, Tensor};
@@ -148,23 +164,79 @@ async fn create(
     )
     .await?;
     drop(_g);
-    let epoch = 0;
     let instance = bootstrap::next_instance(&name, rank, size);
-    let init = backends::BackendInit {
-        comm: name.clone(),
-        key_prefix: format!("chorus/{name}/{instance}/epoch/{epoch}"),
+    let base = format!("chorus/{name}/{instance}");
+    let spec = Spec {
+        backend,
+        device,
+        rank,
+        size,
+        epoch: 0,
+        key_prefix: format!("{base}/epoch/0"),
+        ctx: Arc::new(elastic::CommCtx {
+            name,
+            base,
+            store: connected.store.clone(),
+            secret: Arc::from(secret.unwrap_or_default()),
+            bind_ip: bootstrap::bind_ip(&options, connected.local_ip)?,
+            options,
+            server: connected
+                .server
+                .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
+        }),
+        parent: None,
+    };
+    let comm = start(spec).await?;
+    if comm.rank() == 0 && comm.size() > 1 {
+        elastic::publish_latest(&comm).await;
+    }
+    Ok(comm)
+}
+
+/// Everything needed to start one communicator on one rank whose store is
+/// already connected.
+pub(crate) struct Spec {
+    pub(crate) backend: String,
+    pub(crate) device: Device,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) epoch: u64,
+    pub(crate) key_prefix: String,
+    pub(crate) ctx: Arc<elastic::CommCtx>,
+    /// The parent's actor, for a split (the child is linked under it).
+    pub(crate) parent: Option<ractor::ActorCell>,
+}
+
+/// Connect the backend and start the communicator's actor.
+pub(crate) async fn start(spec: Spec) -> Result<Comm> {
+    let Spec {
+        backend,
+        device,
         rank,
         size,
         epoch,
-        store: connected.store.clone(),
-        secret: Arc::from(secret.unwrap_or_default()),
+        key_prefix,
+        ctx,
+        parent,
+    } = spec;
+    let name = ctx.name.clone();
+    let options = &ctx.options;
+    let init = backends::BackendInit {
+        comm: name.clone(),
+        key_prefix: key_prefix.clone(),
+        rank,
+        size,
+        epoch,
+        store: ctx.store.clone(),
+        secret: ctx.secret.clone(),
         connect_timeout: options.connect_timeout,
-        bind_ip: bootstrap::bind_ip(&options, connected.local_ip)?,
+        bind_ip: ctx.bind_ip,
     };
     let backend_impl = backends::create_on(&backend, device, init).await?;
     let backend_name = backend_impl.name();
     let state = Arc::new(AtomicU8::new(comm::STATE_ACTIVE));
     let poison = Arc::new(Mutex::new(None));
+    let health = Arc::new(Mutex::new(elastic::HealthState::default()));
     let args = actors::CommArgs {
         info: actors::CommInfo {
             name: name.clone(),
@@ -175,11 +247,24 @@ async fn create(
         backend: backend_impl,
         state: state.clone(),
         poison: poison.clone(),
+        health: health.clone(),
+        watchdog: Some(actors::watchdog::WatchdogConfig {
+            prefix: key_prefix.clone(),
+            rank,
+            size,
+            epoch,
+            interval: options.heartbeat_interval,
+            timeout: options.heartbeat_timeout,
+            store: ctx.store.clone(),
+        }),
     };
-    let (actor, _join) = Actor::spawn(None, actors::CommActor, args)
-        .await
+    let spawned = match &parent {
+        Some(cell) => Actor::spawn_linked(None, actors::CommActor, args, cell.clone()).await,
+        None => Actor::spawn(None, actors::CommActor, args).await,
+    };
+    let (actor, _join) = spawned
         .map_err(|e| Error::Internal(format!("cannot start the communicator actor: {e}")))?;
-    tracing::info!(comm = %name, rank, size, "communicator ready");
+    tracing::info!(comm = %name, rank, size, epoch, "communicator ready");
     let shared = Arc::new(comm::Shared {
         name,
         rank,
@@ -190,9 +275,13 @@ async fn create(
         actor,
         state,
         poison,
-        _server: connected
-            .server
-            .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
+        _server: ctx.server.clone(),
+        ctx,
+        key_prefix,
+        backend_requested: backend,
+        health,
+        splits: std::sync::atomic::AtomicU64::new(0),
     });
-    Ok(Comm::from_shared(shared, options.timeout))
+    let timeout = shared.ctx.options.timeout;
+    Ok(Comm::from_shared(shared, timeout))
 }

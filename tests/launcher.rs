@@ -408,6 +408,11 @@ fn example_send_recv_passes_on_2_to_4_ranks() {
 }
 
 #[test]
+fn example_hierarchical_all_reduce_passes_on_1_2_and_4_ranks() {
+    run_example_on("hierarchical_all_reduce", &[1, 2, 4]);
+}
+
+#[test]
 fn example_with_an_unknown_backend_fails_every_rank_with_the_backend_list() {
     let Some(path) = example("all_reduce") else {
         return;

@@ -14,6 +14,11 @@
 //!   backend.
 //! - EX-3: a non-fatal mismatch leaves the communicator usable: it is found
 //!   before any payload moves (OP-2).
+//! - EX-4: when a peer failure is known (watchdog notice, AC-5), the op in
+//!   flight and every queued op complete with that `Error::PeerFailed`; a
+//!   peer failure found by this rank's backend is published as a failure
+//!   notice so that every rank learns of it (WD-2).
+//! - EX-5: the watchdog task is stopped before the executor ends (WD-4).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,8 +51,28 @@ pub(crate) struct Executor {
     pub(crate) state: Arc<AtomicU8>,
     pub(crate) poison: Arc<Mutex<Option<Error>>>,
     pub(crate) actor: ActorRef<CommMsg>,
-    /// Set when the last op's headers showed ranks out of step (fatal mismatch).
-    pub(crate) desync: bool,
+    /// Heartbeats of this communicator (EX-5).
+    pub(crate) watchdog: Option<super::watchdog::Watchdog>,
+    /// The error outstanding ops complete with after a peer failure (EX-4).
+    pub(crate) revoke: Arc<Mutex<Option<Error>>>,
+    /// Counts this backend as live until the executor ends.
+    pub(crate) _live: LiveBackend,
+}
+
+/// Counts a live backend (its links open) in [`crate::debug::live_backends`].
+pub(crate) struct LiveBackend(());
+
+impl LiveBackend {
+    pub(crate) fn new() -> LiveBackend {
+        crate::debug::LIVE_BACKENDS.fetch_add(1, Ordering::AcqRel);
+        LiveBackend(())
+    }
+}
+
+impl Drop for LiveBackend {
+    fn drop(&mut self) {
+        crate::debug::LIVE_BACKENDS.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 enum Outcome {
@@ -76,6 +101,9 @@ impl Executor {
                         }
                     }
                     Some(ExecMsg::Finalize(done)) => {
+                        if let Some(w) = self.watchdog.take() {
+                            w.stop(true).await;
+                        }
                         self.backend.finalize().await;
                         self.state
                             .compare_exchange(
@@ -93,10 +121,14 @@ impl Executor {
                         if let Some(c) = done {
                             c.complete(Ok(Completion::Unit));
                         }
-                        self.actor.stop(Some("finalized".into()));
+                        // Drain: requests queued behind Finalize complete with Finalized.
+                        let _ = self.actor.drain();
                         return;
                     }
                     None => {
+                        if let Some(w) = self.watchdog.take() {
+                            w.stop(true).await;
+                        }
                         self.backend.finalize().await;
                         return;
                     }
@@ -147,8 +179,20 @@ impl Executor {
         }
     }
 
+    /// The error of an op revoked by an abort (EX-4).
+    fn revoked_error(&self) -> Error {
+        self.revoke
+            .lock()
+            .ok()
+            .and_then(|r| r.clone())
+            .unwrap_or_else(|| self.abort_error())
+    }
+
     /// Abort path: backend aborted, every queued request failed (EX-2).
     async fn shutdown_aborted(&mut self) {
+        if let Some(w) = self.watchdog.take() {
+            w.stop(false).await;
+        }
         self.state.store(STATE_ABORTED, Ordering::Release);
         let reason = self.abort_error().to_string();
         let failed = self
@@ -159,8 +203,14 @@ impl Executor {
             .unwrap_or_default();
         self.backend.abort(&reason, &failed).await;
         self.rx.close();
-        let err = self.abort_error();
+        let err = self.revoked_error();
         self.drain(|_| err.clone());
+        // The actor has nothing left to do: ask it to stop (after any request
+        // already in its mailbox, which it fails with `Aborted`), so no actor
+        // outlives its communicator.
+        let _ = self
+            .actor
+            .send_message(CommMsg::Abort { reason, done: None });
     }
 
     /// Run one request. Returns false if the communicator must shut down.
@@ -200,14 +250,14 @@ impl Executor {
         };
         match outcome {
             Outcome::Cancelled => {
-                completer.complete(Err(self.abort_error()));
+                completer.complete(Err(self.revoked_error()));
                 false
             }
             Outcome::Done(Ok(c)) => {
                 completer.complete(Ok(c));
                 true
             }
-            Outcome::Done(Err(e)) if !e.is_fatal() && !std::mem::take(&mut self.desync) => {
+            Outcome::Done(Err(e)) if !e.is_fatal() => {
                 completer.complete(Err(e));
                 true
             }
@@ -215,6 +265,22 @@ impl Executor {
                 tracing::warn!(error = %e, "fatal error; aborting communicator");
                 if let Ok(mut p) = self.poison.lock() {
                     p.get_or_insert(e.clone());
+                }
+                // Later submits must see the abort as soon as this op completes.
+                self.state.store(STATE_ABORTED, Ordering::Release);
+                // EX-4: tell every rank, through the store, who failed.
+                if let (
+                    Error::PeerFailed {
+                        failed_ranks,
+                        detail,
+                        ..
+                    },
+                    Some(w),
+                ) = (&e, &self.watchdog)
+                {
+                    if !failed_ranks.is_empty() {
+                        w.config.publish(failed_ranks.clone(), detail.clone()).await;
+                    }
                 }
                 completer.complete(Err(e));
                 false
@@ -286,15 +352,22 @@ impl Executor {
 
     /// A `Mismatch` error; when the ranks are out of step the communicator
     /// is aborted after this op (EX-2), otherwise it stays usable (EX-3).
-    fn mismatch(&mut self, ctx: &OpCtx, m: HeaderMismatch) -> Error {
+    fn mismatch(&self, ctx: &OpCtx, m: HeaderMismatch) -> Error {
         if m.fatal {
-            self.desync = true;
             ctx.mismatch(format!(
                 "{}; the ranks are out of step, so the communicator is aborted",
                 m.detail
             ))
         } else {
-            ctx.mismatch(m.detail)
+            Error::Mismatch {
+                comm: ctx.comm.clone(),
+                rank: ctx.rank,
+                op: ctx.kind.name(),
+                seq: ctx.seq,
+                epoch: ctx.epoch,
+                detail: m.detail,
+                fatal: false,
+            }
         }
     }
 

@@ -11,7 +11,14 @@
 //!
 //! Supervision: ractor's default `handle_supervisor_evt` stops a parent when
 //! any child exits. A communicator must not die because a child (a split)
-//! finalized, so `CommActor` overrides it and only records the event.
+//! finalized, so `CommActor` overrides it and only records the event: a child
+//! that stopped for any reason other than a clean finalize is recorded as a
+//! child failure, visible through the parent's [`Comm::health`].
+//!
+//! Failure detection: the executor owns a [`watchdog`] task (heartbeats over
+//! the store); when it declares peers failed it sends
+//! [`CommMsg::PeerFailed`], and the actor revokes every outstanding op with
+//! `Error::PeerFailed` (stamped with the epoch) and aborts the communicator.
 //!
 //! Invariants:
 //! - AC-1: collective sequence numbers are assigned in mailbox order, starting
@@ -19,8 +26,15 @@
 //! - AC-2: point-to-point sequence numbers are counted per peer.
 //! - AC-3: after `Abort` or `Finalize` the actor stops; every request still
 //!   queued completes (aborted, or run to completion for finalize) first.
+//! - AC-4: children (splits) are aborted or finalized before their parent; a
+//!   parent never stops with a live child (SV-1: a child never outlives its
+//!   parent).
+//! - AC-5: after `PeerFailed`, every outstanding and queued op completes with
+//!   that `Error::PeerFailed`; later ops fail with `Error::Aborted` carrying the
+//!   failed ranks.
 //!
 //! [`Comm`]: crate::Comm
+//! [`Comm::health`]: crate::Comm::health
 
 use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Mutex};
@@ -37,6 +51,7 @@ use crate::tensor::{DType, Tensor};
 use crate::work::Completer;
 
 pub mod executor;
+pub mod watchdog;
 
 /// A request for one op, built and validated by the `Comm` handle.
 #[derive(Debug)]
@@ -118,6 +133,17 @@ pub enum CommMsg {
         /// Completed when the abort is done.
         done: Option<Completer>,
     },
+    /// The watchdog declared these ranks failed: revoke every outstanding op
+    /// with `Error::PeerFailed` and abort (AC-5).
+    PeerFailed {
+        /// Ranks declared failed.
+        failed_ranks: Vec<usize>,
+        /// What was observed.
+        detail: String,
+    },
+    /// A child communicator (split) was created under this one (AC-4).
+    #[allow(private_interfaces)]
+    AddChild(Child, Option<Completer>),
 }
 
 impl std::fmt::Debug for CommMsg {
@@ -126,8 +152,34 @@ impl std::fmt::Debug for CommMsg {
             CommMsg::Submit(r) => write!(f, "Submit({} #{})", r.kind.name(), r.seq),
             CommMsg::Finalize(_) => f.write_str("Finalize"),
             CommMsg::Abort { reason, .. } => write!(f, "Abort({reason})"),
+            CommMsg::PeerFailed { failed_ranks, .. } => write!(f, "PeerFailed({failed_ranks:?})"),
+            CommMsg::AddChild(..) => f.write_str("AddChild"),
         }
     }
+}
+
+/// A child communicator as its parent tracks it.
+#[derive(Clone)]
+pub(crate) struct Child {
+    pub(crate) actor: ActorRef<CommMsg>,
+    pub(crate) state: Arc<AtomicU8>,
+    pub(crate) poison: Arc<Mutex<Option<Error>>>,
+    pub(crate) name: String,
+}
+
+/// A child that ended aborted (by a failure or an abort) failed; one that
+/// finalized did not.
+fn child_failure(c: Child) -> Option<crate::elastic::ChildFailure> {
+    if c.state.load(std::sync::atomic::Ordering::Acquire) != crate::comm::STATE_ABORTED {
+        return None;
+    }
+    let cause = c.poison.lock().ok().and_then(|p| p.clone());
+    Some(crate::elastic::ChildFailure {
+        name: c.name,
+        reason: cause
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "aborted".into()),
+    })
 }
 
 /// Identity of a communicator on one rank.
@@ -149,6 +201,8 @@ pub struct CommArgs {
     pub(crate) backend: Box<dyn Backend>,
     pub(crate) state: Arc<AtomicU8>,
     pub(crate) poison: Arc<Mutex<Option<Error>>>,
+    pub(crate) health: Arc<Mutex<crate::elastic::HealthState>>,
+    pub(crate) watchdog: Option<watchdog::WatchdogConfig>,
 }
 
 /// The actor behind one communicator on one rank.
@@ -164,6 +218,68 @@ pub struct CommState {
     cancel: CancellationToken,
     abort_reason: Arc<Mutex<Option<String>>>,
     exec: Option<tokio::task::JoinHandle<()>>,
+    revoke: Arc<Mutex<Option<Error>>>,
+    poison: Arc<Mutex<Option<Error>>>,
+    state: Arc<AtomicU8>,
+    health: Arc<Mutex<crate::elastic::HealthState>>,
+    children: Vec<Child>,
+}
+
+impl CommState {
+    /// The error of a request that arrives after the executor ended.
+    fn closed_error(&self) -> Error {
+        crate::comm::closed_error(
+            &self.info.name,
+            self.info.rank,
+            self.info.epoch,
+            self.state.load(std::sync::atomic::Ordering::Acquire),
+            &self.poison,
+        )
+    }
+
+    /// AC-4: abort every live child and wait (bounded) for each to finish.
+    async fn abort_children(&mut self, reason: &str) {
+        for child in std::mem::take(&mut self.children) {
+            let child = child.actor;
+            let (work, completer) = crate::work::Work::new(crate::work::to_unit);
+            if child
+                .send_message(CommMsg::Abort {
+                    reason: format!("parent communicator {:?}: {reason}", self.info.name),
+                    done: Some(completer),
+                })
+                .is_ok()
+            {
+                let _ = tokio::time::timeout(Duration::from_secs(10), work).await;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(5), child.wait(None)).await;
+        }
+    }
+
+    /// AC-4: finalize every live child and wait for each to finish.
+    async fn finalize_children(&mut self) {
+        for child in std::mem::take(&mut self.children) {
+            let child = child.actor;
+            let (work, completer) = crate::work::Work::new(crate::work::to_unit);
+            if child
+                .send_message(CommMsg::Finalize(Some(completer)))
+                .is_ok()
+            {
+                let _ = work.await;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(5), child.wait(None)).await;
+        }
+    }
+
+    /// Stop the executor after an abort, and wait for it.
+    async fn stop_executor(&mut self, reason: String) {
+        if let Ok(mut r) = self.abort_reason.lock() {
+            r.get_or_insert(reason);
+        }
+        self.cancel.cancel();
+        if let Some(h) = self.exec.take() {
+            let _ = h.await;
+        }
+    }
 }
 
 impl Actor for CommActor {
@@ -179,7 +295,17 @@ impl Actor for CommActor {
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = CancellationToken::new();
         let abort_reason = Arc::new(Mutex::new(None));
+        let revoke = Arc::new(Mutex::new(None));
+        crate::debug::LIVE_ACTORS.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let watchdog = args
+            .watchdog
+            .and_then(|cfg| watchdog::Watchdog::start(cfg, myself.clone()));
+        let poison = args.poison.clone();
+        let comm_state = args.state.clone();
         let exec = executor::Executor {
+            watchdog,
+            revoke: revoke.clone(),
+            _live: executor::LiveBackend::new(),
             info: args.info.clone(),
             backend: args.backend,
             rx,
@@ -188,7 +314,6 @@ impl Actor for CommActor {
             state: args.state,
             poison: args.poison,
             actor: myself,
-            desync: false,
         };
         let handle = tokio::spawn(exec.run());
         Ok(CommState {
@@ -199,6 +324,11 @@ impl Actor for CommActor {
             cancel,
             abort_reason,
             exec: Some(handle),
+            revoke,
+            poison,
+            state: comm_state,
+            health: args.health,
+            children: vec![],
         })
     }
 
@@ -233,14 +363,13 @@ impl Actor for CommActor {
                     state.tx.send(executor::ExecMsg::Run(req))
                 {
                     if let Some(c) = req.completer.take() {
-                        c.complete(Err(Error::Finalized {
-                            comm: state.info.name.clone(),
-                            rank: state.info.rank,
-                        }));
+                        c.complete(Err(state.closed_error()));
                     }
                 }
             }
             CommMsg::Finalize(done) => {
+                // AC-4: children first.
+                state.finalize_children().await;
                 // AC-3: queued behind every submitted op; the executor stops the actor.
                 if let Err(mpsc::error::SendError(executor::ExecMsg::Finalize(Some(c)))) =
                     state.tx.send(executor::ExecMsg::Finalize(done))
@@ -250,17 +379,63 @@ impl Actor for CommActor {
             }
             CommMsg::Abort { reason, done } => {
                 tracing::warn!(comm = %state.info.name, rank = state.info.rank, %reason, "aborting communicator");
-                if let Ok(mut r) = state.abort_reason.lock() {
-                    r.get_or_insert(reason);
+                state.abort_children(&reason).await;
+                state.stop_executor(reason).await;
+                if let Some(c) = done {
+                    c.complete(Ok(crate::work::Completion::Unit));
                 }
-                state.cancel.cancel();
-                if let Some(h) = state.exec.take() {
-                    let _ = h.await;
+                // Drain, not stop: requests already queued complete with Aborted.
+                let _ = myself.drain();
+            }
+            CommMsg::PeerFailed {
+                failed_ranks,
+                detail,
+            } => {
+                let info = &state.info;
+                tracing::warn!(comm = %info.name, rank = info.rank, epoch = info.epoch, ?failed_ranks, %detail, "peer failure notice");
+                let err = Error::PeerFailed {
+                    comm: info.name.clone(),
+                    rank: info.rank,
+                    epoch: info.epoch,
+                    op: "watchdog",
+                    failed_ranks: failed_ranks.clone(),
+                    detail: detail.clone(),
+                };
+                if let Ok(mut h) = state.health.lock() {
+                    if h.failure.is_none() {
+                        h.failure = Some(err.clone());
+                    }
+                }
+                if let Ok(mut p) = state.poison.lock() {
+                    p.get_or_insert(err.clone());
+                }
+                if let Ok(mut r) = state.revoke.lock() {
+                    r.get_or_insert(err);
+                }
+                let reason = format!("ranks {failed_ranks:?} failed: {detail}");
+                state.abort_children(&reason).await;
+                state.stop_executor(reason).await;
+                let _ = myself.drain();
+            }
+            CommMsg::AddChild(child, done) => {
+                state
+                    .children
+                    .retain(|c| c.actor.get_status() != ractor::ActorStatus::Stopped);
+                if child.actor.get_status() == ractor::ActorStatus::Stopped {
+                    // It ended before we heard of it: supervision events
+                    // overtake messages, so its termination may already have
+                    // been handled (and not recognised as a child's).
+                    if let Some(f) = child_failure(child) {
+                        if let Ok(mut h) = state.health.lock() {
+                            h.child_failures.push(f);
+                        }
+                    }
+                } else {
+                    state.children.push(child);
                 }
                 if let Some(c) = done {
                     c.complete(Ok(crate::work::Completion::Unit));
                 }
-                myself.stop(Some("aborted".into()));
             }
         }
         Ok(())
@@ -274,6 +449,27 @@ impl Actor for CommActor {
     ) -> Result<(), ActorProcessingErr> {
         // Override ractor's default (stop the parent when any child exits).
         tracing::debug!(comm = %state.info.name, rank = state.info.rank, ?event, "supervision event");
+        let failure = match &event {
+            SupervisionEvent::ActorTerminated(cell, _, _) => {
+                let child = state
+                    .children
+                    .iter()
+                    .position(|c| c.actor.get_id() == cell.get_id())
+                    .map(|i| state.children.remove(i));
+                child.and_then(child_failure).map(|f| (f.name, f.reason))
+            }
+            SupervisionEvent::ActorFailed(cell, e) => {
+                state.children.retain(|c| c.actor.get_id() != cell.get_id());
+                Some((cell.get_name().unwrap_or_default(), e.to_string()))
+            }
+            _ => None,
+        };
+        if let Some((name, reason)) = failure {
+            if let Ok(mut h) = state.health.lock() {
+                h.child_failures
+                    .push(crate::elastic::ChildFailure { name, reason });
+            }
+        }
         Ok(())
     }
 
@@ -282,6 +478,10 @@ impl Actor for CommActor {
         _myself: ActorRef<CommMsg>,
         state: &mut CommState,
     ) -> Result<(), ActorProcessingErr> {
+        // AC-4: never leave a child behind.
+        if !state.children.is_empty() {
+            state.abort_children("parent communicator stopped").await;
+        }
         // The executor finishes on its own after Finalize; if the actor is
         // stopped any other way, abort it so no op is left without a completion.
         if let Some(h) = state.exec.take() {
@@ -291,8 +491,11 @@ impl Actor for CommActor {
                 }
                 state.cancel.cancel();
                 let _ = h.await;
+            } else {
+                let _ = h.await;
             }
         }
+        crate::debug::LIVE_ACTORS.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         Ok(())
     }
 }

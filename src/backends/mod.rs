@@ -175,6 +175,7 @@ impl OpCtx {
             seq: self.seq,
             epoch: self.epoch,
             detail: detail.into(),
+            fatal: true,
         }
     }
 }

@@ -1,0 +1,313 @@
+//! The watchdog: heartbeats and failure notices over the rendezvous store.
+//!
+//! Every rank of a communicator with more than one rank runs one watchdog
+//! task, owned by the communicator's executor. Each `heartbeat_interval` it
+//! writes its heartbeat counter to `<prefix>/hb/<rank>` and reads its peers'
+//! counters and the communicator's failure notice `<prefix>/failed` (the
+//! prefix is `chorus/<name>/<instance>/epoch/<epoch>`, so every key is
+//! stamped with the epoch). A peer whose counter did not advance for
+//! `heartbeat_timeout` is declared failed: the watchdog publishes a failure
+//! notice with `compare_set` (the first notice wins, so every rank reports
+//! the same failed ranks) and tells its [`CommActor`](super::CommActor),
+//! which fails every outstanding op with [`Error::PeerFailed`] and aborts the
+//! communicator. A rank that cannot reach the store for `heartbeat_timeout`
+//! declares itself failed (it is the one partitioned away).
+//!
+//! Invariants:
+//! - WD-1: a failure notice names the epoch it belongs to; a notice of another
+//!   epoch is ignored ([`Notice::parse`]).
+//! - WD-2: the first published notice wins; every rank that learns of a failure
+//!   through the store reports the same failed ranks.
+//! - WD-3: a rank that finalizes writes `done` as its heartbeat, so peers never
+//!   mistake a clean exit for a failure.
+//! - WD-4: the task ends when the communicator finalizes or aborts; it never
+//!   outlives its executor (counted by [`crate::debug::live_watchdogs`]).
+//!
+//! [`Error::PeerFailed`]: crate::Error::PeerFailed
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::ActorRef;
+use tokio_util::sync::CancellationToken;
+
+use super::CommMsg;
+use crate::transport::{CompareSet, Store};
+
+/// Heartbeat value written by a rank that finalized cleanly (WD-3).
+const DONE: &[u8] = b"done";
+
+/// A failure notice, as published in the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// Epoch of the communicator the notice is about (WD-1).
+    pub epoch: u64,
+    /// The rank that published it.
+    pub by: usize,
+    /// Ranks declared failed.
+    pub failed_ranks: Vec<usize>,
+    /// What was observed.
+    pub detail: String,
+}
+
+impl Notice {
+    /// Encode as `epoch|by|r1,r2|detail`.
+    pub fn encode(&self) -> Vec<u8> {
+        let ranks: Vec<String> = self.failed_ranks.iter().map(|r| r.to_string()).collect();
+        format!(
+            "{}|{}|{}|{}",
+            self.epoch,
+            self.by,
+            ranks.join(","),
+            self.detail
+        )
+        .into_bytes()
+    }
+
+    /// Decode a notice; `None` if malformed or about another epoch than
+    /// `epoch` (WD-1: a stale notice is rejected).
+    pub fn parse(raw: &[u8], epoch: u64) -> Option<Notice> {
+        let s = std::str::from_utf8(raw).ok()?;
+        let mut it = s.splitn(4, '|');
+        let e: u64 = it.next()?.parse().ok()?;
+        let by: usize = it.next()?.parse().ok()?;
+        let ranks = it.next()?;
+        let detail = it.next()?.to_string();
+        let failed_ranks = if ranks.is_empty() {
+            vec![]
+        } else {
+            ranks
+                .split(',')
+                .map(|r| r.parse().ok())
+                .collect::<Option<Vec<usize>>>()?
+        };
+        (e == epoch).then_some(Notice {
+            epoch: e,
+            by,
+            failed_ranks,
+            detail,
+        })
+    }
+}
+
+/// The store key of a communicator's failure notice.
+pub(crate) fn notice_key(prefix: &str) -> String {
+    format!("{prefix}/failed")
+}
+
+/// What a watchdog needs.
+#[derive(Clone)]
+pub(crate) struct WatchdogConfig {
+    pub(crate) prefix: String,
+    pub(crate) rank: usize,
+    pub(crate) size: usize,
+    pub(crate) epoch: u64,
+    pub(crate) interval: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) store: Arc<dyn Store>,
+}
+
+impl WatchdogConfig {
+    /// Publish a failure notice (first wins, WD-2) and return the winning one.
+    /// Bounded by the heartbeat timeout; `None` if the store did not answer.
+    pub(crate) async fn publish(&self, failed_ranks: Vec<usize>, detail: String) -> Option<Notice> {
+        let mine = Notice {
+            epoch: self.epoch,
+            by: self.rank,
+            failed_ranks,
+            detail,
+        };
+        let key = notice_key(&self.prefix);
+        let r = tokio::time::timeout(
+            self.timeout,
+            self.store.compare_set(&key, None, mine.encode()),
+        )
+        .await;
+        match r {
+            Ok(Ok(CompareSet::Swapped)) => Some(mine),
+            Ok(Ok(CompareSet::Current(Some(v)))) => Notice::parse(&v, self.epoch).or(Some(mine)),
+            _ => None,
+        }
+    }
+}
+
+/// A running watchdog task.
+pub(crate) struct Watchdog {
+    cancel: CancellationToken,
+    clean: Arc<AtomicBool>,
+    handle: tokio::task::JoinHandle<()>,
+    pub(crate) config: WatchdogConfig,
+}
+
+struct LiveGuard;
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        crate::debug::LIVE_WATCHDOGS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Watchdog {
+    /// Start a watchdog, unless heartbeats are off or the world has one rank.
+    pub(crate) fn start(config: WatchdogConfig, actor: ActorRef<CommMsg>) -> Option<Watchdog> {
+        if config.size < 2 || config.interval.is_zero() {
+            return None;
+        }
+        let cancel = CancellationToken::new();
+        let clean = Arc::new(AtomicBool::new(false));
+        crate::debug::LIVE_WATCHDOGS.fetch_add(1, Ordering::AcqRel);
+        let handle = tokio::spawn(run(config.clone(), actor, cancel.clone(), clean.clone()));
+        Some(Watchdog {
+            cancel,
+            clean,
+            handle,
+            config,
+        })
+    }
+
+    /// Stop the task and wait for it; `clean` writes the `done` heartbeat (WD-3).
+    pub(crate) async fn stop(self, clean: bool) {
+        self.clean.store(clean, Ordering::Release);
+        self.cancel.cancel();
+        let _ = self.handle.await;
+    }
+}
+
+async fn run(
+    cfg: WatchdogConfig,
+    actor: ActorRef<CommMsg>,
+    cancel: CancellationToken,
+    clean: Arc<AtomicBool>,
+) {
+    let _live = LiveGuard;
+    let me = cfg.rank;
+    let my_key = format!("{}/hb/{me}", cfg.prefix);
+    let peer_keys: Vec<String> = (0..cfg.size)
+        .map(|p| format!("{}/hb/{p}", cfg.prefix))
+        .collect();
+    let nkey = notice_key(&cfg.prefix);
+    let start = Instant::now();
+    let mut last: Vec<(Option<Vec<u8>>, Instant)> = vec![(None, start); cfg.size];
+    let mut done = vec![false; cfg.size];
+    done[me] = true;
+    let mut store_ok = start;
+    let mut counter: u64 = 0;
+    let mut tick = tokio::time::interval(cfg.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let bound = cfg.timeout.max(cfg.interval);
+    let verdict: Option<(Vec<usize>, String)> = loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break None,
+            _ = tick.tick() => {}
+        }
+        counter += 1;
+        let now = Instant::now();
+        let round = async {
+            cfg.store
+                .set(&my_key, counter.to_string().into_bytes())
+                .await?;
+            let notice = cfg.store.get(&nkey).await?;
+            let mut beats = Vec::with_capacity(cfg.size);
+            for (p, key) in peer_keys.iter().enumerate() {
+                beats.push(if done[p] {
+                    None
+                } else {
+                    cfg.store.get(key).await?
+                });
+            }
+            Ok::<_, crate::transport::TransportError>((notice, beats))
+        };
+        let r = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break None,
+            r = tokio::time::timeout(bound, round) => r,
+        };
+        match r {
+            Ok(Ok((notice, beats))) => {
+                store_ok = Instant::now();
+                if let Some(n) = notice.and_then(|raw| Notice::parse(&raw, cfg.epoch)) {
+                    break Some((
+                        n.failed_ranks,
+                        format!("failure notice from rank {}: {}", n.by, n.detail),
+                    ));
+                }
+                let mut failed = vec![];
+                for (p, beat) in beats.into_iter().enumerate() {
+                    if done[p] {
+                        continue;
+                    }
+                    if beat.as_deref() == Some(DONE) {
+                        done[p] = true;
+                        continue;
+                    }
+                    if beat.is_some() && beat != last[p].0 {
+                        last[p] = (beat, now);
+                    } else if now.duration_since(last[p].1) > cfg.timeout {
+                        failed.push(p);
+                    }
+                }
+                if !failed.is_empty() {
+                    let detail = format!(
+                        "no heartbeat from ranks {failed:?} for {:?} (detected by rank {me})",
+                        cfg.timeout
+                    );
+                    tracing::warn!(rank = me, epoch = cfg.epoch, ?failed, "heartbeat lost");
+                    let n = cfg.publish(failed.clone(), detail.clone()).await;
+                    break Some(match n {
+                        Some(n) => (n.failed_ranks, n.detail),
+                        None => (failed, detail),
+                    });
+                }
+            }
+            _ => {
+                if Instant::now().duration_since(store_ok) > cfg.timeout {
+                    tracing::warn!(rank = me, epoch = cfg.epoch, "rendezvous store unreachable");
+                    break Some((
+                        vec![me],
+                        format!(
+                            "rank {me} could not reach the rendezvous store for {:?}: it is \
+                             partitioned from the job",
+                            cfg.timeout
+                        ),
+                    ));
+                }
+            }
+        }
+    };
+    match verdict {
+        Some((failed_ranks, detail)) => {
+            let _ = actor.send_message(CommMsg::PeerFailed {
+                failed_ranks,
+                detail,
+            });
+        }
+        None if clean.load(Ordering::Acquire) => {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1).min(bound),
+                cfg.store.set(&my_key, DONE.to_vec()),
+            )
+            .await;
+        }
+        None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wd1_notice_of_another_epoch_is_rejected() {
+        let n = Notice {
+            epoch: 3,
+            by: 1,
+            failed_ranks: vec![2, 5],
+            detail: "no heartbeat | really".into(),
+        };
+        let raw = n.encode();
+        assert_eq!(Notice::parse(&raw, 3), Some(n));
+        assert_eq!(Notice::parse(&raw, 4), None);
+        assert_eq!(Notice::parse(b"garbage", 3), None);
+    }
+}

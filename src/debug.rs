@@ -1,0 +1,35 @@
+//! Process-wide counters for tests and diagnostics: how many communicator
+//! actors, backends (each owning its data links) and watchdog tasks are
+//! alive in this process.
+//!
+//! They let a test prove that finalize and abort leave nothing behind
+//! (SV-1: no orphan actor, link or heartbeat task survives its communicator).
+//!
+//! ```
+//! let actors = chorus::debug::live_actors();
+//! let comm = chorus::new_comm("cpu", chorus::Device::Cpu, "dbg", chorus::CommOptions::single())?;
+//! assert!(chorus::debug::live_actors() >= actors + 1);
+//! comm.finalize()?;
+//! # Ok::<(), chorus::Error>(())
+//! ```
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub(crate) static LIVE_ACTORS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static LIVE_BACKENDS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static LIVE_WATCHDOGS: AtomicUsize = AtomicUsize::new(0);
+
+/// Communicator actors alive in this process (started and not yet stopped).
+pub fn live_actors() -> usize {
+    LIVE_ACTORS.load(Ordering::Acquire)
+}
+
+/// Backends whose links are still open in this process.
+pub fn live_backends() -> usize {
+    LIVE_BACKENDS.load(Ordering::Acquire)
+}
+
+/// Watchdog (heartbeat) tasks running in this process.
+pub fn live_watchdogs() -> usize {
+    LIVE_WATCHDOGS.load(Ordering::Acquire)
+}

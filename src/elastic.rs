@@ -1,0 +1,745 @@
+//! Subgroups and elasticity: `split`, hierarchies, health, `reconfigure`
+//! into a new epoch, and joining a running job.
+//!
+//! **Split** is collective over the parent and ordered with its other ops:
+//! every rank all-gathers `(color, key, check)` through the parent's
+//! executor, so a rank that issued another op instead gets a `Mismatch`.
+//! Members of one color form a child whose store keys live under
+//! `<parent prefix>/split/<split seq>/<color>`, created through the same
+//! store and backend as the parent; its actor is linked under the parent's.
+//!
+//! **Reconfigure** forms epoch `N+1` of a communicator. Under
+//! `chorus/<name>/<instance>/epoch/<N+1>/`, survivors register as `member/<old
+//! rank>` and joiners take a ticket from the `joiners` counter. The first
+//! rank that sees every expected survivor registered (or whose deadline
+//! passes) closes the membership with `compare_set` on `closed`; the first
+//! close wins, and carries the verdict, so every rank reaches the same one.
+//!
+//! Invariants:
+//! - EL-1: split keys are derived from the parent's key prefix and the
+//!   parent's split count, never from a process-wide counter.
+//! - EL-2: the membership of an epoch is decided once (`compare_set`), and
+//!   every participant (survivor or joiner) adopts that decision.
+//! - EL-3 (quorum): epoch `N+1` starts only with more than half of epoch `N`'s
+//!   ranks (or `min_size` ranks when the user sets it); otherwise every
+//!   participant gets `Error::NoQuorum` and no communicator is formed.
+//! - EL-4: new ranks are dense: surviving old ranks in old-rank order, then
+//!   joiners in ticket order.
+//! - EL-5: every key, heartbeat and data link of epoch `N+1` is scoped by the
+//!   new epoch; data frames and failure notices of epoch `N` are rejected.
+
+use std::net::IpAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::actors::watchdog::{notice_key, Notice};
+use crate::actors::CommMsg;
+use crate::comm::{Comm, CommOptions, Device, STATE_ACTIVE};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::transport::{CompareSet, Store};
+
+/// What split and reconfigure need to build related communicators.
+pub(crate) struct CommCtx {
+    pub(crate) name: String,
+    /// `chorus/<name>/<instance>` (or a split's prefix): epochs live under it.
+    pub(crate) base: String,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) secret: Arc<[u8]>,
+    pub(crate) bind_ip: IpAddr,
+    pub(crate) options: CommOptions,
+    pub(crate) server: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+/// Failures recorded by a communicator's actor.
+#[derive(Debug, Default)]
+pub(crate) struct HealthState {
+    pub(crate) failure: Option<Error>,
+    pub(crate) child_failures: Vec<ChildFailure>,
+}
+
+/// A child communicator (split) that stopped for another reason than a clean
+/// finalize, as seen by its parent's supervision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildFailure {
+    /// The child actor's name (empty if unnamed).
+    pub name: String,
+    /// Why it stopped.
+    pub reason: String,
+}
+
+/// A communicator's health, as [`Comm::health`] reports it.
+#[derive(Debug, Clone)]
+pub struct Health {
+    /// Whether it still accepts ops.
+    pub active: bool,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Ranks known to have failed (from the watchdog or a failed op).
+    pub failed_ranks: Vec<usize>,
+    /// The failure that aborted it, if any.
+    pub failure: Option<Error>,
+    /// Children (splits) that failed.
+    pub child_failures: Vec<ChildFailure>,
+}
+
+/// The two levels of a hierarchical communicator ([`Comm::hierarchy`]).
+#[derive(Debug, Clone)]
+pub struct Hierarchy {
+    /// The ranks on this host.
+    pub local: Comm,
+    /// One rank per host: the ranks with the same local rank as this one.
+    pub cross: Comm,
+}
+
+/// Options of [`Comm::reconfigure`].
+#[derive(Debug, Clone)]
+pub struct ReconfigureOptions {
+    /// Minimum size of the new epoch (survivors + joiners). `None`: more than
+    /// half of the old ranks must survive (EL-3), which keeps a minority
+    /// partition from forming its own epoch.
+    pub min_size: Option<usize>,
+    /// How long to wait for the other survivors and joiners.
+    pub timeout: Duration,
+    /// Wait (up to `timeout`) until at least this many joiners registered.
+    pub wait_joiners: usize,
+}
+
+impl Default for ReconfigureOptions {
+    fn default() -> Self {
+        ReconfigureOptions {
+            min_size: None,
+            timeout: Duration::from_secs(30),
+            wait_joiners: 0,
+        }
+    }
+}
+
+/// How ranks moved from one epoch to the next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankMap {
+    /// The new epoch.
+    pub epoch: u64,
+    /// Size of the new epoch.
+    pub size: usize,
+    /// `old_to_new[old rank]`: the rank in the new epoch, `None` if it left.
+    pub old_to_new: Vec<Option<usize>>,
+    /// New ranks of the joiners, in ticket order.
+    pub joined: Vec<usize>,
+}
+
+/// The membership decision of one epoch (EL-2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Closed {
+    quorum: bool,
+    old_size: usize,
+    survivors: Vec<usize>,
+    joiners: usize,
+}
+
+impl Closed {
+    fn encode(&self) -> Vec<u8> {
+        let s: Vec<String> = self.survivors.iter().map(|r| r.to_string()).collect();
+        format!(
+            "{}|{}|{}|{}",
+            if self.quorum { "ok" } else { "noquorum" },
+            self.old_size,
+            s.join(","),
+            self.joiners
+        )
+        .into_bytes()
+    }
+
+    fn parse(raw: &[u8]) -> Option<Closed> {
+        let s = std::str::from_utf8(raw).ok()?;
+        let mut it = s.split('|');
+        let quorum = match it.next()? {
+            "ok" => true,
+            "noquorum" => false,
+            _ => return None,
+        };
+        let old_size = it.next()?.parse().ok()?;
+        let sv = it.next()?;
+        let survivors = if sv.is_empty() {
+            vec![]
+        } else {
+            sv.split(',')
+                .map(|r| r.parse().ok())
+                .collect::<Option<Vec<usize>>>()?
+        };
+        let joiners = it.next()?.parse().ok()?;
+        Some(Closed {
+            quorum,
+            old_size,
+            survivors,
+            joiners,
+        })
+    }
+
+    fn size(&self) -> usize {
+        self.survivors.len() + self.joiners
+    }
+}
+
+fn epoch_prefix(base: &str, epoch: u64) -> String {
+    format!("{base}/epoch/{epoch}")
+}
+
+fn latest_key(name: &str) -> String {
+    format!("chorus/{name}/latest")
+}
+
+fn transport(e: crate::transport::TransportError) -> Error {
+    Error::Transport(e)
+}
+
+/// Record where the newest epoch of a top-level communicator lives, for joiners.
+pub(crate) async fn publish_latest(comm: &Comm) {
+    let ctx = &comm.shared.ctx;
+    let value = format!("{} {}", ctx.base, comm.epoch()).into_bytes();
+    if let Err(e) = ctx.store.set(&latest_key(&ctx.name), value).await {
+        tracing::warn!(comm = %ctx.name, error = %e, "cannot publish the latest epoch for joiners");
+    }
+}
+
+fn fnv(s: &[u8]) -> i64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in s {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    (h >> 1) as i64
+}
+
+/// This host's identity for [`Comm::hierarchy`]: `CHORUS_HOST_ID`, else the
+/// kernel host name.
+fn host_id() -> String {
+    std::env::var("CHORUS_HOST_ID")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+impl Comm {
+    /// This communicator's health: whether it is active, which ranks are known
+    /// to have failed (watchdog notice or failed op), and which children failed.
+    pub fn health(&self) -> Health {
+        let h = self.shared.health.lock().unwrap_or_else(|e| e.into_inner());
+        let poison = self.shared.poison.lock().ok().and_then(|p| p.clone());
+        let failure = h.failure.clone().or(poison);
+        Health {
+            active: self.is_active(),
+            epoch: self.epoch(),
+            failed_ranks: failure
+                .as_ref()
+                .map(|e| e.failed_ranks().to_vec())
+                .unwrap_or_default(),
+            failure,
+            child_failures: h.child_failures.clone(),
+        }
+    }
+
+    fn invalid_split(&self, reason: impl Into<String>) -> Error {
+        Error::InvalidArgument {
+            comm: self.shared.name.clone(),
+            rank: self.shared.rank,
+            op: "split",
+            reason: reason.into(),
+        }
+    }
+
+    /// Split off a child communicator of the ranks in `ranks` (parent ranks,
+    /// unique, in range; child rank `i` is `ranks[i]`). Collective over the
+    /// parent: every parent rank calls it with the same `ranks`; ranks not in
+    /// the list get `None`.
+    ///
+    /// ```
+    /// let comm = chorus::new_comm("cpu", chorus::Device::Cpu, "split-doc", chorus::CommOptions::single())?;
+    /// let child = comm.split(&[0], "child")?.expect("rank 0 is a member");
+    /// assert_eq!(child.size(), 1);
+    /// comm.finalize()?; // finalizes the child first
+    /// assert!(!child.is_active());
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for duplicate or out-of-range ranks or a bad
+    /// name; [`Error::Mismatch`] if ranks pass different lists (or issue
+    /// another op); the parent's failures otherwise.
+    pub fn split(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
+        let mut seen = vec![false; self.size()];
+        for &r in ranks {
+            if r >= self.size() {
+                return Err(self.invalid_split(format!(
+                    "rank {r} is out of range for {} ranks",
+                    self.size()
+                )));
+            }
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(self.invalid_split(format!("rank {r} is listed twice")));
+            }
+        }
+        let color = ranks.contains(&self.rank()).then_some(0);
+        let key = ranks.iter().position(|&r| r == self.rank()).unwrap_or(0) as i64;
+        let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_le_bytes()).collect();
+        self.split_inner(color, key, fnv(&bytes), name)
+    }
+
+    /// Split by color: ranks passing the same `color` form one child, ordered
+    /// by `key` (ties by parent rank); `None` as color opts out. Collective over
+    /// the parent; members of one color must pass the same `name`.
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub fn split_by_color(&self, color: Option<u32>, key: i64, name: &str) -> Result<Option<Comm>> {
+        self.split_inner(color, key, 0, name)
+    }
+
+    fn split_inner(
+        &self,
+        color: Option<u32>,
+        key: i64,
+        check: i64,
+        name: &str,
+    ) -> Result<Option<Comm>> {
+        if name.is_empty() || name.contains('/') {
+            return Err(
+                self.invalid_split("a communicator name must be non-empty and contain no '/'")
+            );
+        }
+        // EL-1: the parent's own split count, the same on every rank.
+        let seq = self.shared.splits.fetch_add(1, Ordering::AcqRel);
+        let mine = vec![
+            color.map(i64::from).unwrap_or(-1),
+            key,
+            check,
+            fnv(name.as_bytes()),
+        ];
+        let all = self.all_gather(Tensor::from_vec(mine))?.to_vec::<i64>();
+        let mismatch = |detail: String| Error::Mismatch {
+            comm: self.shared.name.clone(),
+            rank: self.rank(),
+            op: "split",
+            seq,
+            epoch: self.epoch(),
+            detail,
+            // Found after a completed all_gather: every rank agrees, the parent stays usable.
+            fatal: false,
+        };
+        if all.len() != 4 * self.size() {
+            return Err(mismatch("split exchange returned a wrong size".into()));
+        }
+        let rows: Vec<&[i64]> = all.chunks(4).collect();
+        if let Some(r) = rows.iter().position(|row| row[2] != rows[0][2]) {
+            return Err(mismatch(format!(
+                "rank 0 and rank {r} passed different rank lists to split"
+            )));
+        }
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        let mut members: Vec<(i64, usize)> = rows
+            .iter()
+            .enumerate()
+            .filter(|(_, row)| row[0] == i64::from(color))
+            .map(|(r, row)| (row[1], r))
+            .collect();
+        if let Some((_, r)) = members
+            .iter()
+            .find(|(_, r)| rows[*r][3] != fnv(name.as_bytes()))
+        {
+            return Err(mismatch(format!(
+                "rank {r} named its child of color {color} differently"
+            )));
+        }
+        members.sort_unstable();
+        let rank = members
+            .iter()
+            .position(|&(_, r)| r == self.rank())
+            .ok_or_else(|| Error::Internal("split: this rank is not in its own color".into()))?;
+        let parent = &self.shared.ctx;
+        let key_prefix = format!("{}/split/{seq}/{color}", self.shared.key_prefix);
+        let spec = crate::Spec {
+            backend: self.shared.backend_requested.clone(),
+            device: self.device(),
+            rank,
+            size: members.len(),
+            epoch: 0,
+            key_prefix: format!("{key_prefix}/epoch/0"),
+            ctx: Arc::new(CommCtx {
+                name: name.to_string(),
+                base: key_prefix,
+                store: parent.store.clone(),
+                secret: parent.secret.clone(),
+                bind_ip: parent.bind_ip,
+                options: parent.options.clone(),
+                server: parent.server.clone(),
+            }),
+            parent: Some(self.shared.actor.get_cell()),
+        };
+        let child = crate::runtime::block_on(crate::start(spec))??;
+        // AC-4: the parent finalizes/aborts it first. Wait until the parent
+        // knows it, so that anything the caller does to the child next
+        // (abort, drop) is seen as a child's.
+        let (work, completer) = crate::work::Work::new(crate::work::to_unit);
+        let child_entry = crate::actors::Child {
+            actor: child.shared.actor.clone(),
+            state: child.shared.state.clone(),
+            poison: child.shared.poison.clone(),
+            name: name.to_string(),
+        };
+        if self
+            .shared
+            .actor
+            .send_message(CommMsg::AddChild(child_entry, Some(completer)))
+            .is_ok()
+        {
+            let _ = work.wait();
+        }
+        Ok(Some(child))
+    }
+
+    /// Build the two levels of a hierarchy from this communicator: `local`
+    /// (the ranks on this host, as named by `CHORUS_HOST_ID` or the host
+    /// name) and `cross` (the ranks with the same local rank on every host).
+    /// Collective over this communicator.
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub fn hierarchy(&self) -> Result<Hierarchy> {
+        self.hierarchy_by(&host_id())
+    }
+
+    /// [`Comm::hierarchy`] with an explicit host identity: ranks passing the
+    /// same `host` are grouped as local.
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub fn hierarchy_by(&self, host: &str) -> Result<Hierarchy> {
+        let color = (fnv(host.as_bytes()) & 0x7fff_ffff) as u32;
+        let local = self
+            .split_by_color(
+                Some(color),
+                self.rank() as i64,
+                &format!("{}.local", self.name()),
+            )?
+            .ok_or_else(|| Error::Internal("hierarchy: no local group".into()))?;
+        let cross = self
+            .split_by_color(
+                Some(local.rank() as u32),
+                self.rank() as i64,
+                &format!("{}.cross", self.name()),
+            )?
+            .ok_or_else(|| Error::Internal("hierarchy: no cross group".into()))?;
+        Ok(Hierarchy { local, cross })
+    }
+
+    /// How many ranks registered through [`join_comm`] for this
+    /// communicator's next epoch.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] if the store cannot be read.
+    pub fn pending_joiners(&self) -> Result<usize> {
+        let ctx = self.shared.ctx.clone();
+        let key = format!("{}/joiners", epoch_prefix(&ctx.base, self.epoch() + 1));
+        crate::runtime::block_on(async move { ctx.store.add(&key, 0).await })?
+            .map(|n| n.max(0) as usize)
+            .map_err(transport)
+    }
+
+    /// Form the next epoch of this communicator from the ranks that survive
+    /// (and the ranks that joined through [`join_comm`]), and return it with
+    /// the old→new rank map. Every surviving rank must call it. This
+    /// communicator is finalized (if still active) first.
+    ///
+    /// # Errors
+    /// [`Error::NoQuorum`] if too few ranks survived (EL-3) — a minority
+    /// partition never forms an epoch; [`Error::Excluded`] if the membership
+    /// was closed without this rank (it arrived after the deadline);
+    /// [`Error::Transport`] if the store cannot be reached; errors of
+    /// connecting the new epoch's links.
+    pub fn reconfigure(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
+        if self.shared.state.load(Ordering::Acquire) == STATE_ACTIVE {
+            let _ = self.finalize();
+        }
+        let this = self.clone();
+        crate::runtime::block_on(async move { this.reconfigure_inner(opts).await })?
+    }
+
+    async fn reconfigure_inner(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
+        let ctx = self.shared.ctx.clone();
+        let store = ctx.store.clone();
+        let (me, n, old_epoch) = (self.rank(), self.size(), self.epoch());
+        let next = old_epoch + 1;
+        let prefix = epoch_prefix(&ctx.base, next);
+        // The published notice is what every rank agreed on (WD-2); this
+        // rank's own view is the fallback.
+        let mut failed: Vec<usize> = match store.get(&notice_key(&self.shared.key_prefix)).await {
+            Ok(Some(raw)) => Notice::parse(&raw, old_epoch)
+                .map(|n| n.failed_ranks)
+                .unwrap_or_default(),
+            _ => vec![],
+        };
+        if failed.is_empty() {
+            failed = self.health().failed_ranks;
+        }
+        if failed.contains(&me) {
+            // Declared failed (hung, partitioned): the others moved on without us.
+            return Err(Error::Excluded {
+                comm: ctx.name.clone(),
+                epoch: next,
+                reason: format!(
+                    "rank {me} was declared failed in epoch {old_epoch}; join again with join_comm"
+                ),
+            });
+        }
+        failed.retain(|&r| r < n);
+        failed.sort_unstable();
+        failed.dedup();
+        tracing::info!(comm = %ctx.name, rank = me, epoch = next, ?failed, "reconfiguring");
+        store
+            .set(&format!("{prefix}/member/{me}"), b"1".to_vec())
+            .await
+            .map_err(transport)?;
+        let expected: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
+        let closed_key = format!("{prefix}/closed");
+        let joiners_key = format!("{prefix}/joiners");
+        let deadline = Instant::now() + opts.timeout;
+        let closed = loop {
+            if let Some(raw) = store.get(&closed_key).await.map_err(transport)? {
+                break Closed::parse(&raw).ok_or_else(|| {
+                    Error::Internal(format!("malformed membership record at {closed_key}"))
+                })?;
+            }
+            let mut present = vec![];
+            for r in 0..n {
+                if store
+                    .get(&format!("{prefix}/member/{r}"))
+                    .await
+                    .map_err(transport)?
+                    .is_some()
+                {
+                    present.push(r);
+                }
+            }
+            let joiners = store.add(&joiners_key, 0).await.map_err(transport)?.max(0) as usize;
+            let all_here = expected.iter().all(|r| present.contains(r));
+            if (all_here && joiners >= opts.wait_joiners) || Instant::now() >= deadline {
+                let size = present.len() + joiners;
+                let quorum = match opts.min_size {
+                    Some(m) => size >= m.max(1),
+                    None => present.len() * 2 > n,
+                };
+                let mine = Closed {
+                    quorum,
+                    old_size: n,
+                    survivors: present,
+                    joiners,
+                };
+                match store
+                    .compare_set(&closed_key, None, mine.encode())
+                    .await
+                    .map_err(transport)?
+                {
+                    CompareSet::Swapped => break mine,
+                    CompareSet::Current(_) => continue,
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if !closed.quorum {
+            return Err(Error::NoQuorum {
+                comm: ctx.name.clone(),
+                rank: me,
+                epoch: next,
+                survivors: closed.survivors,
+                old_size: n,
+            });
+        }
+        let Some(rank) = closed.survivors.iter().position(|&r| r == me) else {
+            return Err(Error::Excluded {
+                comm: ctx.name.clone(),
+                epoch: next,
+                reason: format!(
+                    "rank {me} arrived after the membership of epoch {next} was closed \
+                     with ranks {:?}",
+                    closed.survivors
+                ),
+            });
+        };
+        let map = RankMap {
+            epoch: next,
+            size: closed.size(),
+            old_to_new: (0..n)
+                .map(|r| closed.survivors.iter().position(|&s| s == r))
+                .collect(),
+            joined: (closed.survivors.len()..closed.size()).collect(),
+        };
+        let comm = start_epoch(
+            &ctx,
+            self.shared.backend_requested.clone(),
+            self.device(),
+            rank,
+            closed.size(),
+            next,
+        )
+        .await?;
+        Ok((comm, map))
+    }
+}
+
+async fn start_epoch(
+    ctx: &Arc<CommCtx>,
+    backend: String,
+    device: Device,
+    rank: usize,
+    size: usize,
+    epoch: u64,
+) -> Result<Comm> {
+    let spec = crate::Spec {
+        backend,
+        device,
+        rank,
+        size,
+        epoch,
+        key_prefix: epoch_prefix(&ctx.base, epoch),
+        ctx: ctx.clone(),
+        parent: None,
+    };
+    let comm = crate::start(spec).await?;
+    if rank == 0 {
+        publish_latest(&comm).await;
+    }
+    Ok(comm)
+}
+
+/// Join a running communicator called `name` as a new rank: register for
+/// its next epoch and wait until the survivors [`reconfigure`](Comm::reconfigure)
+/// with this rank admitted. `options` must reach the job's store (rendezvous
+/// and secret); its rank and size are ignored.
+///
+/// # Errors
+/// [`Error::Excluded`] if no epoch admitted this rank before
+/// `options.connect_timeout`; [`Error::NoQuorum`] if the epoch it was waiting
+/// for had no quorum; [`Error::Transport`] if the store cannot be reached.
+pub fn join_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
+    crate::backends::check_name(backend)?;
+    let (backend, name) = (backend.to_string(), name.to_string());
+    crate::runtime::block_on(join(backend, device, name, options))?
+}
+
+/// Async form of [`join_comm`].
+///
+/// # Errors
+/// As [`join_comm`].
+pub async fn join_comm_async(
+    backend: &str,
+    device: Device,
+    name: &str,
+    options: CommOptions,
+) -> Result<Comm> {
+    crate::backends::check_name(backend)?;
+    let (backend, name) = (backend.to_string(), name.to_string());
+    crate::runtime::run(join(backend, device, name, options)).await?
+}
+
+async fn join(backend: String, device: Device, name: String, options: CommOptions) -> Result<Comm> {
+    let secret = crate::bootstrap::secret(&options);
+    let timeout = options.connect_timeout;
+    // Rank 1 of 2: a joiner never hosts the store.
+    let connected =
+        crate::bootstrap::connect_store(options.rendezvous.clone(), 1, 2, &secret, timeout).await?;
+    let store = connected.store.clone();
+    let deadline = Instant::now() + timeout;
+    let mut tried: Option<Vec<u8>> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let latest = loop {
+            let v = store
+                .wait(&[latest_key(&name)], left)
+                .await
+                .map_err(transport)?
+                .pop()
+                .unwrap_or_default();
+            if Some(&v) != tried.as_ref() {
+                break v;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Excluded {
+                    comm: name,
+                    epoch: 0,
+                    reason: "no epoch admitted this joiner in time".into(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        tried = Some(latest.clone());
+        let text = String::from_utf8_lossy(&latest).to_string();
+        let (base, epoch) = text
+            .rsplit_once(' ')
+            .and_then(|(b, e)| Some((b.to_string(), e.parse::<u64>().ok()?)))
+            .ok_or_else(|| Error::Internal(format!("malformed latest-epoch record {text:?}")))?;
+        let next = epoch + 1;
+        let prefix = epoch_prefix(&base, next);
+        let ticket = store
+            .add(&format!("{prefix}/joiners"), 1)
+            .await
+            .map_err(transport)?
+            .max(1) as usize
+            - 1;
+        tracing::info!(comm = %name, epoch = next, ticket, "registered as a joiner");
+        let left = deadline.saturating_duration_since(Instant::now());
+        let raw = store
+            .wait(&[format!("{prefix}/closed")], left)
+            .await
+            .map_err(transport)?
+            .pop()
+            .unwrap_or_default();
+        let closed = Closed::parse(&raw)
+            .ok_or_else(|| Error::Internal(format!("malformed membership record for {prefix}")))?;
+        if !closed.quorum {
+            return Err(Error::NoQuorum {
+                comm: name,
+                rank: usize::MAX,
+                epoch: next,
+                survivors: closed.survivors,
+                old_size: closed.old_size,
+            });
+        }
+        if ticket < closed.joiners {
+            let ctx = Arc::new(CommCtx {
+                name: name.clone(),
+                base,
+                store: store.clone(),
+                secret: Arc::from(secret.clone().unwrap_or_default()),
+                bind_ip: crate::bootstrap::bind_ip(&options, connected.local_ip)?,
+                options: options.clone(),
+                server: None,
+            });
+            let rank = closed.survivors.len() + ticket;
+            return start_epoch(&ctx, backend, device, rank, closed.size(), next).await;
+        }
+        // Closed before our ticket counted: try the epoch after it.
+        tracing::info!(comm = %name, epoch = next, "membership closed without this joiner; retrying");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn el2_membership_record_round_trips() {
+        let c = Closed {
+            quorum: true,
+            old_size: 4,
+            survivors: vec![0, 1, 3],
+            joiners: 1,
+        };
+        assert_eq!(Closed::parse(&c.encode()), Some(c.clone()));
+        assert_eq!(c.size(), 4);
+        assert_eq!(Closed::parse(b"maybe|1||0"), None);
+    }
+}

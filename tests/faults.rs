@@ -1,0 +1,685 @@
+//! Fault tests: every survivor gets a typed error within the configured
+//! timeout, no data is corrupted, the process stays alive, and
+//! `reconfigure` yields a working communicator.
+//!
+//! In-process tests (ranks as threads) inject faults through a store
+//! wrapper: muting a rank's heartbeats (a hung rank whose sockets stay
+//! open) or cutting it off from the store (a partition). Multi-process
+//! tests re-execute this binary as the ranks (the ignored test `worker`,
+//! selected by `CHORUS_TEST_WORKER`) and `kill -9` or `SIGSTOP` one of them.
+//! Heartbeats run every 100 ms with a 2 s timeout (slack for loaded CI machines); every test is bounded.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chorus::transport::{CompareSet, MemoryStore, Store, TransportError};
+
+use chorus::{
+    new_comm, Comm, CommOptions, Device, Error, ReconfigureOptions, ReduceOp, Rendezvous, Tensor,
+};
+use common::{opts, run_ranks_with};
+
+const HB: Duration = Duration::from_millis(100);
+const HB_TIMEOUT: Duration = Duration::from_secs(2);
+/// A survivor must see the failure within the heartbeat timeout plus this.
+const SLACK: Duration = Duration::from_secs(3);
+
+/// Per-rank fault switches.
+#[derive(Default)]
+struct Faults {
+    mute_heartbeats: AtomicBool,
+    partitioned: AtomicBool,
+    /// The shared store, unwrapped (to forge keys).
+    store: std::sync::Mutex<Option<Arc<dyn Store>>>,
+}
+
+/// A store that can stop a rank's heartbeats or cut the rank off.
+struct FaultyStore {
+    inner: Arc<dyn Store>,
+    faults: Arc<Faults>,
+}
+
+impl FaultyStore {
+    fn check(&self) -> Result<(), TransportError> {
+        if self.faults.partitioned.load(Ordering::Acquire) {
+            return Err(TransportError::ConnectionLost {
+                addr: "test-store".into(),
+                detail: "partitioned by the test".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for FaultyStore {
+    async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), TransportError> {
+        self.check()?;
+        if key.contains("/hb/") && self.faults.mute_heartbeats.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.inner.set(key, value).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
+        self.check()?;
+        self.inner.get(key).await
+    }
+    async fn wait(
+        &self,
+        keys: &[String],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.check()?;
+        self.inner.wait(keys, timeout).await
+    }
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, TransportError> {
+        self.check()?;
+        self.inner.add(key, delta).await
+    }
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<Vec<u8>>,
+        desired: Vec<u8>,
+    ) -> Result<CompareSet, TransportError> {
+        self.check()?;
+        self.inner.compare_set(key, expected, desired).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, TransportError> {
+        self.check()?;
+        self.inner.delete(key).await
+    }
+}
+
+/// Run `size` ranks on faulty stores; `f` gets the comm and its rank's switches.
+fn run_faulty<T, F>(size: usize, name: &str, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Comm, Arc<Faults>) -> T + Send + Sync + 'static,
+{
+    let faults: Arc<Vec<Arc<Faults>>> = Arc::new((0..size).map(|_| Arc::default()).collect());
+    let f2 = faults.clone();
+    run_ranks_with(
+        size,
+        name,
+        move |rank, o| {
+            let Rendezvous::Store(inner) = o.rendezvous.clone() else {
+                unreachable!("run_ranks uses a shared store")
+            };
+            *f2[rank].store.lock().unwrap() = Some(inner.clone());
+            o.with_rendezvous(Rendezvous::Store(Arc::new(FaultyStore {
+                inner,
+                faults: f2[rank].clone(),
+            })))
+            .with_heartbeat(HB, HB_TIMEOUT)
+        },
+        move |comm| {
+            let fl = faults[comm.rank()].clone();
+            f(comm, fl)
+        },
+    )
+}
+
+/// Wait (bounded) until the communicator has stopped accepting ops.
+fn wait_inactive(comm: &Comm) {
+    let deadline = Instant::now() + HB_TIMEOUT + SLACK;
+    while comm.is_active() {
+        assert!(
+            Instant::now() < deadline,
+            "rank {} never saw the failure",
+            comm.rank()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// All-reduce until it fails; check every result on the way (no corruption).
+fn reduce_until_error(comm: &Comm) -> (Error, Duration) {
+    let n = comm.size() as f32;
+    loop {
+        let t0 = Instant::now();
+        match comm.all_reduce(Tensor::full(1.0f32, 1024), ReduceOp::Sum) {
+            Ok(t) => assert!(t.as_slice::<f32>().iter().all(|&v| v == n), "corrupt sum"),
+            Err(e) => return (e, t0.elapsed()),
+        }
+    }
+}
+
+fn check_new_epoch(comm: &Comm, expect_size: usize) {
+    assert_eq!(comm.size(), expect_size);
+    assert_eq!(comm.epoch(), 1);
+    let s = comm
+        .all_reduce(Tensor::full(comm.rank() as i64 + 1, 64), ReduceOp::Sum)
+        .unwrap();
+    let n = expect_size as i64;
+    assert_eq!(s.to_vec::<i64>(), vec![n * (n + 1) / 2; 64]);
+}
+
+#[test]
+fn hung_rank_without_heartbeats_fails_every_survivor_with_peer_failed_then_reconfigure_shrinks() {
+    let out = run_faulty(4, "hang", |comm, faults| {
+        let r = comm.rank();
+        comm.barrier().unwrap();
+        if r == 2 {
+            // Hung: sockets stay open, no more heartbeats, no more ops.
+            faults.mute_heartbeats.store(true, Ordering::Release);
+            wait_inactive(&comm);
+            let e = comm.reconfigure(ReconfigureOptions::default()).unwrap_err();
+            assert!(matches!(e, Error::Excluded { .. }), "{e}");
+            return None;
+        }
+        let (e, took) = reduce_until_error(&comm);
+        match &e {
+            Error::PeerFailed {
+                epoch,
+                failed_ranks,
+                ..
+            } => {
+                assert_eq!(*epoch, 0);
+                assert_eq!(failed_ranks, &vec![2], "{e}");
+            }
+            other => panic!("rank {r}: expected PeerFailed, got {other}"),
+        }
+        assert!(
+            took < HB_TIMEOUT + SLACK,
+            "rank {r}: detected after {took:?}"
+        );
+        assert_eq!(comm.health().failed_ranks, vec![2]);
+        let (next, map) = comm
+            .reconfigure(ReconfigureOptions {
+                timeout: Duration::from_secs(10),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(map.old_to_new, vec![Some(0), Some(1), None, Some(2)]);
+        check_new_epoch(&next, 3);
+        next.finalize().unwrap();
+        Some(map.size)
+    });
+    assert_eq!(out, vec![Some(3), Some(3), None, Some(3)]);
+}
+
+#[test]
+fn rank_partitioned_from_the_store_is_detected_on_both_sides() {
+    let out = run_faulty(4, "partition", |comm, faults| {
+        let r = comm.rank();
+        comm.barrier().unwrap();
+        if r == 3 {
+            faults.partitioned.store(true, Ordering::Release);
+        }
+        // Every rank keeps reducing: the data links still work, only the
+        // control plane is cut.
+        let (e, took) = reduce_until_error(&comm);
+        // The op in flight gets PeerFailed; an op issued just after the abort
+        // gets Aborted carrying the same failed ranks.
+        assert!(
+            matches!(
+                &e,
+                Error::PeerFailed { epoch: 0, .. } | Error::Aborted { epoch: 0, .. }
+            ),
+            "rank {r}: {e}"
+        );
+        assert_eq!(e.failed_ranks(), &[3], "rank {r}: {e}");
+        assert!(
+            took < HB_TIMEOUT + SLACK,
+            "rank {r}: detected after {took:?}"
+        );
+        if r == 3 {
+            // It knows it is the one cut off; it cannot take part in the next epoch.
+            assert!(comm.reconfigure(ReconfigureOptions::default()).is_err());
+            return 0;
+        }
+        let (next, _) = comm.reconfigure(ReconfigureOptions::default()).unwrap();
+        check_new_epoch(&next, 3);
+        next.finalize().unwrap();
+        next.size()
+    });
+    assert_eq!(out, vec![3, 3, 3, 0]);
+}
+
+#[test]
+fn minority_partition_cannot_form_an_epoch_no_quorum() {
+    let out = run_faulty(4, "quorum", |comm, faults| {
+        let r = comm.rank();
+        comm.barrier().unwrap();
+        if r >= 2 {
+            // Two of four ranks hang: the two left are not a majority.
+            faults.mute_heartbeats.store(true, Ordering::Release);
+            wait_inactive(&comm);
+            return None;
+        }
+        let (e, _) = reduce_until_error(&comm);
+        assert!(matches!(e, Error::PeerFailed { .. }), "{e}");
+        let e = comm
+            .reconfigure(ReconfigureOptions {
+                timeout: Duration::from_secs(2),
+                ..Default::default()
+            })
+            .unwrap_err();
+        match e {
+            Error::NoQuorum {
+                epoch, old_size, ..
+            } => {
+                assert_eq!((epoch, old_size), (1, 4));
+            }
+            other => panic!("rank {r}: expected NoQuorum, got {other}"),
+        }
+        Some(())
+    });
+    assert_eq!(out.iter().flatten().count(), 2);
+}
+
+#[test]
+fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
+    run_faulty(3, "stale", |comm, faults| {
+        let r = comm.rank();
+        comm.barrier().unwrap();
+        if r == 2 {
+            faults.mute_heartbeats.store(true, Ordering::Release);
+            wait_inactive(&comm);
+            return;
+        }
+        reduce_until_error(&comm);
+        let (next, _) = comm.reconfigure(ReconfigureOptions::default()).unwrap();
+        let store = faults.store.lock().unwrap().clone().expect("store");
+        let prefix = "chorus/stale/0/epoch/1";
+        if next.rank() == 0 {
+            // A notice stamped with epoch 0, under the new epoch's key.
+            futures::executor::block_on(store.set(
+                &format!("{prefix}/failed"),
+                b"0|9|1|forged notice from an older epoch".to_vec(),
+            ))
+            .unwrap();
+        }
+        next.barrier().unwrap();
+        // Let this rank's watchdog read the forged notice a few times.
+        let hb = format!("{prefix}/hb/{}", next.rank());
+        let beat = || -> u64 {
+            futures::executor::block_on(store.get(&hb))
+                .unwrap()
+                .and_then(|v| String::from_utf8(v).ok()?.parse().ok())
+                .unwrap_or(0)
+        };
+        let start = beat();
+        let deadline = Instant::now() + SLACK;
+        while beat() < start + 3 {
+            assert!(Instant::now() < deadline, "watchdog stalled");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            next.is_active(),
+            "a stale notice must not abort the new epoch"
+        );
+        assert!(next.health().failure.is_none());
+        check_new_epoch(&next, 2);
+        next.finalize().unwrap();
+    });
+}
+
+#[tokio::test]
+async fn data_link_from_an_older_epoch_is_rejected_at_the_handshake() {
+    use chorus::backends::cpu::CpuBackend;
+    use chorus::backends::BackendInit;
+    // Rank 0 is in epoch 1; a process still in epoch 0 tries to connect to it
+    // as rank 1 (same key prefix, same secret): the handshake MAC covers the
+    // epoch, so the stale link is refused with a typed error, never used.
+    let store = Arc::new(MemoryStore::new());
+    let t = Duration::from_secs(2);
+    let init = |rank: usize, epoch: u64| BackendInit {
+        comm: "stale-link".into(),
+        key_prefix: "chorus/stale-link/0/epoch/1".into(),
+        rank,
+        size: 2,
+        epoch,
+        store: store.clone(),
+        secret: Arc::from(&b"secret"[..]),
+        connect_timeout: t,
+        bind_ip: "127.0.0.1".parse().unwrap(),
+    };
+    let start = Instant::now();
+    let (new, old) = futures::join!(
+        CpuBackend::connect(init(0, 1)),
+        CpuBackend::connect(init(1, 0))
+    );
+    assert!(start.elapsed() < t + SLACK, "took {:?}", start.elapsed());
+    assert!(
+        matches!(old, Err(Error::Transport(_) | Error::PeerFailed { .. })),
+        "stale rank: {:?}",
+        old.err()
+    );
+    assert!(
+        matches!(new, Err(Error::Transport(_) | Error::PeerFailed { .. })),
+        "new-epoch rank: {:?}",
+        new.err()
+    );
+}
+
+#[test]
+fn rank_that_never_arrives_fails_bootstrap_with_a_typed_error_in_time() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..3 {
+        let (store, tx) = (store.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let o = opts(&store, rank, 4).with_connect_timeout(Duration::from_secs(1));
+            let r = new_comm("cpu", Device::Cpu, "never", o).map(|_| ());
+            let _ = tx.send((rank, r, t0.elapsed()));
+        });
+    }
+    for _ in 0..3 {
+        let (rank, r, took) = rx.recv_timeout(Duration::from_secs(20)).expect("hang");
+        let e = r.expect_err("a world with a missing rank cannot form");
+        assert!(
+            matches!(e, Error::PeerFailed { .. } | Error::Transport(_)),
+            "rank {rank}: {e}"
+        );
+        assert!(took < Duration::from_secs(6), "rank {rank}: {took:?}");
+    }
+}
+
+// ------------------------------------------------------------------ processes
+
+#[path = "../examples/elastic_train.rs"]
+#[allow(dead_code)]
+mod elastic_train;
+
+/// Every multi-process test finishes within this (nextest kills at 2 min).
+const MP_DEADLINE: Duration = Duration::from_secs(40);
+
+fn worker_cmd(mode: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().expect("current exe"));
+    c.args([
+        "--ignored",
+        "--exact",
+        "worker",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("CHORUS_TEST_WORKER", mode);
+    c
+}
+
+struct Ranks {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+    /// Every line received so far (a later wait may look for an earlier line).
+    log: std::cell::RefCell<Vec<(usize, String)>>,
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn_ranks(n: usize, mode: &str) -> Ranks {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("free port")
+        .port();
+    let (tx, lines) = mpsc::channel();
+    let mut children = Vec::new();
+    for rank in 0..n {
+        let mut child = worker_cmd(mode)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("CHORUS_SECRET", "faults-secret")
+            .env_remove("CHORUS_RANK")
+            .env_remove("CHORUS_SIZE")
+            .env_remove("CHORUS_STORE_ADDR")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn rank");
+        let out = child.stdout.take().expect("stdout");
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("@@") {
+                    if tx.send((rank, line[at..].to_string())).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        children.push(child);
+    }
+    Ranks {
+        children,
+        lines,
+        log: Default::default(),
+    }
+}
+
+impl Ranks {
+    /// Wait until each of `ranks` printed a line starting with `what`.
+    fn wait_lines(&self, ranks: &[usize], what: &str, deadline: Instant) -> Vec<String> {
+        let mut seen: Vec<Option<String>> = vec![None; self.children.len()];
+        for (r, line) in self.log.borrow().iter() {
+            if line.starts_with(what) {
+                seen[*r].get_or_insert(line.clone());
+            }
+        }
+        while ranks.iter().any(|&r| seen[r].is_none()) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) => {
+                    self.log.borrow_mut().push((r, line.clone()));
+                    if line.starts_with(what) {
+                        seen[r].get_or_insert(line);
+                    }
+                }
+                Err(_) => panic!("ranks {ranks:?} did not print {what:?} in time; saw {seen:?}"),
+            }
+        }
+        ranks
+            .iter()
+            .map(|&r| seen[r].clone().unwrap_or_default())
+            .collect()
+    }
+
+    fn signal(&mut self, rank: usize, sig: &str) {
+        let pid = self.children[rank].id();
+        let st = Command::new("sh")
+            .args(["-c", &format!("kill -{sig} {pid}")])
+            .status()
+            .expect("sh");
+        assert!(st.success(), "kill -{sig} {pid}");
+    }
+}
+
+/// Parse `@@error kind=K ms=M failed=[..]`.
+fn parse_error(line: &str) -> (String, u128, String) {
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .unwrap_or_default()
+            .to_string()
+    };
+    (
+        field("kind="),
+        field("ms=").parse().unwrap_or(u128::MAX),
+        field("failed="),
+    )
+}
+
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::PeerFailed { .. } => "PeerFailed",
+        Error::Aborted { .. } => "Aborted",
+        Error::Timeout { .. } => "Timeout",
+        Error::Transport(_) => "Transport",
+        Error::Mismatch { .. } => "Mismatch",
+        _ => "Other",
+    }
+}
+
+fn fault_worker(what: &str) {
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    if what == "boot" && rank == 3 {
+        println!("@@booting");
+        let mut s = String::new();
+        let _ = std::io::stdin().read_line(&mut s); // killed here
+        return;
+    }
+    let connect = match what {
+        "boot" | "split" => Duration::from_secs(3),
+        _ => Duration::from_secs(20),
+    };
+    let o = CommOptions::default()
+        .with_heartbeat(HB, HB_TIMEOUT)
+        .with_timeout(Duration::from_secs(20))
+        .with_connect_timeout(connect);
+    let t0 = Instant::now();
+    let comm = match new_comm("cpu", Device::Cpu, "faults", o) {
+        Ok(c) => c,
+        Err(e) => {
+            println!(
+                "@@error kind={} ms={} failed={:?} {e}",
+                kind(&e),
+                t0.elapsed().as_millis(),
+                e.failed_ranks()
+            );
+            println!("@@alive");
+            return;
+        }
+    };
+    let mut done = 0;
+    let (e, took) = loop {
+        let t = Instant::now();
+        let r = if what == "split" {
+            comm.split_by_color(Some(0), rank as i64, "sub")
+                .and_then(|c| {
+                    let c = c.expect("member");
+                    let s = c.all_reduce(Tensor::full(1i32, 256), ReduceOp::Sum)?;
+                    assert!(s.to_vec::<i32>().iter().all(|&v| v == 4), "corrupt");
+                    c.finalize()
+                })
+        } else {
+            comm.all_reduce(Tensor::full(1.0f32, 1 << 16), ReduceOp::Sum)
+                .map(|s| assert!(s.as_slice::<f32>().iter().all(|&v| v == 4.0), "corrupt"))
+        };
+        match r {
+            Ok(()) => {
+                done += 1;
+                if done == 3 {
+                    println!("@@running");
+                }
+            }
+            Err(e) => break (e, t.elapsed()),
+        }
+    };
+    println!(
+        "@@error kind={} ms={} failed={:?} {e}",
+        kind(&e),
+        took.as_millis(),
+        e.failed_ranks()
+    );
+    let (next, map) = comm
+        .reconfigure(ReconfigureOptions::default())
+        .expect("reconfigure");
+    let s = next
+        .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
+        .expect("new epoch all_reduce");
+    let ok = s.to_vec::<i64>().iter().all(|&v| v == next.size() as i64);
+    println!(
+        "@@reconf size={} epoch={} ok={ok} map={:?}",
+        next.size(),
+        next.epoch(),
+        map.old_to_new
+    );
+    next.finalize().expect("finalize");
+    println!("@@alive");
+}
+
+/// The body of one rank process (run by the tests below, not on its own).
+#[test]
+#[ignore = "a rank of the multi-process tests; run by them"]
+fn worker() {
+    match std::env::var("CHORUS_TEST_WORKER").as_deref() {
+        Ok("elastic") => elastic_train::run_rank().expect("elastic rank"),
+        Ok(mode) => fault_worker(mode),
+        Err(_) => {}
+    }
+}
+
+/// Kill (or stop) `victim` once every rank runs `mode`; every survivor must
+/// report a typed error naming it within the bound, then reconfigure to 3.
+fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
+    let deadline = Instant::now() + MP_DEADLINE;
+    let mut ranks = spawn_ranks(4, mode);
+    ranks.wait_lines(&[0, 1, 2, 3], "@@running", deadline);
+    ranks.signal(victim, sig);
+    let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
+    for line in ranks.wait_lines(&survivors, "@@error", deadline) {
+        let (k, ms, failed) = parse_error(&line);
+        assert!(
+            ["PeerFailed", "Aborted", "Transport"].contains(&k.as_str()),
+            "{line}"
+        );
+        assert!(ms < bound.as_millis(), "too slow: {line}");
+        if k != "Transport" {
+            assert!(failed.contains(&victim.to_string()), "{line}");
+        }
+    }
+    for line in ranks.wait_lines(&survivors, "@@reconf", deadline) {
+        assert!(line.contains("size=3 epoch=1 ok=true"), "{line}");
+    }
+    ranks.wait_lines(&survivors, "@@alive", deadline);
+}
+
+#[test]
+fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout_then_reconfigures() {
+    survivors_recover("allreduce", 3, "KILL", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn peer_killed_during_split_errors_every_survivor_then_reconfigures() {
+    // A split's child bootstrap waits at most the connect timeout (3 s).
+    survivors_recover("split", 3, "KILL", Duration::from_secs(3) + SLACK);
+}
+
+#[test]
+fn hung_process_sigstop_is_detected_by_heartbeats_then_survivors_reconfigure() {
+    survivors_recover("hang", 2, "STOP", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn peer_killed_during_bootstrap_fails_new_comm_on_every_rank_in_time() {
+    let deadline = Instant::now() + MP_DEADLINE;
+    let mut ranks = spawn_ranks(4, "boot");
+    ranks.wait_lines(&[3], "@@booting", deadline);
+    ranks.signal(3, "KILL");
+    for line in ranks.wait_lines(&[0, 1, 2], "@@error", deadline) {
+        let (k, ms, _) = parse_error(&line);
+        assert!(["PeerFailed", "Transport"].contains(&k.as_str()), "{line}");
+        assert!(ms < (Duration::from_secs(3) + SLACK).as_millis(), "{line}");
+    }
+    ranks.wait_lines(&[0, 1, 2], "@@alive", deadline);
+}
+
+#[test]
+fn elastic_train_example_survives_a_killed_rank_and_regrows_with_a_joiner() {
+    let s = elastic_train::launch(|| worker_cmd("elastic"), MP_DEADLINE).expect("launch");
+    assert_eq!(s.failures.len(), 3, "{s:?}");
+    let want = format!("param={}", elastic_train::expected_param());
+    for f in &s.finals {
+        assert!(
+            f.contains(&want) && f.contains("size=4"),
+            "{f} (want {want})"
+        );
+    }
+}
