@@ -227,6 +227,15 @@ fn failing_rank_exits_with_its_code_and_kills_sleeping_rank_promptly() {
 
 #[test]
 fn rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    // Rank 1 fails only once rank 0 has installed its SIGTERM trap (a marker
+    // file), so the launcher's SIGTERM always meets a rank that ignores it.
+    let marker = std::env::temp_dir().join(format!("chorus-trap-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let script = format!(
+        "m='{}'; if [ \"$RANK\" = 1 ]; then while [ ! -e \"$m\" ]; do sleep 0.01; done; exit 5; fi; \
+         trap '' TERM; touch \"$m\"; while :; do sleep 1; done",
+        marker.display()
+    );
     let r = run(&[
         "-n",
         "2",
@@ -237,8 +246,9 @@ fn rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
         "--",
         "sh",
         "-c",
-        "if [ \"$RANK\" = 1 ]; then exit 5; fi; trap '' TERM; while :; do sleep 1; done",
+        &script,
     ]);
+    let _ = std::fs::remove_file(&marker);
     assert_eq!(r.code, Some(5), "stderr: {}", r.stderr);
     assert!(r.stderr.contains("SIGKILL"), "{}", r.stderr);
     assert!(r.elapsed < Duration::from_secs(20), "{:?}", r.elapsed);
