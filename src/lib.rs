@@ -39,9 +39,15 @@
 //! | name | feature | needs | collectives |
 //! |------|---------|-------|-------------|
 //! | `cpu` | built in (default) | nothing | all |
+//! | `nccl` | `nccl` | libnccl + libcudart at run time, a CUDA GPU | all but bitwise ops |
+//! | `rccl` | `rccl` | librccl + libamdhip64 at run time, a ROCm GPU | all but bitwise ops |
+//! | `gloo` | `gloo` | `libgloo-dev` (Debian) | all |
+//! | `mpi` | `mpi` | Open MPI, launched by `mpirun` | all |
 //!
 //! Switching backends is a string: `new_comm("cpu", ..)`. An unknown name is
-//! [`Error::UnknownBackend`].
+//! [`Error::UnknownBackend`]; a known backend whose cargo feature is off, or
+//! whose library or device is missing at run time, is
+//! [`Error::BackendUnavailable`] saying what to enable or install.
 //!
 //! ## Semantics
 //!
@@ -98,7 +104,8 @@ pub use work::Work;
 ///
 /// # Errors
 /// [`Error::UnknownBackend`] for a backend name this binary does not know
-/// (before any I/O); [`Error::Config`] for a bad environment or options;
+/// and [`Error::BackendUnavailable`] for one not compiled in (before any
+/// I/O) or whose library/device is missing; [`Error::Config`] for a bad environment or options;
 /// [`Error::Transport`] if the store cannot be reached or refuses our secret;
 /// [`Error::PeerFailed`] if a peer never connects.
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
@@ -129,12 +136,12 @@ async fn create(
     options: CommOptions,
 ) -> Result<Comm> {
     let (rank, size) = bootstrap::rank_size(&options)?;
-    if device != Device::Cpu {
+    if let Err(reason) = backends::check_device(&backend, device) {
         return Err(Error::InvalidArgument {
             comm: name,
             rank,
             op: "new_comm",
-            reason: format!("backend {backend:?} runs on the cpu device, not {device}"),
+            reason,
         });
     }
     if name.is_empty() || name.contains('/') {
@@ -225,7 +232,7 @@ pub(crate) async fn start(spec: Spec) -> Result<Comm> {
         connect_timeout: options.connect_timeout,
         bind_ip: ctx.bind_ip,
     };
-    let backend_impl = backends::create(&backend, init).await?;
+    let backend_impl = backends::create_on(&backend, device, init).await?;
     let backend_name = backend_impl.name();
     let state = Arc::new(AtomicU8::new(comm::STATE_ACTIVE));
     let poison = Arc::new(Mutex::new(None));

@@ -261,14 +261,13 @@ impl Executor {
                 completer.complete(Err(e));
                 true
             }
-            Outcome::Done(Err(e)) => {
+            Outcome::Done(Err(mut e)) => {
                 tracing::warn!(error = %e, "fatal error; aborting communicator");
-                if let Ok(mut p) = self.poison.lock() {
-                    p.get_or_insert(e.clone());
-                }
-                // Later submits must see the abort as soon as this op completes.
-                self.state.store(STATE_ABORTED, Ordering::Release);
-                // EX-4: tell every rank, through the store, who failed.
+                // EX-4: tell every rank, through the store, who failed. The
+                // first notice of the epoch wins, and this rank reports the
+                // winner's failed ranks: a rank that only saw a survivor close
+                // its links (because that survivor aborted after seeing the
+                // real failure) must not blame the survivor.
                 if let (
                     Error::PeerFailed {
                         failed_ranks,
@@ -276,12 +275,27 @@ impl Executor {
                         ..
                     },
                     Some(w),
-                ) = (&e, &self.watchdog)
+                ) = (&mut e, &self.watchdog)
                 {
                     if !failed_ranks.is_empty() {
-                        w.config.publish(failed_ranks.clone(), detail.clone()).await;
+                        if let Some(n) =
+                            w.config.publish(failed_ranks.clone(), detail.clone()).await
+                        {
+                            if n.failed_ranks != *failed_ranks {
+                                *detail = format!(
+                                    "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                                    n.by, n.failed_ranks, n.detail
+                                );
+                                *failed_ranks = n.failed_ranks;
+                            }
+                        }
                     }
                 }
+                if let Ok(mut p) = self.poison.lock() {
+                    p.get_or_insert(e.clone());
+                }
+                // Later submits must see the abort as soon as this op completes.
+                self.state.store(STATE_ABORTED, Ordering::Release);
                 completer.complete(Err(e));
                 false
             }

@@ -8,9 +8,26 @@
 //! | name  | feature | needs | notes |
 //! |-------|---------|-------|-------|
 //! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
+//! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12) at run time, a CUDA device | host tensors staged through device memory |
+//! | `rccl` | `rccl` | librccl.so + libamdhip64.so at run time, a ROCm device | same layer as `nccl` (module `xccl`) |
+//! | `gloo` | `gloo` | Debian `libgloo-dev` at build time | C++ shim over Gloo's TCP transport |
+//! | `mpi` | `mpi` | Open MPI (`libopenmpi-dev`, `libclang-dev` to build), run under `mpirun` | rsmpi |
 //!
-//! Backends are selected by name at run time ([`create`]); an unknown name is
-//! [`Error::UnknownBackend`].
+//! Backends are selected by name at run time ([`create`]). Registry rules
+//! (see `docs/backends.md`):
+//! - REG-1: a name Chorus does not know at all is
+//!   [`Error::UnknownBackend`], listing [`available`].
+//! - REG-2: a known backend whose cargo feature was not enabled is
+//!   [`Error::BackendUnavailable`] whose
+//!   reason names the feature to enable; so is a compiled-in backend whose
+//!   run-time library or device is missing (never a panic).
+//! - REG-3: each backend runs on one kind of [`Device`](crate::Device)
+//!   ([`check_device`]); the wrong kind is rejected before any I/O.
+//!
+//! The vendor backends (`nccl`, `rccl`, `gloo`, `mpi`) move data with their
+//! library and use a [`cpu::CpuBackend`] mesh as their control links: the
+//! header exchange (BE-1), abort notices and finalize run over it, so the
+//! mismatch check and abort semantics are identical for every backend.
 //!
 //! Invariants:
 //! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
@@ -29,10 +46,56 @@ use crate::tensor::{DType, Tensor};
 use crate::transport::Store;
 
 pub mod cpu;
+#[cfg(feature = "gloo")]
+pub mod gloo;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(any(feature = "nccl", feature = "rccl"))]
+pub mod xccl;
+
+/// Every backend Chorus knows: `(name, cargo feature that compiles it in)`;
+/// `None` means always built.
+pub const KNOWN: &[(&str, Option<&str>)] = &[
+    ("cpu", None),
+    ("nccl", Some("nccl")),
+    ("rccl", Some("rccl")),
+    ("gloo", Some("gloo")),
+    ("mpi", Some("mpi")),
+];
 
 /// Names of the backends compiled into this binary.
 pub fn available() -> Vec<&'static str> {
-    vec!["cpu"]
+    let mut v = vec!["cpu"];
+    if cfg!(feature = "nccl") {
+        v.push("nccl");
+    }
+    if cfg!(feature = "rccl") {
+        v.push("rccl");
+    }
+    if cfg!(feature = "gloo") {
+        v.push("gloo");
+    }
+    if cfg!(feature = "mpi") {
+        v.push("mpi");
+    }
+    v
+}
+
+/// Whether backend `name` can run on `device` (REG-3): `nccl` and `rccl`
+/// need [`Device::Cuda`](crate::Device::Cuda) (ROCm devices use the same
+/// ordinal), every other backend [`Device::Cpu`](crate::Device::Cpu).
+///
+/// # Errors
+/// A human-readable reason when the pair cannot work.
+pub fn check_device(name: &str, device: crate::Device) -> std::result::Result<(), String> {
+    let gpu = matches!(name, "nccl" | "rccl");
+    match (gpu, device) {
+        (true, crate::Device::Cuda(_)) | (false, crate::Device::Cpu) => Ok(()),
+        (true, d) => Err(format!(
+            "backend {name:?} runs on a GPU device (Device::Cuda(ordinal)), not {d}"
+        )),
+        (false, d) => Err(format!("backend {name:?} runs on the cpu device, not {d}")),
+    }
 }
 
 /// Everything a backend needs to connect its ranks.
@@ -253,10 +316,33 @@ pub trait Backend: Send {
     async fn finalize(&mut self);
 }
 
-/// Create and connect the backend called `name`.
+/// Create and connect the backend called `name` on the cpu device.
 pub async fn create(name: &str, init: BackendInit) -> Result<Box<dyn Backend>> {
+    create_on(name, crate::Device::Cpu, init).await
+}
+
+/// Create and connect the backend called `name` for `device` (REG-1..3).
+pub async fn create_on(
+    name: &str,
+    device: crate::Device,
+    init: BackendInit,
+) -> Result<Box<dyn Backend>> {
+    check_name(name)?;
+    let _ = device;
     match name {
         "cpu" => Ok(Box::new(cpu::CpuBackend::connect(init).await?)),
+        #[cfg(feature = "nccl")]
+        "nccl" => Ok(Box::new(
+            xccl::XcclBackend::connect(xccl::Flavor::Nccl, device, init).await?,
+        )),
+        #[cfg(feature = "rccl")]
+        "rccl" => Ok(Box::new(
+            xccl::XcclBackend::connect(xccl::Flavor::Rccl, device, init).await?,
+        )),
+        #[cfg(feature = "gloo")]
+        "gloo" => Ok(Box::new(gloo::GlooBackend::connect(init).await?)),
+        #[cfg(feature = "mpi")]
+        "mpi" => Ok(Box::new(mpi::MpiBackend::connect(init).await?)),
         other => Err(Error::UnknownBackend {
             name: other.to_string(),
             available: available(),
@@ -264,19 +350,77 @@ pub async fn create(name: &str, init: BackendInit) -> Result<Box<dyn Backend>> {
     }
 }
 
-/// Whether `name` is a backend that this binary knows, before any I/O.
+/// Whether `name` is a backend that this binary knows and has compiled in,
+/// before any I/O (REG-1, REG-2).
+///
+/// # Errors
+/// `UnknownBackend` for a name Chorus does not know; `BackendUnavailable`
+/// naming the cargo feature for a known backend that was not compiled in.
 pub fn check_name(name: &str) -> Result<()> {
     if available().contains(&name) {
-        Ok(())
-    } else {
-        Err(Error::UnknownBackend {
+        return Ok(());
+    }
+    match KNOWN.iter().find(|(n, _)| *n == name) {
+        Some((known, Some(feature))) => Err(Error::BackendUnavailable {
+            backend: known,
+            reason: format!(
+                "chorus was built without its `{feature}` cargo feature; rebuild with \
+                 `--features {feature}` (see docs/backends.md for what it needs)"
+            ),
+        }),
+        _ => Err(Error::UnknownBackend {
             name: name.to_string(),
             available: available(),
-        })
+        }),
     }
 }
 
 /// Element size helper for backends.
 pub fn elem_size(t: &Tensor) -> usize {
     DType::size(t.dtype())
+}
+
+#[cfg(test)]
+mod registry_tests {
+    use super::*;
+
+    #[test]
+    fn reg_1_unknown_name_lists_available() {
+        match check_name("nope") {
+            Err(Error::UnknownBackend { name, available }) => {
+                assert_eq!(name, "nope");
+                assert!(available.contains(&"cpu"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn reg_2_known_but_not_compiled_names_the_feature() {
+        for (name, feature) in KNOWN {
+            let r = check_name(name);
+            match feature {
+                Some(f) if !available().contains(name) => match r {
+                    Err(Error::BackendUnavailable { backend, reason }) => {
+                        assert_eq!(backend, *name);
+                        assert!(reason.contains(&format!("--features {f}")), "{reason}");
+                    }
+                    other => panic!("{name}: {other:?}"),
+                },
+                _ => assert!(r.is_ok(), "{name}: {r:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn reg_3_gpu_backends_need_a_gpu_device_and_others_the_cpu() {
+        use crate::Device;
+        assert!(check_device("cpu", Device::Cpu).is_ok());
+        assert!(check_device("cpu", Device::Cuda(0)).is_err());
+        assert!(check_device("gloo", Device::Cpu).is_ok());
+        assert!(check_device("mpi", Device::Cuda(0)).is_err());
+        assert!(check_device("nccl", Device::Cuda(1)).is_ok());
+        assert!(check_device("rccl", Device::Cuda(0)).is_ok());
+        assert!(check_device("nccl", Device::Cpu).is_err());
+    }
 }

@@ -13,6 +13,21 @@ use chorus::{new_comm, Comm, CommOptions, DType, Device, Rendezvous, Tensor};
 /// Every multi-rank test finishes within this, or fails (never hangs CI).
 pub const TEST_DEADLINE: Duration = Duration::from_secs(60);
 
+/// The backend the shared suite runs on: `CHORUS_TEST_BACKEND` (e.g.
+/// `gloo`, with the matching cargo feature), else `cpu`. GPU backends put
+/// rank `r` on device `r`.
+pub fn test_backend() -> String {
+    std::env::var("CHORUS_TEST_BACKEND").unwrap_or_else(|_| "cpu".to_string())
+}
+
+/// The device of `rank` for [`test_backend`].
+pub fn test_device(backend: &str, rank: usize) -> Device {
+    match backend {
+        "nccl" | "rccl" => Device::Cuda(rank),
+        _ => Device::Cpu,
+    }
+}
+
 /// Options for rank `rank` of `size` on a shared store.
 pub fn opts(store: &Arc<dyn Store>, rank: usize, size: usize) -> CommOptions {
     CommOptions::default()
@@ -41,29 +56,49 @@ where
     F: Fn(Comm) -> T + Send + Sync + 'static,
     O: Fn(usize, CommOptions) -> CommOptions + Send + Sync + 'static,
 {
+    run_ranks_on(&test_backend(), size, name, tweak, f)
+}
+
+/// Like [`run_ranks_with`], on the named backend.
+pub fn run_ranks_on<T, F, O>(backend: &str, size: usize, name: &str, tweak: O, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Comm) -> T + Send + Sync + 'static,
+    O: Fn(usize, CommOptions) -> CommOptions + Send + Sync + 'static,
+{
+    let backend = backend.to_string();
+    if backend == "mpi" {
+        return run_this_mpi_rank(size, name, tweak, f);
+    }
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let f = Arc::new(f);
     let tweak = Arc::new(tweak);
     let (tx, rx) = mpsc::channel();
     for rank in 0..size {
-        let (f, tweak, tx, store, name) = (
+        let (f, tweak, tx, store, name, backend) = (
             f.clone(),
             tweak.clone(),
             tx.clone(),
             store.clone(),
             name.to_string(),
+            backend.clone(),
         );
         std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let comm = new_comm(
-                        "cpu",
-                        Device::Cpu,
+                        &backend,
+                        test_device(&backend, rank),
                         &name,
                         tweak(rank, opts(&store, rank, size)),
                     )
                     .unwrap_or_else(|e| panic!("rank {rank}: new_comm failed: {e}"));
+                    assert_eq!(
+                        comm.backend(),
+                        backend,
+                        "the suite runs on the asked backend"
+                    );
                     f(comm)
                 }));
                 let _ = tx.send((rank, result));
@@ -91,6 +126,48 @@ where
     out.into_iter()
         .map(|v| v.expect("every rank reported"))
         .collect()
+}
+
+/// Under `mpirun -n N` (backend `mpi`) each process is one rank: run `f`
+/// on this process's rank when the test wants a world of `N`, else skip
+/// (printed). Rendezvous through `MASTER_ADDR`/`MASTER_PORT`, which the CI
+/// script exports. Run with `--test-threads 1` so every process creates its
+/// communicators in the same order. Returns this rank's result only.
+fn run_this_mpi_rank<T, F, O>(size: usize, name: &str, tweak: O, f: F) -> Vec<T>
+where
+    F: Fn(Comm) -> T,
+    O: Fn(usize, CommOptions) -> CommOptions,
+{
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+    let (Some(rank), Some(world)) = (env("OMPI_COMM_WORLD_RANK"), env("OMPI_COMM_WORLD_SIZE"))
+    else {
+        eprintln!("SKIP {name}: backend mpi needs mpirun (no OMPI_COMM_WORLD_RANK/SIZE)");
+        return Vec::new();
+    };
+    if world != size {
+        eprintln!("SKIP {name}: needs mpirun -n {size}, this job has {world}");
+        return Vec::new();
+    }
+    // A fresh store port per communicator (rank 0 hosts it; the previous
+    // one may still be closing): MASTER_PORT + k for the k-th, the same k
+    // on every process because every process runs the same tests in order.
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let base: u16 = std::env::var("MASTER_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(29500);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], base.wrapping_add(k)));
+    let o = CommOptions::default()
+        .with_rendezvous(Rendezvous::Master(addr))
+        .with_rank(rank, size)
+        .with_secret("test-secret")
+        .with_timeout(Duration::from_secs(60))
+        .with_connect_timeout(Duration::from_secs(30));
+    let comm = new_comm("mpi", Device::Cpu, name, tweak(rank, o))
+        .unwrap_or_else(|e| panic!("rank {rank}: new_comm failed: {e}"));
+    assert_eq!(comm.backend(), "mpi");
+    vec![f(comm)]
 }
 
 /// Deterministic small test values (exact in every dtype, sums fit in i8).

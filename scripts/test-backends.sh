@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The vendor backends, as CI runs them (after ./scripts/install-deps.sh):
+#   1. clippy and rustdoc (-D warnings) with every backend feature;
+#   2. one test build with every backend feature (nccl and rccl build here
+#      with no CUDA/ROCm: their libraries are loaded at run time);
+#   3. unit tests of the backends (registry, xccl planning, gloo, mpi);
+#   4. the shared collective suite (tests/collectives.rs) on gloo, in-process;
+#   5. the same suite on mpi under mpirun -n 2, 3 and 4 (each process is a
+#      rank; tests written for another world size skip);
+#   6. tests/gpu.rs, which without a GPU checks BackendUnavailable and skips.
+# Set CHORUS_SKIP_CLIPPY=1 to skip step 1 (local runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+features=nccl,rccl,gloo,mpi
+t0=$(date +%s)
+step() { echo "== $* (+$(( $(date +%s) - t0 )) s)"; }
+
+if [ -z "${CHORUS_SKIP_CLIPPY:-}" ]; then
+  step "clippy --features $features"
+  cargo clippy --all-targets --features "$features" -- -D warnings
+fi
+
+step "docs --features $features"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --features "$features"
+
+step "build tests --features $features"
+build_log=$(mktemp)
+cargo test --features "$features" --lib --test collectives --test gpu --no-run 2>&1 | tee "$build_log"
+coll=$(grep -o 'target/[^ )]*/collectives-[0-9a-f]*' "$build_log" | tail -1)
+rm -f "$build_log"
+if [ -z "$coll" ] || [ ! -x "$coll" ]; then
+  echo "cannot find the collectives test binary" >&2
+  exit 1
+fi
+
+step "backend unit tests"
+cargo test --features "$features" --lib -- backends::registry_tests backends::xccl backends::gloo backends::mpi
+
+step "shared suite on gloo"
+CHORUS_TEST_BACKEND=gloo timeout 600 "$coll"
+
+for n in 2 3 4; do
+  step "shared suite on mpi, mpirun -n $n"
+  # (vader single-copy off: CMA needs ptrace rights containers often lack)
+  timeout 600 mpirun --oversubscribe --allow-run-as-root -n "$n" \
+    --mca btl_vader_single_copy_mechanism none \
+    -x CHORUS_TEST_BACKEND=mpi -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$((29600 + 100 * n)) \
+    "$coll" --test-threads 1
+done
+
+step "gpu tests (skip without a GPU)"
+timeout 300 cargo test --features "$features" --test gpu -- --nocapture
+
+step "done"

@@ -1,0 +1,862 @@
+//! The `nccl` and `rccl` backends: one implementation over the NCCL C API,
+//! which RCCL exports unchanged, with the CUDA runtime or HIP for streams and
+//! device memory ([`Flavor`] picks the libraries and symbol prefix).
+//!
+//! Three layers, as in cudarc: [`sys`] (FFI tables loaded at run time with
+//! `libloading`), [`result`] (status → `Result`), and this module (the
+//! [`Backend`]). Pure-Rust planning lives in [`plan`] and is unit-tested
+//! without a GPU.
+//!
+//! What exists today: the public [`Tensor`] is host memory, so
+//! every op stages its host buffers through device memory on the
+//! communicator's own stream: host → device copy, the NCCL call(s), wait for
+//! the stream, device → host copy. There is no device-buffer API yet.
+//!
+//! Invariants:
+//! - XC-1: the libraries are loaded and a device is found before any I/O or
+//!   NCCL call; a missing library, symbol or device is
+//!   `BackendUnavailable{backend, reason}` naming what is missing — never a
+//!   panic (cudarc panics here, hence our own loader).
+//! - XC-2: the NCCL unique id travels through the store under
+//!   `{key_prefix}/{backend}/id`; rank 0 writes it, every other rank waits
+//!   for it within `connect_timeout`.
+//! - XC-3: the communicator is created non-blocking (`blocking = 0`) and
+//!   polled with `ncclCommGetAsyncError`; init that does not finish within
+//!   `connect_timeout` is aborted (`ncclCommAbort`) and reported.
+//! - XC-4: an op completes when its stream has drained (`*StreamQuery`),
+//!   not when it was enqueued; while waiting, `ncclCommGetAsyncError` is
+//!   polled so a remote failure becomes `PeerFailed` instead of a hang. The
+//!   device → host copy is only enqueued after that, so host buffers are
+//!   never written by the device after `execute` returned or was dropped.
+//! - XC-5: after an error the communicator is unusable until `abort`
+//!   (BE-2), which calls `ncclCommAbort`; `Drop` aborts (never destroys,
+//!   which could block) and never panics.
+//! - XC-6: header exchange, abort notices and finalize run over a
+//!   [`CpuBackend`] control mesh, so mismatch detection is the same as on
+//!   every other backend.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use super::cpu::CpuBackend;
+use super::{Backend, BackendInit, OpCtx, OpData};
+use crate::comm::Device;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+pub mod plan;
+pub mod result;
+pub mod sys;
+
+use plan::{Buf, Call};
+use result::CallError;
+
+/// `cudaMemcpyDeviceToDevice` / `hipMemcpyDeviceToDevice`.
+const MEMCPY_D2D: c_int = 3;
+/// Poll interval while waiting for the stream or a non-blocking call.
+const POLL: Duration = Duration::from_micros(50);
+
+/// Which vendor stack a communicator uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// NVIDIA NCCL + CUDA runtime.
+    Nccl,
+    /// AMD RCCL + HIP.
+    Rccl,
+}
+
+impl Flavor {
+    /// Backend name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Flavor::Nccl => "nccl",
+            Flavor::Rccl => "rccl",
+        }
+    }
+
+    /// Collective library file names tried, in order. The NCCL pip wheel
+    /// (`nvidia-nccl-cu12`) ships only `libnccl.so.2`.
+    pub fn collective_libs(self) -> &'static [&'static str] {
+        match self {
+            Flavor::Nccl => &["libnccl.so.2", "libnccl.so"],
+            Flavor::Rccl => &["librccl.so.1", "librccl.so"],
+        }
+    }
+
+    /// Runtime library file names tried, in order.
+    pub fn runtime_libs(self) -> &'static [&'static str] {
+        match self {
+            Flavor::Nccl => &["libcudart.so.12", "libcudart.so.13", "libcudart.so"],
+            Flavor::Rccl => &["libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"],
+        }
+    }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            Flavor::Nccl => "cuda",
+            Flavor::Rccl => "hip",
+        }
+    }
+}
+
+/// The loaded libraries of one flavor.
+pub struct Vendor {
+    nccl: sys::NcclApi,
+    rt: sys::RtApi,
+}
+
+impl std::fmt::Debug for Vendor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vendor")
+            .field("nccl", &self.nccl.path)
+            .field("runtime", &self.rt.path)
+            .finish()
+    }
+}
+
+impl Vendor {
+    /// Load the runtime and collective libraries of `flavor` (XC-1).
+    ///
+    /// # Errors
+    /// `BackendUnavailable` naming the libraries tried.
+    pub fn load(flavor: Flavor) -> Result<Vendor> {
+        let unavailable = |reason: String| Error::BackendUnavailable {
+            backend: flavor.name(),
+            reason,
+        };
+        let rt = sys::load_rt(flavor.runtime_libs(), flavor.prefix())
+            .map_err(|e| unavailable(format!("{} runtime: {e}", flavor.prefix())))?;
+        let nccl = sys::load_nccl(flavor.collective_libs()).map_err(|e| {
+            unavailable(format!(
+                "{e} (for NCCL: `pip install nvidia-nccl-cu12` and add its lib folder to \
+                 LD_LIBRARY_PATH or CHORUS_LIB_DIRS)"
+            ))
+        })?;
+        Ok(Vendor { nccl, rt })
+    }
+
+    /// Number of visible devices.
+    ///
+    /// # Errors
+    /// `BackendUnavailable` when the runtime reports an error (no driver, no
+    /// device) or zero devices.
+    pub fn device_count(&self, flavor: Flavor) -> Result<usize> {
+        let mut n: c_int = 0;
+        // SAFETY: plain out-parameter call.
+        let r = unsafe { (self.rt.get_device_count)(&mut n) };
+        result::rt(&self.rt, "GetDeviceCount", r).map_err(|e| Error::BackendUnavailable {
+            backend: flavor.name(),
+            reason: format!("no usable device: {e}"),
+        })?;
+        if n <= 0 {
+            return Err(Error::BackendUnavailable {
+                backend: flavor.name(),
+                reason: "the runtime sees no device".into(),
+            });
+        }
+        Ok(n as usize)
+    }
+
+    /// NCCL/RCCL version code (e.g. 22105 for 2.21.5).
+    pub fn version(&self) -> i32 {
+        let mut v: c_int = 0;
+        // SAFETY: plain out-parameter call.
+        let _ = unsafe { (self.nccl.get_version)(&mut v) };
+        v
+    }
+}
+
+/// Whether `flavor` can run here: its libraries load and a device exists.
+/// Returns the device count. Tests call this to skip with a printed reason.
+///
+/// # Errors
+/// `BackendUnavailable` saying what is missing.
+pub fn probe(flavor: Flavor) -> Result<usize> {
+    let v = Vendor::load(flavor)?;
+    v.device_count(flavor)
+}
+
+/// A raw communicator pointer held across an await in `connect`.
+#[derive(Clone, Copy)]
+struct SendPtr(sys::ncclComm_t);
+// SAFETY: only passed to ncclCommGetAsyncError, which is thread-safe.
+unsafe impl Send for SendPtr {}
+
+/// A device allocation that only grows.
+#[derive(Debug)]
+struct DevBuf {
+    ptr: *mut c_void,
+    cap: usize,
+}
+
+/// The NCCL/RCCL backend of one communicator on one rank.
+pub struct XcclBackend {
+    flavor: Flavor,
+    comm_name: String,
+    rank: usize,
+    device: c_int,
+    api: Arc<Vendor>,
+    comm: sys::ncclComm_t,
+    stream: sys::Stream,
+    bufs: [DevBuf; 2],
+    ctrl: CpuBackend,
+    broken: Option<Error>,
+}
+
+// SAFETY: the raw communicator, stream and device pointers are only used by
+// the owning executor, one op at a time (BE-1); NCCL and the CUDA/HIP runtime
+// allow that from any thread as long as calls on one communicator do not
+// overlap, and every entry point sets the device first.
+unsafe impl Send for XcclBackend {}
+// SAFETY: `&self` methods only query stream/communicator state
+// (`*StreamQuery`, `ncclCommGetAsyncError`), which is thread-safe.
+unsafe impl Sync for XcclBackend {}
+
+impl std::fmt::Debug for XcclBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XcclBackend")
+            .field("flavor", &self.flavor)
+            .field("comm", &self.comm_name)
+            .field("rank", &self.rank)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+impl XcclBackend {
+    /// Load the libraries, find the device, connect the control mesh,
+    /// exchange the unique id and create the communicator (XC-1..3).
+    ///
+    /// # Errors
+    /// `BackendUnavailable` (XC-1), `InvalidArgument` for a cpu device,
+    /// `Transport`/`PeerFailed` from the control mesh or store, `Timeout`
+    /// style `PeerFailed` when NCCL init does not finish in time.
+    pub async fn connect(flavor: Flavor, device: Device, init: BackendInit) -> Result<XcclBackend> {
+        let ordinal = match device {
+            Device::Cuda(i) => i,
+            other => {
+                return Err(Error::InvalidArgument {
+                    comm: init.comm,
+                    rank: init.rank,
+                    op: "new_comm",
+                    reason: format!("backend {} needs a GPU device, not {other}", flavor.name()),
+                })
+            }
+        };
+        let api = Arc::new(Vendor::load(flavor)?);
+        let count = api.device_count(flavor)?;
+        if ordinal >= count {
+            return Err(Error::BackendUnavailable {
+                backend: flavor.name(),
+                reason: format!("device {ordinal} requested but only {count} visible"),
+            });
+        }
+        let device = ordinal as c_int;
+        let ctx_err = |e: CallError| Error::BackendUnavailable {
+            backend: flavor.name(),
+            reason: format!("device {device}: {e}"),
+        };
+        // XC-6: the control mesh first, so every rank is known to be up.
+        let ctrl = CpuBackend::connect(init.clone()).await?;
+        let mut me = XcclBackend {
+            flavor,
+            comm_name: init.comm.clone(),
+            rank: init.rank,
+            device,
+            api: api.clone(),
+            comm: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+            bufs: [
+                DevBuf {
+                    ptr: std::ptr::null_mut(),
+                    cap: 0,
+                },
+                DevBuf {
+                    ptr: std::ptr::null_mut(),
+                    cap: 0,
+                },
+            ],
+            ctrl,
+            broken: None,
+        };
+        {
+            let mut stream: sys::Stream = std::ptr::null_mut();
+            // SAFETY: plain runtime calls with out-parameters.
+            unsafe {
+                result::rt(&api.rt, "SetDevice", (api.rt.set_device)(device)).map_err(ctx_err)?;
+                result::rt(&api.rt, "StreamCreate", (api.rt.stream_create)(&mut stream))
+                    .map_err(ctx_err)?;
+            }
+            me.stream = stream;
+        }
+
+        // XC-2: unique id through the store.
+        let key = format!("{}/{}/id", init.key_prefix, flavor.name());
+        let mut id = sys::ncclUniqueId {
+            internal: [0; sys::UNIQUE_ID_BYTES],
+        };
+        if init.rank == 0 {
+            // SAFETY: out-parameter call.
+            let r = unsafe { (api.nccl.get_unique_id)(&mut id) };
+            result::nccl(&api.nccl, "ncclGetUniqueId", r).map_err(ctx_err)?;
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            init.store.set(&key, bytes).await?;
+        } else {
+            let got = init
+                .store
+                .wait(std::slice::from_ref(&key), init.connect_timeout)
+                .await?;
+            let bytes = got.into_iter().next().unwrap_or_default();
+            if bytes.len() != sys::UNIQUE_ID_BYTES {
+                return Err(Error::PeerFailed {
+                    comm: init.comm.clone(),
+                    rank: init.rank,
+                    epoch: init.epoch,
+                    op: "new_comm",
+                    failed_ranks: vec![0],
+                    detail: format!(
+                        "rank 0 published a {}-byte unique id, expected {}",
+                        bytes.len(),
+                        sys::UNIQUE_ID_BYTES
+                    ),
+                });
+            }
+            for (d, s) in id.internal.iter_mut().zip(bytes) {
+                *d = s as std::ffi::c_char;
+            }
+        }
+
+        // XC-3: non-blocking init, polled with a deadline.
+        {
+            let mut config = sys::ncclConfig_t::new(false);
+            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: device set first; out-parameter and config live across the call.
+            let r = unsafe {
+                (api.rt.set_device)(device);
+                (api.nccl.comm_init_rank_config)(
+                    &mut comm,
+                    init.size as c_int,
+                    id,
+                    init.rank as c_int,
+                    &mut config,
+                )
+            };
+            me.comm = comm;
+            result::nccl(&api.nccl, "ncclCommInitRankConfig", r).map_err(ctx_err)?;
+        }
+        let comm = SendPtr(me.comm);
+        let deadline = Instant::now() + init.connect_timeout;
+        loop {
+            // SAFETY: `comm` was returned by init.
+            match unsafe { result::async_error(&api.nccl, comm.0) } {
+                Ok(true) => break,
+                Ok(false) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
+                Ok(false) => {
+                    return Err(Error::PeerFailed {
+                        comm: init.comm.clone(),
+                        rank: init.rank,
+                        epoch: init.epoch,
+                        op: "new_comm",
+                        failed_ranks: vec![],
+                        detail: format!(
+                            "{} communicator init did not finish within {:?}; aborted",
+                            flavor.name(),
+                            init.connect_timeout
+                        ),
+                    })
+                }
+                Err(e) => return Err(ctx_err(e)),
+            }
+        }
+        tracing::info!(comm = %init.comm, rank = init.rank, device, version = api.version(), backend = flavor.name(), "vendor communicator ready");
+        Ok(me)
+    }
+
+    fn vendor_err(&mut self, ctx: &OpCtx, e: CallError) -> Error {
+        let err = if e.nccl && plan::is_peer_failure(e.code) {
+            ctx.peer_failed(vec![], format!("{}: {e}", self.flavor.name()))
+        } else {
+            Error::Internal(format!(
+                "{} on communicator {:?} rank {} (op {}, seq {}): {e}",
+                self.flavor.name(),
+                ctx.comm,
+                ctx.rank,
+                ctx.kind.name(),
+                ctx.seq
+            ))
+        };
+        self.broken = Some(err.clone());
+        err
+    }
+
+    fn ensure(
+        &mut self,
+        which: usize,
+        bytes: usize,
+    ) -> std::result::Result<*mut c_void, CallError> {
+        let need = bytes.max(256);
+        let b = &mut self.bufs[which];
+        if b.cap < need {
+            if !b.ptr.is_null() {
+                // SAFETY: allocated by `malloc` below, no op in flight.
+                let _ = unsafe { (self.api.rt.free)(b.ptr) };
+                b.ptr = std::ptr::null_mut();
+                b.cap = 0;
+            }
+            let mut p = std::ptr::null_mut();
+            // SAFETY: out-parameter call.
+            let r = unsafe { (self.api.rt.malloc)(&mut p, need) };
+            result::rt(&self.api.rt, "Malloc", r)?;
+            b.ptr = p;
+            b.cap = need;
+        }
+        Ok(b.ptr)
+    }
+
+    /// Wait until the stream drained, polling the communicator's async
+    /// error (XC-4).
+    async fn wait_stream(&self) -> std::result::Result<(), CallError> {
+        loop {
+            // SAFETY: live stream and communicator.
+            if unsafe { result::stream_done(&self.api.rt, self.stream)? } {
+                return Ok(());
+            }
+            // SAFETY: as above.
+            unsafe { result::async_error(&self.api.nccl, self.comm)? };
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Wait until a non-blocking call on the communicator settled.
+    async fn settle(&self) -> std::result::Result<(), CallError> {
+        // SAFETY: live communicator.
+        while !unsafe { result::async_error(&self.api.nccl, self.comm)? } {
+            tokio::time::sleep(POLL).await;
+        }
+        Ok(())
+    }
+
+    /// Enqueue the plan's calls (inside one group when asked).
+    ///
+    /// # Safety
+    /// `din`/`dout` hold at least the plan's element counts times `esize`.
+    unsafe fn enqueue(
+        &self,
+        p: &plan::Plan,
+        dtype: c_int,
+        op: c_int,
+        esize: usize,
+        din: *mut c_void,
+        dout: *mut c_void,
+    ) -> std::result::Result<(), CallError> {
+        let n = &self.api.nccl;
+        let (comm, stream) = (self.comm, self.stream);
+        let at = |b: Buf, off: usize| -> *mut c_void {
+            let base = match b {
+                Buf::In => din,
+                Buf::Out => dout,
+            };
+            base.cast::<u8>().add(off * esize).cast()
+        };
+        if p.grouped {
+            result::nccl(n, "ncclGroupStart", (n.group_start)())?;
+        }
+        for c in &p.calls {
+            match c {
+                Call::AllReduce(r) => result::nccl(
+                    n,
+                    "ncclAllReduce",
+                    (n.all_reduce)(
+                        at(Buf::In, r.start),
+                        at(Buf::Out, r.start),
+                        r.len(),
+                        dtype,
+                        op,
+                        comm,
+                        stream,
+                    ),
+                )?,
+                Call::Reduce { src, dst, root } => result::nccl(
+                    n,
+                    "ncclReduce",
+                    (n.reduce)(
+                        at(Buf::In, src.start),
+                        at(Buf::Out, dst.start),
+                        src.len(),
+                        dtype,
+                        op,
+                        *root as c_int,
+                        comm,
+                        stream,
+                    ),
+                )?,
+                Call::Broadcast { src, dst, root } => result::nccl(
+                    n,
+                    "ncclBroadcast",
+                    (n.broadcast)(
+                        at(src.0, src.1.start),
+                        at(Buf::Out, dst.start),
+                        dst.len(),
+                        dtype,
+                        *root as c_int,
+                        comm,
+                        stream,
+                    ),
+                )?,
+                Call::AllGather(k) => result::nccl(
+                    n,
+                    "ncclAllGather",
+                    (n.all_gather)(din, dout, *k, dtype, comm, stream),
+                )?,
+                Call::ReduceScatter(k) => result::nccl(
+                    n,
+                    "ncclReduceScatter",
+                    (n.reduce_scatter)(din, dout, *k, dtype, op, comm, stream),
+                )?,
+                Call::Send(b, r, peer) => result::nccl(
+                    n,
+                    "ncclSend",
+                    (n.send)(
+                        at(*b, r.start),
+                        r.len(),
+                        dtype,
+                        *peer as c_int,
+                        comm,
+                        stream,
+                    ),
+                )?,
+                Call::Recv(r, peer) => result::nccl(
+                    n,
+                    "ncclRecv",
+                    (n.recv)(
+                        at(Buf::Out, r.start),
+                        r.len(),
+                        dtype,
+                        *peer as c_int,
+                        comm,
+                        stream,
+                    ),
+                )?,
+                Call::Copy { src, dst } => result::rt(
+                    &self.api.rt,
+                    "MemcpyAsync",
+                    (self.api.rt.memcpy_async)(
+                        at(Buf::Out, dst.start),
+                        at(Buf::In, src.start),
+                        src.len() * esize,
+                        MEMCPY_D2D,
+                        stream,
+                    ),
+                )?,
+            }
+        }
+        if p.grouped {
+            result::nccl(n, "ncclGroupEnd", (n.group_end)())?;
+        }
+        Ok(())
+    }
+
+    /// Stage, run and unstage one op (XC-4).
+    async fn run(&mut self, size: usize, data: &mut OpData) -> std::result::Result<(), CallError> {
+        // Host views: what goes in, where results land.
+        let (p, dtype, op, esize) = match &*data {
+            OpData::P2P { ops } => {
+                // Byte-level plan: sends from In, receives into Out, in order.
+                let (mut si, mut ri) = (0, 0);
+                let mut calls = Vec::new();
+                for t in ops.iter() {
+                    let b = t.buf.len_bytes();
+                    if t.send {
+                        calls.push(Call::Send(Buf::In, si..si + b, t.peer));
+                        si += b;
+                    } else {
+                        calls.push(Call::Recv(ri..ri + b, t.peer));
+                        ri += b;
+                    }
+                }
+                let p = plan::Plan {
+                    in_len: si,
+                    out_len: ri,
+                    calls,
+                    grouped: true,
+                };
+                (p, plan::nccl_dtype(DType::U8), 0, 1)
+            }
+            other => {
+                let (dt, op) = op_of(other);
+                let nop = match op {
+                    Some(o) => plan::nccl_op(o, dt).map_err(|e| CallError {
+                        call: "plan",
+                        code: 0,
+                        nccl: false,
+                        message: e.to_string(),
+                    })?,
+                    None => 0,
+                };
+                (
+                    plan::plan(other, self.rank, size),
+                    plan::nccl_dtype(dt),
+                    nop,
+                    dt.size(),
+                )
+            }
+        };
+        if p.calls.is_empty() {
+            return Ok(());
+        }
+        // Addresses as integers: raw pointers may not live across an await.
+        let din_addr = self.ensure(0, p.in_len * esize)? as usize;
+        let dout_addr = self.ensure(1, p.out_len * esize)? as usize;
+        let (din, dout) = (din_addr as *mut c_void, dout_addr as *mut c_void);
+        let rt = &self.api.rt;
+        // SAFETY: device set, buffers sized by the plan (XP-1); H2D from
+        // pageable memory returns once the host bytes were staged.
+        unsafe {
+            result::rt(rt, "SetDevice", (rt.set_device)(self.device))?;
+            let mut off = 0;
+            for t in inputs(data) {
+                let b = t.as_bytes();
+                if !b.is_empty() {
+                    result::rt(
+                        rt,
+                        "MemcpyAsync(H2D)",
+                        (rt.memcpy_async)(
+                            din.cast::<u8>().add(off).cast(),
+                            b.as_ptr().cast(),
+                            b.len(),
+                            sys::MEMCPY_H2D,
+                            self.stream,
+                        ),
+                    )?;
+                }
+                off += b.len();
+            }
+            self.enqueue(&p, dtype, op, esize, din, dout)?;
+        }
+        self.settle().await?;
+        self.wait_stream().await?;
+        let dout = dout_addr as *mut c_void;
+        let stream = self.stream;
+        let rt = &self.api.rt;
+        // SAFETY: the stream drained (XC-4); D2H into live host buffers,
+        // then synchronise before returning.
+        unsafe {
+            let mut off = 0;
+            for t in outputs(data, self.rank) {
+                let b = t.as_bytes_mut();
+                if !b.is_empty() {
+                    result::rt(
+                        rt,
+                        "MemcpyAsync(D2H)",
+                        (rt.memcpy_async)(
+                            b.as_mut_ptr().cast(),
+                            dout.cast::<u8>().add(off).cast(),
+                            b.len(),
+                            sys::MEMCPY_D2H,
+                            stream,
+                        ),
+                    )?;
+                }
+                off += b.len();
+            }
+            result::rt(rt, "StreamSynchronize", (rt.stream_synchronize)(stream))?;
+        }
+        Ok(())
+    }
+}
+
+/// Dtype and reduce op of a collective.
+fn op_of(d: &OpData) -> (DType, Option<crate::op::ReduceOp>) {
+    match d {
+        OpData::AllReduce { buf, op } | OpData::Reduce { buf, op, .. } => (buf.dtype(), Some(*op)),
+        OpData::ReduceScatter { input, op, .. } => (input.dtype(), Some(*op)),
+        OpData::AllGather { input, .. }
+        | OpData::Scatter { input, .. }
+        | OpData::Gather { input, .. }
+        | OpData::AllToAll { input, .. } => (input.dtype(), None),
+        OpData::Broadcast { buf, .. } => (buf.dtype(), None),
+        OpData::Barrier | OpData::P2P { .. } => (DType::U8, None),
+    }
+}
+
+/// Host tensors staged into the device input buffer, in order.
+fn inputs(d: &OpData) -> Vec<&Tensor> {
+    match d {
+        OpData::AllReduce { buf, .. }
+        | OpData::Reduce { buf, .. }
+        | OpData::Broadcast { buf, .. } => vec![buf],
+        OpData::ReduceScatter { input, .. }
+        | OpData::AllGather { input, .. }
+        | OpData::Scatter { input, .. }
+        | OpData::Gather { input, .. }
+        | OpData::AllToAll { input, .. } => vec![input],
+        OpData::P2P { ops } => ops.iter().filter(|t| t.send).map(|t| &t.buf).collect(),
+        OpData::Barrier => vec![],
+    }
+}
+
+/// Host tensors the device output buffer is copied back into, in order.
+/// A reduce's non-root keeps its input: NCCL leaves its output untouched.
+fn outputs(d: &mut OpData, rank: usize) -> Vec<&mut Tensor> {
+    match d {
+        OpData::Reduce { root, .. } if *root != rank => vec![],
+        OpData::AllReduce { buf, .. }
+        | OpData::Reduce { buf, .. }
+        | OpData::Broadcast { buf, .. } => vec![buf],
+        OpData::ReduceScatter { output, .. }
+        | OpData::AllGather { output, .. }
+        | OpData::Scatter { output, .. }
+        | OpData::Gather { output, .. }
+        | OpData::AllToAll { output, .. } => vec![output],
+        OpData::P2P { ops } => ops
+            .iter_mut()
+            .filter(|t| !t.send)
+            .map(|t| &mut t.buf)
+            .collect(),
+        OpData::Barrier => vec![],
+    }
+}
+
+impl XcclBackend {
+    fn abort_comm(&mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: live communicator; abort is allowed at any time.
+            let r = unsafe { (self.api.nccl.comm_abort)(self.comm) };
+            if let Err(e) = result::nccl(&self.api.nccl, "ncclCommAbort", r) {
+                tracing::warn!(comm = %self.comm_name, rank = self.rank, "{e}");
+            }
+            self.comm = std::ptr::null_mut();
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for XcclBackend {
+    fn name(&self) -> &'static str {
+        self.flavor.name()
+    }
+
+    async fn exchange_headers(
+        &mut self,
+        ctx: &OpCtx,
+        outgoing: Vec<(usize, u64, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        self.ctrl.exchange_headers(ctx, outgoing).await
+    }
+
+    async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        if self.comm.is_null() {
+            return Err(Error::Internal(format!(
+                "{} communicator {:?} has no NCCL communicator (aborted)",
+                self.flavor.name(),
+                self.comm_name
+            )));
+        }
+        // Reject unsupported reductions before touching the device (XP-3).
+        if let (dt, Some(op)) = op_of(data) {
+            plan::nccl_op(op, dt)?;
+        }
+        let span = tracing::debug_span!("xccl_op", op = ctx.kind.name(), seq = ctx.seq);
+        let _g = span.enter();
+        drop(_g);
+        match self.run(ctx.size, data).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.vendor_err(ctx, e)),
+        }
+    }
+
+    async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        self.abort_comm();
+        self.broken = Some(Error::Internal(format!(
+            "{} communicator {:?} was aborted: {reason}",
+            self.flavor.name(),
+            self.comm_name
+        )));
+        self.ctrl.abort(reason, failed).await;
+    }
+
+    async fn finalize(&mut self) {
+        if !self.comm.is_null() {
+            // SAFETY: no op in flight (the executor finalizes between ops).
+            let r = unsafe { (self.api.nccl.comm_destroy)(self.comm) };
+            if let Err(e) = result::nccl(&self.api.nccl, "ncclCommDestroy", r) {
+                tracing::warn!(comm = %self.comm_name, rank = self.rank, "{e}");
+            }
+            self.comm = std::ptr::null_mut();
+        }
+        self.ctrl.finalize().await;
+    }
+}
+
+impl Drop for XcclBackend {
+    fn drop(&mut self) {
+        // XC-5: abort, never destroy (which may block); errors are logged.
+        self.abort_comm();
+        let rt = &self.api.rt;
+        // SAFETY: no op can be in flight once the backend is dropped; the
+        // pointers were allocated by this runtime.
+        unsafe {
+            let _ = (rt.set_device)(self.device);
+            for b in &mut self.bufs {
+                if !b.ptr.is_null() {
+                    let _ = (rt.free)(b.ptr);
+                    b.ptr = std::ptr::null_mut();
+                }
+            }
+            if !self.stream.is_null() {
+                let _ = (rt.stream_destroy)(self.stream);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// XC-1: without the libraries (this machine, CI) loading is a clean
+    /// `BackendUnavailable` naming the library, not a panic.
+    #[test]
+    fn xc_1_missing_libraries_are_backend_unavailable() {
+        for flavor in [Flavor::Nccl, Flavor::Rccl] {
+            match probe(flavor) {
+                Ok(n) => eprintln!("{}: {n} device(s) present; nothing to check", flavor.name()),
+                Err(Error::BackendUnavailable { backend, reason }) => {
+                    assert_eq!(backend, flavor.name());
+                    assert!(reason.contains(".so"), "{reason}");
+                }
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_reduce_copies_back_on_the_root_only() {
+        let mut d = OpData::Reduce {
+            buf: Tensor::zeros(DType::F32, 4),
+            op: crate::op::ReduceOp::Sum,
+            root: 1,
+        };
+        assert_eq!(outputs(&mut d, 0).len(), 0);
+        assert_eq!(outputs(&mut d, 1).len(), 1);
+        assert_eq!(inputs(&d).len(), 1);
+    }
+
+    #[test]
+    fn config_initializer_marks_unset_fields() {
+        let c = sys::ncclConfig_t::new(false);
+        assert_eq!(c.blocking, 0);
+        assert_eq!(c.magic, 0xcafe_beef);
+        assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
+        assert_eq!(c.min_ctas, c_int::MIN);
+    }
+}

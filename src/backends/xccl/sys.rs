@@ -1,0 +1,244 @@
+//! Raw FFI of the NCCL C API (also exported, unchanged, by RCCL) and of the
+//! few CUDA/HIP runtime calls the backend needs, loaded at run time.
+//!
+//! Layer 1 of 3 (sys / result / safe, as in cudarc): C types and function
+//! tables, nothing else. Every symbol is resolved when the table is loaded,
+//! so a missing library or symbol is an error string at load time
+//! (XS-1), never a panic or a failure at the first call.
+//!
+//! The CUDA runtime (`cuda*`) and HIP (`hip*`) entry points used here have
+//! identical signatures and the same numeric values for the constants used
+//! (`*MemcpyHostToDevice` = 1, `*MemcpyDeviceToHost` = 2, `*ErrorNotReady` =
+//! 600), so one table serves both, loaded with a different symbol prefix.
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::path::PathBuf;
+
+/// `ncclResult_t`.
+pub type ncclResult_t = c_int;
+/// `ncclComm_t` (opaque).
+pub type ncclComm_t = *mut c_void;
+/// `cudaStream_t` / `hipStream_t` (opaque).
+pub type Stream = *mut c_void;
+/// `ncclDataType_t`.
+pub type ncclDataType_t = c_int;
+/// `ncclRedOp_t`.
+pub type ncclRedOp_t = c_int;
+/// `cudaError_t` / `hipError_t`.
+pub type RtError = c_int;
+
+/// `ncclSuccess`.
+pub const NCCL_SUCCESS: ncclResult_t = 0;
+/// `ncclInProgress`: a non-blocking communicator is still working.
+pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
+/// `cudaErrorNotReady` / `hipErrorNotReady`.
+pub const RT_NOT_READY: RtError = 600;
+/// `cudaMemcpyHostToDevice` / `hipMemcpyHostToDevice`.
+pub const MEMCPY_H2D: c_int = 1;
+/// `cudaMemcpyDeviceToHost` / `hipMemcpyDeviceToHost`.
+pub const MEMCPY_D2H: c_int = 2;
+/// `NCCL_UNIQUE_ID_BYTES`.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// `ncclUniqueId`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ncclUniqueId {
+    /// Opaque bytes, exchanged between ranks through the store.
+    pub internal: [c_char; UNIQUE_ID_BYTES],
+}
+
+/// `ncclConfig_t`, the NCCL 2.17 layout. NCCL reads `size` and `version`
+/// and accepts older layouts, so this prefix is understood by every later
+/// release (fields added since keep their defaults).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ncclConfig_t {
+    /// `sizeof(ncclConfig_t)` as the caller knows it.
+    pub size: usize,
+    /// `0xcafebeef`.
+    pub magic: c_uint,
+    /// `NCCL_VERSION(2, 17, 0)`.
+    pub version: c_uint,
+    /// 0 = non-blocking communicator.
+    pub blocking: c_int,
+    /// Unset (`INT_MIN`).
+    pub cga_cluster_size: c_int,
+    /// Unset (`INT_MIN`).
+    pub min_ctas: c_int,
+    /// Unset (`INT_MIN`).
+    pub max_ctas: c_int,
+    /// Unset (null).
+    pub net_name: *const c_char,
+    /// Unset (`INT_MIN`).
+    pub split_share: c_int,
+}
+
+impl ncclConfig_t {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking` set.
+    pub fn new(blocking: bool) -> ncclConfig_t {
+        ncclConfig_t {
+            size: std::mem::size_of::<ncclConfig_t>(),
+            magic: 0xcafe_beef,
+            version: 21700,
+            blocking: c_int::from(blocking),
+            cga_cluster_size: c_int::MIN,
+            min_ctas: c_int::MIN,
+            max_ctas: c_int::MIN,
+            net_name: std::ptr::null(),
+            split_share: c_int::MIN,
+        }
+    }
+}
+
+macro_rules! fn_table {
+    ($(#[$m:meta])* $name:ident { $($field:ident : $sym:literal => fn($($arg:ty),*) -> $ret:ty;)* }) => {
+        $(#[$m])*
+        #[allow(missing_docs)]
+        pub struct $name {
+            _lib: libloading::Library,
+            /// The file the library was loaded from.
+            pub path: String,
+            $(pub $field: unsafe extern "C" fn($($arg),*) -> $ret,)*
+        }
+
+        impl $name {
+            /// Resolve every symbol (with `prefix` prepended) from `lib`.
+            ///
+            /// # Safety
+            /// `lib` must be the library these signatures describe.
+            unsafe fn from_lib(lib: libloading::Library, path: String, prefix: &str) -> Result<$name, String> {
+                $(
+                    let sym = format!("{}{}\0", prefix, $sym);
+                    let $field = *lib
+                        .get::<unsafe extern "C" fn($($arg),*) -> $ret>(sym.as_bytes())
+                        .map_err(|e| format!("{path} lacks {}: {e}", sym.trim_end_matches('\0')))?;
+                )*
+                Ok($name { _lib: lib, path, $($field,)* })
+            }
+        }
+    };
+}
+
+fn_table! {
+    /// The NCCL API (NCCL or RCCL).
+    NcclApi {
+        get_version: "GetVersion" => fn(*mut c_int) -> ncclResult_t;
+        get_unique_id: "GetUniqueId" => fn(*mut ncclUniqueId) -> ncclResult_t;
+        comm_init_rank_config: "CommInitRankConfig" => fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> ncclResult_t;
+        comm_get_async_error: "CommGetAsyncError" => fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t;
+        comm_abort: "CommAbort" => fn(ncclComm_t) -> ncclResult_t;
+        comm_destroy: "CommDestroy" => fn(ncclComm_t) -> ncclResult_t;
+        get_error_string: "GetErrorString" => fn(ncclResult_t) -> *const c_char;
+        all_reduce: "AllReduce" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, Stream) -> ncclResult_t;
+        reduce: "Reduce" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, c_int, ncclComm_t, Stream) -> ncclResult_t;
+        broadcast: "Broadcast" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, Stream) -> ncclResult_t;
+        all_gather: "AllGather" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclComm_t, Stream) -> ncclResult_t;
+        reduce_scatter: "ReduceScatter" => fn(*const c_void, *mut c_void, usize, ncclDataType_t, ncclRedOp_t, ncclComm_t, Stream) -> ncclResult_t;
+        send: "Send" => fn(*const c_void, usize, ncclDataType_t, c_int, ncclComm_t, Stream) -> ncclResult_t;
+        recv: "Recv" => fn(*mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, Stream) -> ncclResult_t;
+        group_start: "GroupStart" => fn() -> ncclResult_t;
+        group_end: "GroupEnd" => fn() -> ncclResult_t;
+    }
+}
+
+fn_table! {
+    /// The CUDA runtime (`cuda*`) or HIP (`hip*`) calls the backend uses.
+    RtApi {
+        get_device_count: "GetDeviceCount" => fn(*mut c_int) -> RtError;
+        set_device: "SetDevice" => fn(c_int) -> RtError;
+        malloc: "Malloc" => fn(*mut *mut c_void, usize) -> RtError;
+        free: "Free" => fn(*mut c_void) -> RtError;
+        memcpy_async: "MemcpyAsync" => fn(*mut c_void, *const c_void, usize, c_int, Stream) -> RtError;
+        stream_create: "StreamCreate" => fn(*mut Stream) -> RtError;
+        stream_query: "StreamQuery" => fn(Stream) -> RtError;
+        stream_synchronize: "StreamSynchronize" => fn(Stream) -> RtError;
+        stream_destroy: "StreamDestroy" => fn(Stream) -> RtError;
+        get_error_string: "GetErrorString" => fn(RtError) -> *const c_char;
+    }
+}
+
+/// Directories searched for a library after the loader's own path: the
+/// `CHORUS_LIB_DIRS` list, `/opt/rocm/lib`, `/usr/local/cuda/lib64`, and the
+/// `nvidia/*/lib` folders of pip wheels (e.g. `nvidia-nccl-cu12` ships only
+/// `libnccl.so.2`) in the Python site directories found on this machine.
+pub fn search_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var("CHORUS_LIB_DIRS")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    dirs.push("/opt/rocm/lib".into());
+    dirs.push("/usr/local/cuda/lib64".into());
+    let mut roots: Vec<PathBuf> = vec!["/usr/lib".into(), "/usr/local/lib".into()];
+    if let Ok(v) = std::env::var("VIRTUAL_ENV") {
+        roots.push(PathBuf::from(v).join("lib"));
+    }
+    if let Ok(h) = std::env::var("HOME") {
+        roots.push(PathBuf::from(h).join(".local/lib"));
+    }
+    for root in roots {
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if !name.to_string_lossy().starts_with("python3") {
+                continue;
+            }
+            for site in ["site-packages", "dist-packages"] {
+                let nv = e.path().join(site).join("nvidia");
+                for sub in ["nccl", "cuda_runtime"] {
+                    dirs.push(nv.join(sub).join("lib"));
+                }
+            }
+        }
+    }
+    dirs
+}
+
+/// Try each file name with the system loader, then in each of
+/// [`search_dirs`]; the first that loads wins. The error lists what was tried.
+fn open_first(names: &[&str]) -> Result<(libloading::Library, String), String> {
+    let mut tried = Vec::new();
+    let mut candidates: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    for d in search_dirs() {
+        for n in names {
+            let p = d.join(n);
+            if p.exists() {
+                candidates.push(p.to_string_lossy().into_owned());
+            }
+        }
+    }
+    for c in candidates {
+        // SAFETY: loading a vendor library runs its initialisers; these are
+        // the well-known NCCL/RCCL/CUDA/HIP libraries named by the caller.
+        match unsafe { libloading::Library::new(&c) } {
+            Ok(lib) => return Ok((lib, c)),
+            Err(e) => tried.push(format!("{c} ({e})")),
+        }
+    }
+    Err(format!(
+        "none of {names:?} could be loaded: {}",
+        tried.join("; ")
+    ))
+}
+
+/// Load the NCCL API from the first of `names` that loads.
+///
+/// # Errors
+/// Which libraries were tried and why each failed, or which symbol is missing.
+pub fn load_nccl(names: &[&str]) -> Result<NcclApi, String> {
+    let (lib, path) = open_first(names)?;
+    // SAFETY: the NCCL API has these signatures in NCCL >= 2.17 and RCCL.
+    unsafe { NcclApi::from_lib(lib, path, "nccl") }
+}
+
+/// Load the CUDA runtime or HIP (`prefix` "cuda" or "hip") from `names`.
+///
+/// # Errors
+/// As [`load_nccl`].
+pub fn load_rt(names: &[&str], prefix: &str) -> Result<RtApi, String> {
+    let (lib, path) = open_first(names)?;
+    // SAFETY: cudart 12 and HIP >= 5 export these with these signatures.
+    unsafe { RtApi::from_lib(lib, path, prefix) }
+}

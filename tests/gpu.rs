@@ -1,0 +1,166 @@
+//! GPU backends (`nccl`, `rccl`) on a real device: every collective against
+//! a host reference, plus an all-reduce bandwidth report. Each test skips
+//! with a printed reason when the libraries or a device are missing (this
+//! is what happens in CI); `scripts/gpu-check.sh` runs them on a GPU box.
+//!
+//! NCCL does not allow two ranks of one communicator on the same device,
+//! so the world size is the number of visible devices (capped at 4).
+#![cfg(any(feature = "nccl", feature = "rccl"))]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use chorus::backends::xccl::{probe, Flavor};
+use chorus::{DType, Error, ReduceOp, Tensor};
+use common::{assert_close, input, run_ranks_on, value};
+
+fn flavors() -> Vec<Flavor> {
+    let mut v = Vec::new();
+    if cfg!(feature = "nccl") {
+        v.push(Flavor::Nccl);
+    }
+    if cfg!(feature = "rccl") {
+        v.push(Flavor::Rccl);
+    }
+    v
+}
+
+/// World size to test on, or `None` (with the reason printed) to skip.
+fn world(flavor: Flavor) -> Option<usize> {
+    match probe(flavor) {
+        Ok(n) => Some(n.min(4)),
+        Err(e) => {
+            eprintln!("SKIP {}: {e}", flavor.name());
+            None
+        }
+    }
+}
+
+#[test]
+fn gpu_backend_without_library_or_device_is_backend_unavailable_not_a_panic() {
+    for flavor in flavors() {
+        if let Err(e) = probe(flavor) {
+            assert!(matches!(e, Error::BackendUnavailable { .. }), "{e:?}");
+            let opts = chorus::CommOptions::single();
+            let got = chorus::new_comm(flavor.name(), chorus::Device::Cuda(0), "nogpu", opts);
+            match got {
+                Err(Error::BackendUnavailable { backend, .. }) => {
+                    assert_eq!(backend, flavor.name())
+                }
+                Err(other) => panic!("{other:?}"),
+                Ok(_) => panic!("probe failed but new_comm succeeded"),
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_every_collective_matches_host_reference() {
+    for flavor in flavors() {
+        let Some(n) = world(flavor) else { continue };
+        run_ranks_on(
+            flavor.name(),
+            n,
+            "gpu-all",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                for dtype in [
+                    DType::F32,
+                    DType::F64,
+                    DType::F16,
+                    DType::BF16,
+                    DType::I32,
+                    DType::I8,
+                ] {
+                    for op in [
+                        ReduceOp::Sum,
+                        ReduceOp::Max,
+                        ReduceOp::Min,
+                        ReduceOp::Avg,
+                        ReduceOp::PremulSum(2.0),
+                    ] {
+                        for count in [0usize, 4, 1024, 1 << 20] {
+                            let out = comm.all_reduce(input(dtype, r, count), op).unwrap();
+                            let want: Vec<f64> = (0..count)
+                                .map(|i| {
+                                    let v: Vec<f64> = (0..n).map(|q| value(q, i)).collect();
+                                    match op {
+                                        ReduceOp::Sum => v.iter().sum(),
+                                        ReduceOp::Max => v.iter().cloned().fold(f64::MIN, f64::max),
+                                        ReduceOp::Min => v.iter().cloned().fold(f64::MAX, f64::min),
+                                        ReduceOp::Avg if dtype.is_float() => {
+                                            v.iter().sum::<f64>() / n as f64
+                                        }
+                                        ReduceOp::Avg => {
+                                            (v.iter().sum::<f64>() as i64 / n as i64) as f64
+                                        }
+                                        _ => v.iter().map(|x| x * 2.0).sum(),
+                                    }
+                                })
+                                .collect();
+                            assert_close(dtype, &out, &want, &format!("{dtype} {op} {count}"));
+                        }
+                    }
+                }
+                // Rooted and gathering ops.
+                let b = comm.broadcast(input(DType::F32, r, 7), 0).unwrap();
+                assert_close(
+                    DType::F32,
+                    &b,
+                    &(0..7).map(|i| value(0, i)).collect::<Vec<_>>(),
+                    "broadcast",
+                );
+                let g = comm.all_gather(input(DType::F32, r, 3)).unwrap();
+                let want: Vec<f64> = (0..n)
+                    .flat_map(|q| (0..3).map(move |i| value(q, i)))
+                    .collect();
+                assert_close(DType::F32, &g, &want, "all_gather");
+                comm.barrier().unwrap();
+                comm.finalize().unwrap();
+            },
+        );
+    }
+}
+
+/// Bus bandwidth of all-reduce, f32, 1 MiB .. 256 MiB (staged through the
+/// host, so this measures the whole current data path, not NCCL alone).
+#[test]
+fn gpu_all_reduce_bandwidth_report() {
+    for flavor in flavors() {
+        let Some(n) = world(flavor) else { continue };
+        run_ranks_on(
+            flavor.name(),
+            n,
+            "gpu-bw",
+            |_, o| o,
+            move |comm| {
+                for mib in [1usize, 16, 64, 256] {
+                    let count = mib * (1 << 20) / 4;
+                    let mut t = Tensor::zeros(DType::F32, count);
+                    t = comm.all_reduce(t, ReduceOp::Sum).unwrap();
+                    let iters = 5;
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        t = comm.all_reduce(t, ReduceOp::Sum).unwrap();
+                    }
+                    let dt = start.elapsed().max(Duration::from_nanos(1)) / iters;
+                    let bytes = (count * 4) as f64;
+                    let bus =
+                        bytes * 2.0 * (n as f64 - 1.0).max(1.0) / n as f64 / dt.as_secs_f64() / 1e9;
+                    if comm.rank() == 0 {
+                        println!(
+                        "BW {} world={n} all_reduce {mib:>4} MiB: {:>8.3} ms, algbw {:.2} GB/s, busbw {:.2} GB/s",
+                        comm.backend(),
+                        dt.as_secs_f64() * 1e3,
+                        bytes / dt.as_secs_f64() / 1e9,
+                        bus
+                    );
+                    }
+                }
+                comm.finalize().unwrap();
+            },
+        );
+    }
+}
