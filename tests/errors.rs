@@ -197,13 +197,16 @@ fn ranks_out_of_step_error_every_rank_without_hanging() {
 
 #[test]
 fn missing_peer_op_times_out_with_typed_error_and_aborts_the_comm() {
-    let results = run_ranks(2, "timeout", |comm| {
+    // Rank 1 issues its next op only after rank 0 timed out (a thread barrier).
+    let timed_out = Arc::new(std::sync::Barrier::new(2));
+    let results = run_ranks(2, "timeout", move |comm| {
         if comm.rank() == 0 {
             let start = Instant::now();
             let e = comm
                 .with_timeout(Duration::from_millis(300))
                 .all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
                 .unwrap_err();
+            timed_out.wait();
             assert!(matches!(e, Error::Timeout { seq: 0, .. }), "{e}");
             assert!(start.elapsed() < Duration::from_secs(10));
             let e = comm.barrier().unwrap_err();
@@ -211,7 +214,7 @@ fn missing_peer_op_times_out_with_typed_error_and_aborts_the_comm() {
         } else {
             // Never issues the all_reduce; its next op meets rank 0's stale
             // header (ranks out of step) or rank 0's abort notice.
-            std::thread::sleep(Duration::from_millis(600));
+            timed_out.wait();
             let e = comm.barrier().unwrap_err();
             assert!(e.is_fatal(), "{e}");
             let e = comm.barrier().unwrap_err();
@@ -256,16 +259,20 @@ fn aborting_one_rank_fails_its_peers_promptly_with_a_typed_error() {
 
 #[test]
 fn abort_completes_outstanding_work_with_aborted_and_keeps_the_process_alive() {
-    run_ranks(2, "abort-outstanding", |comm| {
+    // Rank 1 issues nothing until rank 0 has aborted (a thread barrier, not a
+    // sleep), so rank 0's ops are truly outstanding when it aborts.
+    let aborted = Arc::new(std::sync::Barrier::new(2));
+    run_ranks(2, "abort-outstanding", move |comm| {
         if comm.rank() == 0 {
-            // Rank 1 never joins this op; abort must complete it.
             let w = comm.all_reduce_async(Tensor::full(1.0f32, 4), ReduceOp::Sum);
             let w2 = comm.barrier_async();
             comm.abort_with_reason("test abort");
+            aborted.wait();
             let e = w.wait().unwrap_err();
             assert!(matches!(e, Error::Aborted { .. }), "{e}");
             assert!(matches!(w2.wait().unwrap_err(), Error::Aborted { .. }));
         } else {
+            aborted.wait();
             // The peer's abort reaches us as an error on our next op.
             let e = comm.barrier().unwrap_err();
             assert!(e.is_fatal(), "{e}");
