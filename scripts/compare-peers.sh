@@ -36,12 +36,11 @@ if [ ! -x "$MPICH_VENV/bin/mpiexec" ]; then
   "$MPICH_VENV/bin/pip" install -q mpich mpi4py numpy matplotlib
 fi
 if ! "$MPICH_VENV/bin/python" -c "import torch.distributed" 2>/dev/null; then
-  # download.pytorch.org is not reachable here; PyPI's torch wheel runs on
-  # CPU without its CUDA dependencies, so skip those (--no-deps) and add the
-  # pure-Python ones by hand.
-  log "installing PyTorch (gloo; CUDA deps skipped) into $MPICH_VENV"
-  "$MPICH_VENV/bin/pip" install -q --no-deps torch
-  "$MPICH_VENV/bin/pip" install -q filelock typing-extensions sympy networkx jinja2 fsspec
+  # download.pytorch.org (the CPU-only index) is not reachable here, and
+  # PyPI's torch wheel refuses to import without its CUDA libraries, so it is
+  # installed with all of its dependencies (several GB, ~3 min here).
+  log "installing PyTorch (gloo) with its dependencies into $MPICH_VENV"
+  "$MPICH_VENV/bin/pip" install -q torch
 fi
 if ! command -v /usr/bin/mpicc >/dev/null || ! [ -x /usr/bin/mpirun.openmpi ]; then
   log "installing OpenMPI from Debian"
