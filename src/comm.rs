@@ -392,7 +392,7 @@ impl Comm {
                 ),
             ));
         }
-        let sum: usize = counts.iter().sum();
+        let sum = self.checked_total(op, counts)?;
         if sum != total {
             return Err(self.invalid(
                 op,
@@ -402,6 +402,25 @@ impl Comm {
             ));
         }
         Ok(())
+    }
+
+    /// The sum of user-given sizes, or `InvalidArgument` if it overflows.
+    fn checked_total(&self, op: &'static str, counts: &[usize]) -> Result<usize> {
+        counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .ok_or_else(|| self.invalid(op, format!("split sizes {counts:?} overflow usize")))
+    }
+
+    /// An output buffer sized from user input, or `InvalidArgument` if it
+    /// cannot exist.
+    fn output(&self, op: &'static str, dtype: DType, len: usize) -> Result<Tensor> {
+        Tensor::try_zeros(dtype, len).ok_or_else(|| {
+            self.invalid(
+                op,
+                format!("an output of {len} x {dtype} does not fit in memory"),
+            )
+        })
     }
 
     fn submit<T>(
@@ -649,7 +668,8 @@ impl Comm {
                     ),
                 ));
             }
-            let output = Tensor::zeros(input.dtype(), counts.iter().sum());
+            let total = self.checked_total("all_gather", counts)?;
+            let output = self.output("all_gather", input.dtype(), total)?;
             Ok(Request::collective(
                 OpKind::AllGather,
                 None,
@@ -778,11 +798,13 @@ impl Comm {
         self.submit(to_tensors, || {
             self.check_root("gather", root)?;
             let out_len = if self.rank() == root {
-                input.len() * self.size()
+                input.len().checked_mul(self.size()).ok_or_else(|| {
+                    self.invalid("gather", "the gathered output would overflow usize")
+                })?
             } else {
                 0
             };
-            let output = Tensor::zeros(input.dtype(), out_len);
+            let output = self.output("gather", input.dtype(), out_len)?;
             Ok(Request::collective(
                 OpKind::Gather,
                 None,
@@ -908,7 +930,8 @@ impl Comm {
             }
             let mut counts = input_split_sizes.to_vec();
             counts.extend_from_slice(output_split_sizes);
-            let output = Tensor::zeros(input.dtype(), output_split_sizes.iter().sum());
+            let total = self.checked_total("all_to_all_single", output_split_sizes)?;
+            let output = self.output("all_to_all_single", input.dtype(), total)?;
             Ok(Request::collective(
                 OpKind::AllToAllSingle,
                 None,

@@ -186,13 +186,28 @@ pub struct Tensor {
 
 impl Tensor {
     /// A tensor of `len` zeroed elements.
+    ///
+    /// # Panics
+    /// If `len` elements of `dtype` do not fit in memory's address range; use
+    /// [`Tensor::try_zeros`] for sizes that come from untrusted input.
     pub fn zeros(dtype: DType, len: usize) -> Tensor {
-        let words = (len * dtype.size()).div_ceil(8);
-        Tensor {
+        match Tensor::try_zeros(dtype, len) {
+            Some(t) => t,
+            None => panic!("a tensor of {len} x {dtype} does not fit in memory"),
+        }
+    }
+
+    /// A tensor of `len` zeroed elements, or `None` if its size in bytes
+    /// overflows `isize::MAX` (the most any allocation can hold).
+    pub fn try_zeros(dtype: DType, len: usize) -> Option<Tensor> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)?;
+        Some(Tensor {
             dtype,
             len,
-            storage: vec![0u64; words],
-        }
+            storage: vec![0u64; bytes.div_ceil(8)],
+        })
     }
 
     /// A tensor filled with `value`.
@@ -340,7 +355,7 @@ impl Tensor {
     ///
     /// Returns `None` if the counts do not add up to `len()`.
     pub fn split(&self, counts: &[usize]) -> Option<Vec<Tensor>> {
-        if counts.iter().sum::<usize>() != self.len {
+        if counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)) != Some(self.len) {
             return None;
         }
         let es = self.dtype.size();
@@ -348,10 +363,10 @@ impl Tensor {
         let mut off = 0;
         let mut out = Vec::with_capacity(counts.len());
         for &c in counts {
-            out.push(
-                Tensor::from_bytes(self.dtype, &bytes[off * es..(off + c) * es])
-                    .expect("whole elements"),
-            );
+            let mut t = Tensor::zeros(self.dtype, c);
+            t.as_bytes_mut()
+                .copy_from_slice(&bytes[off * es..(off + c) * es]);
+            out.push(t);
             off += c;
         }
         Some(out)

@@ -78,6 +78,15 @@ fn local_argument_errors_are_typed_and_leave_the_comm_usable() {
         .scatter(Tensor::zeros(DType::I32, 2), None, 0)
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    // Split sizes whose sum overflows are rejected, not a panic or a huge allocation.
+    let e = comm
+        .all_gather_v(Tensor::full(1i32, 1), &[usize::MAX])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    let e = comm
+        .all_to_all_v_single(Tensor::full(1i32, 1), &[1], &[usize::MAX])
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     let t = comm
         .all_reduce(Tensor::full(3u8, 2), ReduceOp::BXor)
         .unwrap();

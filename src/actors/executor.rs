@@ -345,7 +345,16 @@ impl Executor {
                 } = &mut req.data
                 {
                     *recv_counts = headers.iter().map(|h| h.counts[me] as usize).collect();
-                    *output = Tensor::zeros(input.dtype(), recv_counts.iter().sum());
+                    // Sizes announced by peers: never trusted to fit.
+                    *output = recv_counts
+                        .iter()
+                        .try_fold(0usize, |a, &c| a.checked_add(c))
+                        .and_then(|total| Tensor::try_zeros(input.dtype(), total))
+                        .ok_or_else(|| {
+                            ctx.mismatch(format!(
+                                "peers announce {recv_counts:?} elements for this rank, more than fits in memory"
+                            ))
+                        })?;
                 }
             }
         } else if req.kind == OpKind::AllToAll {
