@@ -292,10 +292,6 @@ impl std::fmt::Debug for Comm {
     }
 }
 
-fn tensor_out(c: Completion) -> Result<Tensor> {
-    to_tensor(c)
-}
-
 impl Comm {
     pub(crate) fn from_shared(shared: Arc<Shared>, timeout: Duration) -> Comm {
         Comm { shared, timeout }
@@ -406,9 +402,7 @@ impl Comm {
 
     /// The sum of user-given sizes, or `InvalidArgument` if it overflows.
     fn checked_total(&self, op: &'static str, counts: &[usize]) -> Result<usize> {
-        counts
-            .iter()
-            .try_fold(0usize, |a, &c| a.checked_add(c))
+        crate::tensor::checked_sum(counts)
             .ok_or_else(|| self.invalid(op, format!("split sizes {counts:?} overflow usize")))
     }
 
@@ -485,7 +479,7 @@ impl Comm {
     /// # Cancel safety
     /// Dropping the `Work` does not cancel the op.
     pub fn all_reduce_async(&self, mut tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             self.check_redop(op, tensor.dtype())?;
             premul(&mut tensor, op);
             Ok(Request::collective(
@@ -517,7 +511,7 @@ impl Comm {
 
     /// Async form of [`Comm::reduce`].
     pub fn reduce_async(&self, tensor: Tensor, op: ReduceOp, root: usize) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             self.check_root("reduce", root)?;
             self.check_redop(op, tensor.dtype())?;
             let (mut work, keep) = if self.rank() == root {
@@ -567,7 +561,7 @@ impl Comm {
                     self.size()
                 ),
             );
-            return Work::ready(tensor_out, Err(e));
+            return Work::ready(to_tensor, Err(e));
         }
         let counts = vec![input.len() / self.size(); self.size()];
         self.reduce_scatter_v_async(input, &counts, op)
@@ -597,7 +591,7 @@ impl Comm {
         counts: &[usize],
         op: ReduceOp,
     ) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             self.check_counts("reduce_scatter", counts, input.len())?;
             self.check_redop(op, input.dtype())?;
             premul(&mut input, op);
@@ -650,7 +644,7 @@ impl Comm {
 
     /// Async form of [`Comm::all_gather_v`].
     pub fn all_gather_v_async(&self, input: Tensor, counts: &[usize]) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             if counts.len() != self.size() {
                 return Err(self.invalid(
                     "all_gather",
@@ -700,7 +694,7 @@ impl Comm {
 
     /// Async form of [`Comm::broadcast`].
     pub fn broadcast_async(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             self.check_root("broadcast", root)?;
             Ok(Request::collective(
                 OpKind::Broadcast,
@@ -739,7 +733,7 @@ impl Comm {
         inputs: Option<Vec<Tensor>>,
         root: usize,
     ) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             self.check_root("scatter", root)?;
             let input = if self.rank() == root {
                 let inputs = inputs.ok_or_else(|| {
@@ -885,7 +879,7 @@ impl Comm {
                     self.size()
                 ),
             );
-            return Work::ready(tensor_out, Err(e));
+            return Work::ready(to_tensor, Err(e));
         }
         let counts = vec![input.len() / self.size(); self.size()];
         self.all_to_all_v_single_async(input, &counts, &counts)
@@ -916,7 +910,7 @@ impl Comm {
         input_split_sizes: &[usize],
         output_split_sizes: &[usize],
     ) -> Work<Tensor> {
-        self.submit(tensor_out, || {
+        self.submit(to_tensor, || {
             self.check_counts("all_to_all_single", input_split_sizes, input.len())?;
             if output_split_sizes.len() != self.size() {
                 return Err(self.invalid(

@@ -447,8 +447,6 @@ pub fn check_p2p(
     };
     let (my_sends, their_recvs) = (dir(true), their(false));
     if my_sends != their_recvs {
-        let (lo, hi) = (me.min(peer), me.max(peer));
-        let _ = (lo, hi);
         return Err(HeaderMismatch {
             detail: format!(
                 "rank {me} sends [{}] to rank {peer}, which receives [{}]",

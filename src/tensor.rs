@@ -14,6 +14,12 @@ use std::fmt;
 
 use half::{bf16, f16};
 
+/// The sum of element counts, or `None` if it overflows `usize` (counts
+/// from users and peers are never trusted to add up safely).
+pub(crate) fn checked_sum(counts: &[usize]) -> Option<usize> {
+    counts.iter().try_fold(0usize, |a, &c| a.checked_add(c))
+}
+
 /// Element types supported by Chorus.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(u8)]
@@ -355,7 +361,7 @@ impl Tensor {
     ///
     /// Returns `None` if the counts do not add up to `len()`.
     pub fn split(&self, counts: &[usize]) -> Option<Vec<Tensor>> {
-        if counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)) != Some(self.len) {
+        if checked_sum(counts) != Some(self.len) {
             return None;
         }
         let es = self.dtype.size();

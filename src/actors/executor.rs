@@ -33,7 +33,7 @@ use crate::backends::{cpu::reduce, Backend, OpCtx, OpData};
 use crate::comm::STATE_ABORTED;
 use crate::error::{Error, Result};
 use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
-use crate::tensor::Tensor;
+use crate::tensor::{checked_sum, Tensor};
 use crate::work::Completion;
 
 /// Messages from the actor to its executor.
@@ -307,7 +307,7 @@ impl Executor {
         let me = ctx.rank;
         if req.kind == OpKind::P2P {
             self.p2p_headers(ctx, req).await?;
-        } else if n > 1 {
+        } else {
             let header = OpHeader {
                 seq: req.seq,
                 epoch: ctx.epoch,
@@ -319,36 +319,36 @@ impl Executor {
                 counts: req.counts.iter().map(|&c| c as u64).collect(),
                 p2p: vec![],
             };
-            let bytes = header.encode();
-            let outgoing = (0..n)
-                .filter(|&p| p != me)
-                .map(|p| (p, req.seq, bytes.clone()))
-                .collect();
-            let received = self.backend.exchange_headers(ctx, outgoing).await?;
             let mut headers = vec![header.clone(); n];
-            for (peer, raw) in received {
-                let h = OpHeader::decode(&raw).ok_or_else(|| {
-                    ctx.peer_failed(vec![peer], "peer sent an undecodable op header")
-                })?;
-                if peer < n {
-                    headers[peer] = h;
+            if n > 1 {
+                let bytes = header.encode();
+                let outgoing = (0..n)
+                    .filter(|&p| p != me)
+                    .map(|p| (p, req.seq, bytes.clone()))
+                    .collect();
+                let received = self.backend.exchange_headers(ctx, outgoing).await?;
+                for (peer, raw) in received {
+                    let h = OpHeader::decode(&raw).ok_or_else(|| {
+                        ctx.peer_failed(vec![peer], "peer sent an undecodable op header")
+                    })?;
+                    if peer < n {
+                        headers[peer] = h;
+                    }
                 }
+                check_collective(&headers).map_err(|m| self.mismatch(ctx, m))?;
             }
-            check_collective(&headers).map_err(|m| self.mismatch(ctx, m))?;
-            if req.kind == OpKind::AllToAll {
-                // Output sizes come from the peers' send counts (OP headers).
-                if let OpData::AllToAll {
-                    output,
-                    recv_counts,
-                    input,
-                    ..
-                } = &mut req.data
-                {
+            if let OpData::AllToAll {
+                output,
+                recv_counts,
+                input,
+                ..
+            } = &mut req.data
+            {
+                if req.kind == OpKind::AllToAll {
+                    // Output sizes come from the senders' headers (this rank's
+                    // own for a world of one); never trusted to fit.
                     *recv_counts = headers.iter().map(|h| h.counts[me] as usize).collect();
-                    // Sizes announced by peers: never trusted to fit.
-                    *output = recv_counts
-                        .iter()
-                        .try_fold(0usize, |a, &c| a.checked_add(c))
+                    *output = checked_sum(recv_counts)
                         .and_then(|total| Tensor::try_zeros(input.dtype(), total))
                         .ok_or_else(|| {
                             ctx.mismatch(format!(
@@ -356,17 +356,6 @@ impl Executor {
                             ))
                         })?;
                 }
-            }
-        } else if req.kind == OpKind::AllToAll {
-            if let OpData::AllToAll {
-                output,
-                recv_counts,
-                send_counts,
-                input,
-            } = &mut req.data
-            {
-                *recv_counts = send_counts.clone();
-                *output = Tensor::zeros(input.dtype(), recv_counts.iter().sum());
             }
         }
         self.backend.execute(ctx, &mut req.data).await?;

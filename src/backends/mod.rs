@@ -42,7 +42,7 @@ use async_trait::async_trait;
 
 use crate::error::{Error, Result};
 use crate::op::{OpKind, ReduceOp};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 use crate::transport::Store;
 
 pub mod cpu;
@@ -373,11 +373,6 @@ pub fn check_name(name: &str) -> Result<()> {
             available: available(),
         }),
     }
-}
-
-/// Element size helper for backends.
-pub fn elem_size(t: &Tensor) -> usize {
-    DType::size(t.dtype())
 }
 
 #[cfg(test)]
