@@ -46,9 +46,11 @@ CHORUS_TEST_BACKEND=gloo timeout 600 "$coll"
 # CI runs 2 and 3 ranks; run all three locally with MPI_RANKS="2 3 4".
 for n in ${MPI_RANKS:-2 3}; do
   step "shared suite on mpi, mpirun -n $n"
-  # (vader single-copy off: CMA needs ptrace rights containers often lack)
+  # (vader single-copy off: CMA needs ptrace rights containers often lack;
+  # yield when idle: busy-polling ranks on 2 cores starved the rank hosting
+  # the store, and one rank's bootstrap timed out)
   timeout 300 mpirun --oversubscribe --allow-run-as-root -n "$n" \
-    --mca btl_vader_single_copy_mechanism none \
+    --mca btl_vader_single_copy_mechanism none --mca mpi_yield_when_idle 1 \
     -x CHORUS_TEST_BACKEND=mpi -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=$((29600 + 100 * n)) \
     "$coll" --test-threads 1
 done
