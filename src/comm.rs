@@ -1044,8 +1044,16 @@ impl Comm {
     /// # Errors
     /// [`Error::Internal`] if the actor is already gone.
     pub fn finalize(&self) -> Result<()> {
-        if self
-            .shared
+        match self.finalize_request() {
+            Some(done) => done.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// Ask the actor to finalize; `None` if the communicator is already
+    /// finalized or aborted, or its actor is gone.
+    pub(crate) fn finalize_request(&self) -> Option<Work<()>> {
+        self.shared
             .state
             .compare_exchange(
                 STATE_ACTIVE,

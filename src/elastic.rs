@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::actors::watchdog::{notice_key, Notice};
 use crate::actors::CommMsg;
-use crate::comm::{Comm, CommOptions, Device, STATE_ACTIVE};
+use crate::comm::{Comm, CommOptions, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::{CompareSet, Store};
@@ -452,7 +452,10 @@ impl Comm {
     /// Form the next epoch of this communicator from the ranks that survive
     /// (and the ranks that joined through [`join_comm`]), and return it with
     /// the old→new rank map. Every surviving rank must call it. This
-    /// communicator is finalized (if still active) first.
+    /// communicator keeps its heartbeats while the survivors gather, so a
+    /// rank that died without any op noticing (say, during a split's child)
+    /// is found within `heartbeat_timeout` instead of being waited for; it is
+    /// finalized (if still active) once the new membership is closed.
     ///
     /// # Errors
     /// [`Error::NoQuorum`] if too few ranks survived (EL-3) — a minority
@@ -461,11 +464,31 @@ impl Comm {
     /// [`Error::Transport`] if the store cannot be reached; errors of
     /// connecting the new epoch's links.
     pub fn reconfigure(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
-        if self.shared.state.load(Ordering::Acquire) == STATE_ACTIVE {
-            let _ = self.finalize();
-        }
         let this = self.clone();
-        crate::runtime::block_on(async move { this.reconfigure_inner(opts).await })?
+        let r = crate::runtime::block_on(async move { this.reconfigure_inner(opts).await });
+        // Whatever the outcome, this epoch is over on this rank.
+        let _ = self.finalize();
+        r?
+    }
+
+    /// The ranks known to have failed in this epoch: the published failure
+    /// notice (what every rank agreed on, WD-2), else this rank's own view.
+    /// Sorted, deduplicated, in range.
+    async fn known_failed(&self) -> Vec<usize> {
+        let store = &self.shared.ctx.store;
+        let mut failed: Vec<usize> = match store.get(&notice_key(&self.shared.key_prefix)).await {
+            Ok(Some(raw)) => Notice::parse(&raw, self.epoch())
+                .map(|n| n.failed_ranks)
+                .unwrap_or_default(),
+            _ => vec![],
+        };
+        if failed.is_empty() {
+            failed = self.health().failed_ranks;
+        }
+        failed.retain(|&r| r < self.size());
+        failed.sort_unstable();
+        failed.dedup();
+        failed
     }
 
     async fn reconfigure_inner(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
@@ -474,36 +497,24 @@ impl Comm {
         let (me, n, old_epoch) = (self.rank(), self.size(), self.epoch());
         let next = old_epoch + 1;
         let prefix = epoch_prefix(&ctx.base, next);
-        // The published notice is what every rank agreed on (WD-2); this
-        // rank's own view is the fallback.
-        let mut failed: Vec<usize> = match store.get(&notice_key(&self.shared.key_prefix)).await {
-            Ok(Some(raw)) => Notice::parse(&raw, old_epoch)
-                .map(|n| n.failed_ranks)
-                .unwrap_or_default(),
-            _ => vec![],
+        let excluded = || Error::Excluded {
+            comm: ctx.name.clone(),
+            epoch: next,
+            reason: format!(
+                "rank {me} was declared failed in epoch {old_epoch}; join again with join_comm"
+            ),
         };
-        if failed.is_empty() {
-            failed = self.health().failed_ranks;
-        }
+        let mut failed = self.known_failed().await;
         if failed.contains(&me) {
             // Declared failed (hung, partitioned): the others moved on without us.
-            return Err(Error::Excluded {
-                comm: ctx.name.clone(),
-                epoch: next,
-                reason: format!(
-                    "rank {me} was declared failed in epoch {old_epoch}; join again with join_comm"
-                ),
-            });
+            return Err(excluded());
         }
-        failed.retain(|&r| r < n);
-        failed.sort_unstable();
-        failed.dedup();
         tracing::info!(comm = %ctx.name, rank = me, epoch = next, ?failed, "reconfiguring");
         store
             .set(&format!("{prefix}/member/{me}"), b"1".to_vec())
             .await
             .map_err(transport)?;
-        let expected: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
+        let mut expected: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
         let closed_key = format!("{prefix}/closed");
         let joiners_key = format!("{prefix}/joiners");
         let deadline = Instant::now() + opts.timeout;
@@ -525,6 +536,17 @@ impl Comm {
                 }
             }
             let joiners = store.add(&joiners_key, 0).await.map_err(transport)?.max(0) as usize;
+            // A failure found after this rank's own op failed (a death in a
+            // split's child bootstrap shows here as a transport error; the
+            // heartbeats name the dead rank a little later) stops the wait for it.
+            let now_failed = self.known_failed().await;
+            if now_failed != failed {
+                if now_failed.contains(&me) {
+                    return Err(excluded());
+                }
+                failed = now_failed;
+                expected = (0..n).filter(|r| !failed.contains(r)).collect();
+            }
             let all_here = expected.iter().all(|r| present.contains(r));
             if (all_here && joiners >= opts.wait_joiners) || Instant::now() >= deadline {
                 let size = present.len() + joiners;
@@ -549,6 +571,12 @@ impl Comm {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        // The old epoch kept running while the membership was open: its
+        // heartbeats name a rank that died without its failure being seen
+        // yet (above). Now close it (a no-op if a failure aborted it).
+        if let Some(done) = self.finalize_request() {
+            let _ = done.await;
+        }
         if !closed.quorum {
             return Err(Error::NoQuorum {
                 comm: ctx.name.clone(),
