@@ -237,6 +237,7 @@ pub(crate) async fn start(spec: Spec) -> Result<Comm> {
     let state = Arc::new(AtomicU8::new(comm::STATE_ACTIVE));
     let poison = Arc::new(Mutex::new(None));
     let health = Arc::new(Mutex::new(elastic::HealthState::default()));
+    let exec_out = Arc::new(std::sync::OnceLock::new());
     let args = actors::CommArgs {
         info: actors::CommInfo {
             name: name.clone(),
@@ -257,6 +258,7 @@ pub(crate) async fn start(spec: Spec) -> Result<Comm> {
             timeout: options.heartbeat_timeout,
             store: ctx.store.clone(),
         }),
+        exec_out: exec_out.clone(),
     };
     let spawned = match &parent {
         Some(cell) => Actor::spawn_linked(None, actors::CommActor, args, cell.clone()).await,
@@ -264,6 +266,10 @@ pub(crate) async fn start(spec: Spec) -> Result<Comm> {
     };
     let (actor, _join) = spawned
         .map_err(|e| Error::Internal(format!("cannot start the communicator actor: {e}")))?;
+    let exec = exec_out
+        .get()
+        .cloned()
+        .ok_or_else(|| Error::Internal("the communicator actor started no executor".into()))?;
     tracing::info!(comm = %name, rank, size, epoch, "communicator ready");
     let shared = Arc::new(comm::Shared {
         name,
@@ -273,6 +279,7 @@ pub(crate) async fn start(spec: Spec) -> Result<Comm> {
         device,
         backend: backend_name,
         actor,
+        exec,
         state,
         poison,
         _server: ctx.server.clone(),

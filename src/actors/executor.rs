@@ -19,8 +19,15 @@
 //!   peer failure found by this rank's backend is published as a failure
 //!   notice so that every rank learns of it (WD-2).
 //! - EX-5: the watchdog task is stopped before the executor ends (WD-4).
+//! - EX-6: ops run one at a time, in the order they take the core's lock,
+//!   which is also the order of their sequence numbers. A queued op (async
+//!   forms, or a blocking call while others are queued) runs on the executor
+//!   task; a blocking call that finds nothing queued runs its op on the
+//!   calling thread (`ExecHandle::try_run_inline`), saving the two
+//!   cross-thread wake-ups of the queue (caller to task, task back to
+//!   caller), which dominate small ops.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ractor::ActorRef;
@@ -36,16 +43,51 @@ use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, R
 use crate::tensor::{checked_sum, Tensor};
 use crate::work::Completion;
 
-/// Messages from the actor to its executor.
+/// Messages to the executor task: ops the actor forwards, and finalize.
 pub(crate) enum ExecMsg {
     Run(Box<Request>),
     Finalize(Option<crate::work::Completer>),
 }
 
-pub(crate) struct Executor {
+/// What a `Comm` handle needs to run ops: the number of ops submitted and
+/// not yet started, and the core (EX-6).
+#[derive(Clone)]
+pub(crate) struct ExecHandle {
+    /// Ops submitted (in the actor's mailbox or the executor's queue) that
+    /// the executor task has not started yet.
+    pub(crate) queued: Arc<AtomicUsize>,
+    pub(crate) core: Arc<tokio::sync::Mutex<ExecCore>>,
+}
+
+impl ExecHandle {
+    /// EX-6: run `req` on the calling thread if no op is queued and the
+    /// thread is outside any async runtime; otherwise give it back. When it
+    /// runs here, its completer is completed before this returns.
+    ///
+    /// The core's lock orders it: an op queued earlier is counted in
+    /// `queued` until the executor task holds the lock for it, so an op that
+    /// finds `queued == 0` and then takes the lock runs (and takes its
+    /// sequence number) after every op submitted before it. Waiting for the
+    /// lock only ever waits for the op already running.
+    pub(crate) fn try_run_inline(&self, req: Box<Request>) -> Option<Box<Request>> {
+        if self.queued.load(Ordering::Acquire) != 0 || tokio::runtime::Handle::try_current().is_ok()
+        {
+            return Some(req);
+        }
+        let mut core = self.core.blocking_lock();
+        let span = core.span();
+        crate::runtime::handle().block_on(core.run_inline(req).instrument(span));
+        None
+    }
+}
+
+/// Everything an op runs against: the backend, the sequence numbers, the
+/// failure state. Owned by the executor task behind a lock, which the
+/// calling thread of a blocking op takes instead when the communicator is
+/// idle (EX-6).
+pub(crate) struct ExecCore {
     pub(crate) info: CommInfo,
     pub(crate) backend: Box<dyn Backend>,
-    pub(crate) rx: mpsc::UnboundedReceiver<ExecMsg>,
     pub(crate) cancel: CancellationToken,
     pub(crate) abort_reason: Arc<Mutex<Option<String>>>,
     pub(crate) state: Arc<AtomicU8>,
@@ -57,6 +99,19 @@ pub(crate) struct Executor {
     pub(crate) revoke: Arc<Mutex<Option<Error>>>,
     /// Counts this backend as live until the executor ends.
     pub(crate) _live: LiveBackend,
+    /// Next collective sequence number (AC-1).
+    pub(crate) coll_seq: u64,
+    /// Next point-to-point sequence number per peer (AC-2).
+    pub(crate) p2p_seq: Vec<u64>,
+    /// The backend is finalized or aborted: no op touches it again.
+    pub(crate) closed: bool,
+}
+
+/// The executor task: runs queued ops in order, finalizes, shuts down.
+pub(crate) struct Executor {
+    pub(crate) core: Arc<tokio::sync::Mutex<ExecCore>>,
+    pub(crate) rx: mpsc::UnboundedReceiver<ExecMsg>,
+    pub(crate) queued: Arc<AtomicUsize>,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -82,54 +137,50 @@ enum Outcome {
 
 impl Executor {
     pub(crate) async fn run(mut self) {
-        let span = tracing::info_span!("comm", name = %self.info.name, rank = self.info.rank, size = self.info.size, epoch = self.info.epoch);
+        let (span, cancel) = {
+            let core = self.core.lock().await;
+            (core.span(), core.cancel.clone())
+        };
+        let shared = self.core.clone();
         async move {
             loop {
                 let msg = tokio::select! {
                     biased;
-                    _ = self.cancel.cancelled() => {
-                        self.shutdown_aborted().await;
+                    _ = cancel.cancelled() => {
+                        let mut core = shared.lock().await;
+                        core.shutdown_aborted().await;
+                        self.drain(&core, |core| core.revoked_error());
                         return;
                     }
                     msg = self.rx.recv() => msg,
                 };
                 match msg {
                     Some(ExecMsg::Run(req)) => {
-                        if !self.run_one(req).await {
-                            self.shutdown_aborted().await;
+                        let mut core = shared.lock().await;
+                        // EX-6: from here on, an op run inline goes after this one.
+                        self.queued.fetch_sub(1, Ordering::AcqRel);
+                        if !core.run_queued(req).await {
+                            core.shutdown_aborted().await;
+                            self.drain(&core, |core| core.revoked_error());
                             return;
                         }
                     }
                     Some(ExecMsg::Finalize(done)) => {
-                        if let Some(w) = self.watchdog.take() {
-                            w.stop(true).await;
-                        }
-                        self.backend.finalize().await;
-                        self.state
-                            .compare_exchange(
-                                crate::comm::STATE_ACTIVE,
-                                crate::comm::STATE_FINALIZED,
-                                Ordering::AcqRel,
-                                Ordering::Acquire,
-                            )
-                            .ok();
-                        self.rx.close();
-                        self.drain(|info| Error::Finalized {
-                            comm: info.name.clone(),
-                            rank: info.rank,
+                        let mut core = shared.lock().await;
+                        core.finalize().await;
+                        self.drain(&core, |core| Error::Finalized {
+                            comm: core.info.name.clone(),
+                            rank: core.info.rank,
                         });
                         if let Some(c) = done {
                             c.complete(Ok(Completion::Unit));
                         }
                         // Drain: requests queued behind Finalize complete with Finalized.
-                        let _ = self.actor.drain();
+                        let _ = core.actor.drain();
                         return;
                     }
                     None => {
-                        if let Some(w) = self.watchdog.take() {
-                            w.stop(true).await;
-                        }
-                        self.backend.finalize().await;
+                        shared.lock().await.finalize().await;
                         return;
                     }
                 }
@@ -139,18 +190,107 @@ impl Executor {
         .await
     }
 
-    fn drain(&mut self, err: impl Fn(&CommInfo) -> Error) {
+    /// Close the queue and complete everything still in it with `err`.
+    fn drain(&mut self, core: &ExecCore, err: impl Fn(&ExecCore) -> Error) {
+        self.rx.close();
         while let Ok(msg) = self.rx.try_recv() {
             match msg {
                 ExecMsg::Run(mut req) => {
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
                     if let Some(c) = req.completer.take() {
-                        c.complete(Err(err(&self.info)));
+                        c.complete(Err(err(core)));
                     }
                 }
                 ExecMsg::Finalize(Some(c)) => c.complete(Ok(Completion::Unit)),
                 ExecMsg::Finalize(None) => {}
             }
         }
+    }
+}
+
+impl ExecCore {
+    /// The communicator's tracing span.
+    fn span(&self) -> tracing::Span {
+        let info = &self.info;
+        tracing::info_span!("comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch)
+    }
+
+    /// AC-1, AC-2: stamp `req` with its sequence numbers, in the order ops
+    /// run on this rank.
+    fn stamp(&mut self, req: &mut Request) {
+        if req.kind == OpKind::P2P {
+            // AC-2: each batch takes the next seq of every peer it touches, once.
+            if let OpData::P2P { ops } = &mut req.data {
+                let mut touched: Vec<usize> = ops.iter().map(|t| t.peer).collect();
+                touched.sort_unstable();
+                touched.dedup();
+                for p in touched {
+                    let Some(next) = self.p2p_seq.get_mut(p) else {
+                        continue;
+                    };
+                    let s = *next;
+                    *next += 1;
+                    for t in ops.iter_mut().filter(|t| t.peer == p) {
+                        t.seq = s;
+                    }
+                }
+            }
+        } else {
+            req.seq = self.coll_seq;
+            self.coll_seq += 1;
+        }
+    }
+
+    /// The error of an op that reaches a closed core.
+    fn closed_error(&self) -> Error {
+        if self.state.load(Ordering::Acquire) == crate::comm::STATE_FINALIZED {
+            Error::Finalized {
+                comm: self.info.name.clone(),
+                rank: self.info.rank,
+            }
+        } else {
+            self.revoked_error()
+        }
+    }
+
+    /// Run a queued op. Returns false if the communicator must shut down.
+    async fn run_queued(&mut self, mut req: Box<Request>) -> bool {
+        if self.closed {
+            if let Some(c) = req.completer.take() {
+                c.complete(Err(self.closed_error()));
+            }
+            return true;
+        }
+        self.stamp(&mut req);
+        self.run_one(req).await
+    }
+
+    /// EX-6: run an op on the calling thread; shut the communicator down
+    /// here if it failed fatally, and wake the executor task so it ends too.
+    async fn run_inline(&mut self, req: Box<Request>) {
+        if !self.run_queued(req).await {
+            self.shutdown_aborted().await;
+        }
+    }
+
+    /// Finalize path: heartbeats stopped, backend closed.
+    async fn finalize(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if let Some(w) = self.watchdog.take() {
+            w.stop(true).await;
+        }
+        self.backend.finalize().await;
+        self.state
+            .compare_exchange(
+                crate::comm::STATE_ACTIVE,
+                crate::comm::STATE_FINALIZED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .ok();
     }
 
     fn abort_error(&self) -> Error {
@@ -188,8 +328,14 @@ impl Executor {
             .unwrap_or_else(|| self.abort_error())
     }
 
-    /// Abort path: backend aborted, every queued request failed (EX-2).
+    /// Abort path: backend aborted, heartbeats stopped, the actor asked to
+    /// stop, the executor task woken to fail every queued request (EX-2).
+    /// Runs once.
     async fn shutdown_aborted(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
         if let Some(w) = self.watchdog.take() {
             w.stop(false).await;
         }
@@ -202,9 +348,8 @@ impl Executor {
             .and_then(|p| p.as_ref().map(|e| e.failed_ranks().to_vec()))
             .unwrap_or_default();
         self.backend.abort(&reason, &failed).await;
-        self.rx.close();
-        let err = self.revoked_error();
-        self.drain(|_| err.clone());
+        // The executor task (if this ran inline) drains its queue and ends.
+        self.cancel.cancel();
         // The actor has nothing left to do: ask it to stop (after any request
         // already in its mailbox, which it fails with `Aborted`), so no actor
         // outlives its communicator.

@@ -1,13 +1,16 @@
 //! Actors: one [`CommActor`] per communicator.
 //!
-//! The actor is the communicator's single point of control. A [`Comm`]
-//! handle sends it [`CommMsg`]s; the actor stamps each request with its
-//! sequence number (the order of its mailbox is the op order) and hands it
-//! to the communicator's executor ([`executor`]), a task the actor owns that
-//! runs ops one at a time on the backend: header exchange and mismatch check,
-//! the transfer itself, the timeout, and exactly one completion per request.
-//! Handlers stay short and never block: a long collective never delays an
-//! `Abort` waiting in the mailbox.
+//! The actor is the communicator's single point of control: its lifecycle
+//! (finalize, abort, peer-failure notices) and its children. It owns the
+//! communicator's executor ([`executor`]), which runs ops one at a time on
+//! the backend: header exchange and mismatch check, the transfer itself,
+//! the timeout, and exactly one completion per request. A [`Comm`] handle
+//! submits ops as [`CommMsg::Submit`]; the actor forwards them to the
+//! executor's queue in mailbox order. One fast path skips both: a blocking
+//! op issued when nothing is queued runs on the calling thread (EX-6). The
+//! executor stamps sequence numbers in the order ops run, which is the
+//! mailbox order for queued ops. Handlers stay short and never block: a
+//! long collective never delays an `Abort` waiting in the mailbox.
 //!
 //! Supervision: ractor's default `handle_supervisor_evt` stops a parent when
 //! any child exits. A communicator must not die because a child (a split)
@@ -21,8 +24,8 @@
 //! `Error::PeerFailed` (stamped with the epoch) and aborts the communicator.
 //!
 //! Invariants:
-//! - AC-1: collective sequence numbers are assigned in mailbox order, starting
-//!   at 0, the same on every rank that issues the same ops.
+//! - AC-1: collective sequence numbers are assigned in the order ops run
+//!   (EX-6), starting at 0, the same on every rank that issues the same ops.
 //! - AC-2: point-to-point sequence numbers are counted per peer.
 //! - AC-3: after `Abort` or `Finalize` the actor stops; every request still
 //!   queued completes (aborted, or run to completion for finalize) first.
@@ -36,7 +39,7 @@
 //! [`Comm`]: crate::Comm
 //! [`Comm::health`]: crate::Comm::health
 
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicU8, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -70,7 +73,7 @@ pub(crate) struct Request {
     pub(crate) keep: Option<Tensor>,
     pub(crate) timeout: Duration,
     pub(crate) completer: Option<Completer>,
-    /// Collective sequence number (assigned by the actor).
+    /// Collective sequence number (assigned by the executor).
     pub(crate) seq: u64,
 }
 
@@ -118,7 +121,8 @@ impl Request {
 
 /// Messages a [`CommActor`] handles.
 pub enum CommMsg {
-    /// Run an op.
+    /// Run an op (queued behind every op submitted before it). The
+    /// submitter counted it in the executor's `queued` (EX-6).
     #[allow(private_interfaces)]
     Submit(Box<Request>),
     /// Run every queued op, close the backend, stop. Completes the given
@@ -149,7 +153,7 @@ pub enum CommMsg {
 impl std::fmt::Debug for CommMsg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CommMsg::Submit(r) => write!(f, "Submit({} #{})", r.kind.name(), r.seq),
+            CommMsg::Submit(r) => write!(f, "Submit({})", r.kind.name()),
             CommMsg::Finalize(_) => f.write_str("Finalize"),
             CommMsg::Abort { reason, .. } => write!(f, "Abort({reason})"),
             CommMsg::PeerFailed { failed_ranks, .. } => write!(f, "PeerFailed({failed_ranks:?})"),
@@ -203,6 +207,8 @@ pub struct CommArgs {
     pub(crate) poison: Arc<Mutex<Option<Error>>>,
     pub(crate) health: Arc<Mutex<crate::elastic::HealthState>>,
     pub(crate) watchdog: Option<watchdog::WatchdogConfig>,
+    /// Set by `pre_start`: how `Comm` handles reach the executor.
+    pub(crate) exec_out: Arc<std::sync::OnceLock<executor::ExecHandle>>,
 }
 
 /// The actor behind one communicator on one rank.
@@ -212,9 +218,9 @@ pub struct CommActor;
 /// The actor's state.
 pub struct CommState {
     info: CommInfo,
-    coll_seq: u64,
-    p2p_seq: Vec<u64>,
     tx: mpsc::UnboundedSender<executor::ExecMsg>,
+    /// Ops submitted and not yet started by the executor (EX-6).
+    queued: Arc<AtomicUsize>,
     cancel: CancellationToken,
     abort_reason: Arc<Mutex<Option<String>>>,
     exec: Option<tokio::task::JoinHandle<()>>,
@@ -302,25 +308,36 @@ impl Actor for CommActor {
             .and_then(|cfg| watchdog::Watchdog::start(cfg, myself.clone()));
         let poison = args.poison.clone();
         let comm_state = args.state.clone();
-        let exec = executor::Executor {
+        let core = Arc::new(tokio::sync::Mutex::new(executor::ExecCore {
             watchdog,
             revoke: revoke.clone(),
             _live: executor::LiveBackend::new(),
+            p2p_seq: vec![0; args.info.size],
+            coll_seq: 0,
+            closed: false,
             info: args.info.clone(),
             backend: args.backend,
-            rx,
             cancel: cancel.clone(),
             abort_reason: abort_reason.clone(),
             state: args.state,
             poison: args.poison,
             actor: myself,
+        }));
+        let queued = Arc::new(AtomicUsize::new(0));
+        let _ = args.exec_out.set(executor::ExecHandle {
+            queued: queued.clone(),
+            core: core.clone(),
+        });
+        let exec = executor::Executor {
+            core,
+            rx,
+            queued: queued.clone(),
         };
         let handle = tokio::spawn(exec.run());
         Ok(CommState {
-            p2p_seq: vec![0; args.info.size],
             info: args.info,
-            coll_seq: 0,
             tx,
+            queued,
             cancel,
             abort_reason,
             exec: Some(handle),
@@ -339,29 +356,14 @@ impl Actor for CommActor {
         state: &mut CommState,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            CommMsg::Submit(mut req) => {
-                if req.kind == OpKind::P2P {
-                    // AC-2: each batch takes the next seq of every peer it touches, once.
-                    if let OpData::P2P { ops } = &mut req.data {
-                        let mut touched: Vec<usize> = ops.iter().map(|t| t.peer).collect();
-                        touched.sort_unstable();
-                        touched.dedup();
-                        for p in touched {
-                            let s = state.p2p_seq[p];
-                            state.p2p_seq[p] += 1;
-                            for t in ops.iter_mut().filter(|t| t.peer == p) {
-                                t.seq = s;
-                            }
-                        }
-                    }
-                } else {
-                    // AC-1
-                    req.seq = state.coll_seq;
-                    state.coll_seq += 1;
-                }
+            CommMsg::Submit(req) => {
                 if let Err(mpsc::error::SendError(executor::ExecMsg::Run(mut req))) =
                     state.tx.send(executor::ExecMsg::Run(req))
                 {
+                    // The executor ended (finalized or aborted).
+                    state
+                        .queued
+                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
                     if let Some(c) = req.completer.take() {
                         c.complete(Err(state.closed_error()));
                     }
