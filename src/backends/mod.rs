@@ -28,7 +28,7 @@
 //! library and use a [`cpu::CpuBackend`] mesh as their control links: the
 //! header exchange (BE-1), abort notices and finalize run over it, so the
 //! mismatch check and abort semantics are identical for every backend.
-//! `gloo`, whose library calls block, keeps that glue in
+//! `gloo` and `mpi`, whose library calls block, share that glue in
 //! `vendor`: each communicator runs its library calls on a dedicated OS
 //! thread (its vendor worker, counted by [`live_vendor_workers`]), never
 //! on a runtime thread.
@@ -54,7 +54,7 @@ pub mod cpu;
 pub mod gloo;
 #[cfg(feature = "mpi")]
 pub mod mpi;
-#[cfg(feature = "gloo")]
+#[cfg(any(feature = "gloo", feature = "mpi"))]
 mod vendor;
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 pub mod xccl;
@@ -322,16 +322,16 @@ pub trait Backend: Send {
     async fn finalize(&mut self);
 }
 
-/// Vendor worker threads (one per live `gloo` communicator) that
+/// Vendor worker threads (one per live `gloo` or `mpi` communicator) that
 /// have not ended yet in this process; 0 without those features. Finalize
 /// and abort end them (VW-2), except a worker still inside a vendor call
 /// when its communicator was aborted, which ends when that call returns.
 pub fn live_vendor_workers() -> usize {
-    #[cfg(feature = "gloo")]
+    #[cfg(any(feature = "gloo", feature = "mpi"))]
     {
         vendor::live_workers()
     }
-    #[cfg(not(feature = "gloo"))]
+    #[cfg(not(any(feature = "gloo", feature = "mpi")))]
     {
         0
     }
@@ -363,7 +363,7 @@ pub async fn create_on(
         #[cfg(feature = "gloo")]
         "gloo" => Ok(Box::new(gloo::connect(init).await?)),
         #[cfg(feature = "mpi")]
-        "mpi" => Ok(Box::new(mpi::MpiBackend::connect(init).await?)),
+        "mpi" => Ok(Box::new(mpi::connect(init).await?)),
         other => Err(Error::UnknownBackend {
             name: other.to_string(),
             available: available(),
