@@ -305,7 +305,9 @@ impl<C: VendorComm> VendorBackend<C> {
         init: BackendInit,
         open: impl FnOnce() -> Result<C> + Send + 'static,
     ) -> Result<VendorBackend<C>> {
-        let thread_name = format!("chorus-{}-{}-r{}", C::NAME, init.comm, init.rank);
+        // (A NUL in a user's communicator name would make spawn panic.)
+        let thread_name =
+            format!("chorus-{}-{}-r{}", C::NAME, init.comm, init.rank).replace('\0', "?");
         let mut worker = Worker::start(thread_name, open).await?;
         let ctrl = match CpuBackend::connect(init.clone()).await {
             Ok(c) => c,
