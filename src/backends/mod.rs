@@ -28,6 +28,10 @@
 //! library and use a [`cpu::CpuBackend`] mesh as their control links: the
 //! header exchange (BE-1), abort notices and finalize run over it, so the
 //! mismatch check and abort semantics are identical for every backend.
+//! `gloo` and `mpi`, whose library calls block, share that glue in
+//! `vendor`: each communicator runs its library calls on a dedicated OS
+//! thread (its vendor worker, counted by [`live_vendor_workers`]), never
+//! on a runtime thread.
 //!
 //! Invariants:
 //! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
@@ -50,6 +54,8 @@ pub mod cpu;
 pub mod gloo;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(any(feature = "gloo", feature = "mpi"))]
+mod vendor;
 #[cfg(any(feature = "nccl", feature = "rccl"))]
 pub mod xccl;
 
@@ -316,6 +322,21 @@ pub trait Backend: Send {
     async fn finalize(&mut self);
 }
 
+/// Vendor worker threads (one per live `gloo` or `mpi` communicator) that
+/// have not ended yet in this process; 0 without those features. Finalize
+/// and abort end them (VW-2), except a worker still inside a vendor call
+/// when its communicator was aborted, which ends when that call returns.
+pub fn live_vendor_workers() -> usize {
+    #[cfg(any(feature = "gloo", feature = "mpi"))]
+    {
+        vendor::live_workers()
+    }
+    #[cfg(not(any(feature = "gloo", feature = "mpi")))]
+    {
+        0
+    }
+}
+
 /// Create and connect the backend called `name` on the cpu device.
 pub async fn create(name: &str, init: BackendInit) -> Result<Box<dyn Backend>> {
     create_on(name, crate::Device::Cpu, init).await
@@ -340,9 +361,9 @@ pub async fn create_on(
             xccl::XcclBackend::connect(xccl::Flavor::Rccl, device, init).await?,
         )),
         #[cfg(feature = "gloo")]
-        "gloo" => Ok(Box::new(gloo::GlooBackend::connect(init).await?)),
+        "gloo" => Ok(Box::new(gloo::connect(init).await?)),
         #[cfg(feature = "mpi")]
-        "mpi" => Ok(Box::new(mpi::MpiBackend::connect(init).await?)),
+        "mpi" => Ok(Box::new(mpi::connect(init).await?)),
         other => Err(Error::UnknownBackend {
             name: other.to_string(),
             available: available(),

@@ -3,7 +3,9 @@
 //!
 //! Each communicator duplicates `MPI_COMM_WORLD` (so two communicators never
 //! match each other's messages) and runs every op as the matching MPI
-//! collective, blocking, inside `tokio::task::block_in_place`.
+//! collective, on the communicator's vendor worker thread
+//! (`super::vendor`): a dedicated OS thread that owns the duplicated
+//! communicator, so no runtime thread ever blocks in MPI.
 //!
 //! Invariants:
 //! - MP-1: MPI owns rank and size: the world rank/size must equal the ones
@@ -11,49 +13,152 @@
 //!   `OMPI_COMM_WORLD_RANK/SIZE` under mpirun), else `new_comm` fails with
 //!   `Config` before any collective.
 //! - MP-2: MPI is initialised once per process (`MPI_THREAD_MULTIPLE` asked,
-//!   at least `SERIALIZED` required) and finalised by [`shutdown`], which
-//!   is also registered with `atexit` when this backend initialises MPI
-//!   (mpirun reports a process that exits without `MPI_Finalize` as
-//!   failed). Communicators still alive then are leaked, not freed.
+//!   at least `SERIALIZED` required, also when the application initialised
+//!   it) and finalised by [`shutdown`], which is also registered with
+//!   `atexit` when this backend initialises MPI (mpirun reports a process
+//!   that exits without `MPI_Finalize` as failed). Communicators still alive
+//!   then are leaked, not freed. `shutdown` skips `MPI_Finalize` while an
+//!   MPI call is still in flight (a worker left in a call by an abort, MP-3),
+//!   which would otherwise hang or be undefined.
 //! - MP-3: `abort` never calls `MPI_Abort` (which kills the whole job): it
-//!   aborts the control mesh and stops using the MPI communicator, whose
-//!   later calls return `Aborted`-style errors without touching MPI.
+//!   aborts the control mesh and stops using the MPI communicator; later ops
+//!   fail `Aborted` without touching MPI (VW-3). A blocking MPI call cannot
+//!   be interrupted: if one is in flight, `abort` returns without waiting
+//!   for it, and the worker thread ends (leaking the communicator, which a
+//!   peer may still use) only if MPI ever returns — Open MPI usually tears
+//!   the job down when a rank dies.
 //! - MP-4: f16 and bf16 have no MPI datatype: reductions on them are done
 //!   in f64 (exact for every value they hold) and rounded back once; data
 //!   movement is byte-wise for every dtype.
 //! - MP-5: the header exchange, abort notices and finalize run over a
-//!   [`CpuBackend`] control mesh, like every vendor backend.
+//!   `CpuBackend` control mesh, like every vendor backend (the shared
+//!   `super::vendor::VendorBackend`).
+//! - MP-6: each communicator calls MPI from its own worker thread, so
+//!   several threads may call MPI at once. At `MPI_THREAD_MULTIPLE` that is
+//!   allowed: ops start under a process-wide lock and complete in `MPI_Wait`
+//!   without it. At `SERIALIZED` (or with `CHORUS_MPI_SERIALIZE=1`) every
+//!   MPI call is made under that lock, and no call blocks while holding it:
+//!   ops (and the communicator's duplication) are started non-blocking and
+//!   completed by `MPI_Test` under the lock, yielding between tests. A
+//!   blocking collective held under a lock could deadlock two communicators
+//!   whose ops ranks run in different orders; polling cannot.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use async_trait::async_trait;
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
+use mpi::raw::{AsRaw, FromRaw};
+use mpi::request::{Request, Scope};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use mpi::Threading;
 
-use super::cpu::CpuBackend;
-use super::{Backend, BackendInit, OpCtx, OpData};
+use super::vendor::{VendorBackend, VendorComm};
+use super::{BackendInit, OpCtx, OpData};
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
 use crate::tensor::{DType, Tensor};
 
-struct UniverseCell(Option<Universe>);
+/// This process's MPI state, behind [`PROCESS`], whose lock is also the
+/// lock MPI calls are made under (MP-6).
+struct Process {
+    /// Set when this backend initialised MPI; dropping it is `MPI_Finalize`.
+    universe: Option<Universe>,
+    /// How to call MPI, once initialised.
+    calls: Option<Calls>,
+}
 // SAFETY: the universe is only created and dropped (MPI_Finalize) under the
 // mutex; MPI is initialised with at least MPI_THREAD_SERIALIZED.
-unsafe impl Send for UniverseCell {}
+unsafe impl Send for Process {}
 
-static UNIVERSE: Mutex<UniverseCell> = Mutex::new(UniverseCell(None));
+static PROCESS: Mutex<Process> = Mutex::new(Process {
+    universe: None,
+    calls: None,
+});
 
-/// Initialise MPI for this process if needed (MP-2).
-fn ensure_initialized() -> Result<()> {
-    let mut cell = UNIVERSE
-        .lock()
-        .map_err(|_| Error::Internal("mpi: universe lock poisoned".into()))?;
-    if cell.0.is_some() {
-        return Ok(());
+/// MPI ops (and communicator duplications) started and not yet completed.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// The process-wide MPI lock. A panic while it was held leaves nothing
+/// half-done in `Process`, so poisoning is ignored.
+fn lock() -> MutexGuard<'static, Process> {
+    PROCESS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How this process calls MPI (MP-6).
+#[derive(Debug, Clone, Copy)]
+struct Calls {
+    /// Every MPI call under [`lock`], none blocking (below `MULTIPLE`).
+    serialize: bool,
+}
+
+impl Calls {
+    /// Complete `req`: `MPI_Wait` without the lock at `MULTIPLE`, else
+    /// `MPI_Test` under the lock until done, yielding between tests.
+    fn complete<'a, D: ?Sized + 'a, S: Scope<'a>>(self, mut req: Request<'a, D, S>) {
+        if !self.serialize {
+            req.wait_without_status();
+            return;
+        }
+        loop {
+            let tested = {
+                let _g = lock();
+                req.test()
+            };
+            match tested {
+                Ok(_) => return,
+                Err(r) => req = r,
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Start one request under the lock, then complete it.
+    fn run<'a, D: ?Sized + 'a, S: Scope<'a>>(self, start: impl FnOnce() -> Request<'a, D, S>) {
+        let req = {
+            let _g = lock();
+            start()
+        };
+        self.complete(req);
+    }
+
+    /// Mark an MPI op in flight until the guard drops, or fail if MPI was
+    /// finalised (MP-2).
+    fn begin(self, what: impl FnOnce() -> String) -> Result<InFlight> {
+        let _g = lock();
+        if mpi::is_finalized() {
+            return Err(Error::BackendUnavailable {
+                backend: "mpi",
+                reason: format!(
+                    "{}: MPI was already finalized in this process \
+                     (chorus::backends::mpi::shutdown)",
+                    what()
+                ),
+            });
+        }
+        IN_FLIGHT.fetch_add(1, Ordering::AcqRel);
+        Ok(InFlight)
+    }
+}
+
+/// One MPI op in flight ([`IN_FLIGHT`]).
+struct InFlight;
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Initialise MPI for this process if needed (MP-2); how to call it (MP-6).
+fn ensure_initialized() -> Result<Calls> {
+    let mut p = lock();
+    if let Some(c) = p.calls {
+        if !mpi::is_finalized() {
+            return Ok(c);
+        }
     }
     if mpi::is_finalized() {
         return Err(Error::BackendUnavailable {
@@ -62,26 +167,34 @@ fn ensure_initialized() -> Result<()> {
                 .into(),
         });
     }
-    match mpi::initialize_with_threading(Threading::Multiple) {
+    let provided = match mpi::initialize_with_threading(Threading::Multiple) {
         Some((u, provided)) => {
-            if matches!(provided, Threading::Single | Threading::Funneled) {
-                return Err(Error::BackendUnavailable {
-                    backend: "mpi",
-                    reason: format!(
-                        "MPI provides thread level {provided:?}; Chorus needs at least Serialized"
-                    ),
-                });
-            }
-            cell.0 = Some(u);
+            p.universe = Some(u);
             // SAFETY: registering a plain extern "C" function.
             if unsafe { atexit(finalize_at_exit) } != 0 {
                 tracing::warn!("mpi: cannot register MPI_Finalize at exit; call chorus::backends::mpi::shutdown()");
             }
-            Ok(())
+            provided
         }
         // Initialised by someone else (e.g. the application): use it.
-        None => Ok(()),
+        None => mpi::environment::threading_support(),
+    };
+    if matches!(provided, Threading::Single | Threading::Funneled) {
+        return Err(Error::BackendUnavailable {
+            backend: "mpi",
+            reason: format!(
+                "MPI provides thread level {provided:?}; Chorus calls MPI from one thread per \
+                 communicator and needs at least Serialized"
+            ),
+        });
     }
+    let forced = std::env::var("CHORUS_MPI_SERIALIZE").is_ok_and(|v| v == "1");
+    let calls = Calls {
+        serialize: forced || provided != Threading::Multiple,
+    };
+    tracing::debug!(?provided, serialize = calls.serialize, "mpi initialised");
+    p.calls = Some(calls);
+    Ok(calls)
 }
 
 extern "C" {
@@ -95,11 +208,24 @@ extern "C" fn finalize_at_exit() {
 
 /// Finalise MPI if this backend initialised it (MP-2). Call once, at the
 /// end of the process, after every `mpi` communicator was finalized and
-/// dropped. Idempotent.
+/// dropped. Idempotent. While an MPI call is still in flight (a
+/// communicator aborted in the middle of an op, MP-3), MPI is left
+/// initialised and a warning is logged.
 pub fn shutdown() {
-    if let Ok(mut cell) = UNIVERSE.lock() {
-        cell.0.take();
+    let mut p = lock();
+    if p.universe.is_none() {
+        return;
     }
+    let busy = IN_FLIGHT.load(Ordering::Acquire);
+    if busy > 0 {
+        tracing::warn!(
+            calls = busy,
+            "mpi: MPI calls are still in flight (a communicator was aborted mid-op); \
+             not calling MPI_Finalize"
+        );
+        return;
+    }
+    p.universe.take();
 }
 
 /// The world size when this process was started by `mpirun` (Open MPI's
@@ -111,30 +237,16 @@ pub fn launched_world_size() -> Option<usize> {
         .and_then(|s| s.parse().ok())
 }
 
-struct MpiComm(SimpleCommunicator);
-// SAFETY: one op at a time per communicator (BE-1); MPI is initialised with
-// at least MPI_THREAD_SERIALIZED, so calls from different threads are fine
-// as long as they do not overlap, which the executor guarantees.
-unsafe impl Send for MpiComm {}
-unsafe impl Sync for MpiComm {}
+/// The duplicated MPI communicator of one Chorus communicator on one rank,
+/// owned by its vendor worker thread (VW-1).
+pub(crate) struct MpiComm {
+    comm: Option<SimpleCommunicator>,
+    rank: usize,
+    calls: Calls,
+}
 
 /// The MPI backend of one communicator on one rank.
-pub struct MpiBackend {
-    comm_name: String,
-    rank: usize,
-    mpi: Option<MpiComm>,
-    ctrl: CpuBackend,
-    stopped: Option<Error>,
-}
-
-impl std::fmt::Debug for MpiBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpiBackend")
-            .field("comm", &self.comm_name)
-            .field("rank", &self.rank)
-            .finish_non_exhaustive()
-    }
-}
+pub(crate) type MpiBackend = VendorBackend<MpiComm>;
 
 fn op_of(op: ReduceOp) -> SystemOperation {
     match op.combine_op() {
@@ -190,17 +302,17 @@ macro_rules! typed {
 }
 
 /// Counts and displacements in bytes, as MPI `Count`s.
-fn partition(counts: &[usize], esize: usize) -> Result<(Vec<i32>, Vec<i32>)> {
+fn partition(ctx: &OpCtx, counts: &[usize], esize: usize) -> Result<(Vec<i32>, Vec<i32>)> {
     let mut c = Vec::with_capacity(counts.len());
     let mut d = Vec::with_capacity(counts.len());
     let mut off: usize = 0;
     for &n in counts {
         let bytes = n * esize;
         let too_big = |_| Error::InvalidArgument {
-            comm: String::new(),
-            rank: 0,
-            op: "mpi",
-            reason: "a block or offset exceeds 2 GiB, MPI's int count limit".into(),
+            comm: ctx.comm.clone(),
+            rank: ctx.rank,
+            op: ctx.kind.name(),
+            reason: "mpi: a block or offset exceeds 2 GiB, MPI's int count limit".into(),
         };
         c.push(i32::try_from(bytes).map_err(too_big)?);
         d.push(i32::try_from(off).map_err(too_big)?);
@@ -209,258 +321,338 @@ fn partition(counts: &[usize], esize: usize) -> Result<(Vec<i32>, Vec<i32>)> {
     Ok((c, d))
 }
 
-impl MpiBackend {
-    /// Initialise MPI if needed, check rank/size (MP-1), duplicate the world
-    /// communicator and connect the control mesh.
-    ///
-    /// # Errors
-    /// `BackendUnavailable` if MPI cannot start; `Config` if MPI's world
-    /// disagrees with Chorus's rank/size; control-mesh errors as `cpu`.
-    pub async fn connect(init: BackendInit) -> Result<MpiBackend> {
-        ensure_initialized()?;
-        let (wr, ws, dup) = {
-            let world = SimpleCommunicator::world();
-            let (wr, ws) = (world.rank() as usize, world.size() as usize);
-            let dup = if (wr, ws) == (init.rank, init.size) {
-                Some(MpiComm(world.duplicate()))
-            } else {
-                None
-            };
-            (wr, ws, dup)
+/// Start the worker thread; on it, initialise MPI if needed, check
+/// rank/size (MP-1) and duplicate the world communicator; then connect the
+/// control mesh.
+///
+/// # Errors
+/// `BackendUnavailable` if MPI cannot start; `Config` if MPI's world
+/// disagrees with Chorus's rank/size; control-mesh errors as `cpu`.
+pub(crate) async fn connect(init: BackendInit) -> Result<MpiBackend> {
+    let (name, rank, size) = (init.comm.clone(), init.rank, init.size);
+    VendorBackend::connect(init, move || {
+        let calls = ensure_initialized()?;
+        let _in_flight = calls.begin(|| format!("communicator {name:?}"))?;
+        let world = SimpleCommunicator::world();
+        let (wr, ws) = {
+            let _g = lock();
+            (world.rank() as usize, world.size() as usize)
         };
-        let Some(dup) = dup else {
+        if (wr, ws) != (rank, size) {
             return Err(Error::Config(format!(
-                "mpi backend: MPI says rank {wr} of {ws} but communicator {:?} was created as \
-                 rank {} of {}; launch with mpirun and let Chorus read OMPI_COMM_WORLD_RANK/SIZE",
-                init.comm, init.rank, init.size
+                "mpi backend: MPI says rank {wr} of {ws} but communicator {name:?} was created as \
+                 rank {rank} of {size}; launch with mpirun and let Chorus read \
+                 OMPI_COMM_WORLD_RANK/SIZE"
             )));
-        };
-        let ctrl = CpuBackend::connect(init.clone()).await?;
-        tracing::info!(comm = %init.comm, rank = init.rank, size = init.size, "mpi communicator ready");
-        Ok(MpiBackend {
-            comm_name: init.comm,
-            rank: init.rank,
-            mpi: Some(dup),
-            ctrl,
-            stopped: None,
+        }
+        Ok(MpiComm {
+            comm: Some(duplicate(calls, &world)),
+            rank,
+            calls,
         })
-    }
+    })
+    .await
+}
 
-    fn run(comm: &SimpleCommunicator, data: &mut OpData) -> Result<()> {
-        // Empty buffers: Open MPI rejects the dangling pointers of empty
-        // slices in some collectives; the counts were matched by the header
-        // exchange, so every rank skips together.
-        match data {
-            OpData::AllReduce { buf, .. }
-            | OpData::Reduce { buf, .. }
-            | OpData::Broadcast { buf, .. }
-                if buf.is_empty() =>
+/// `MPI_Comm_dup(world)`, blocking at `MULTIPLE`; at `SERIALIZED`,
+/// `MPI_Comm_idup` tested under the lock (MP-6).
+fn duplicate(calls: Calls, world: &SimpleCommunicator) -> SimpleCommunicator {
+    if !calls.serialize {
+        return world.duplicate();
+    }
+    // SAFETY: plain MPI calls on valid handles, made under the lock; `new`
+    // is only read after the request completed.
+    unsafe {
+        let mut new = mpi::ffi::RSMPI_COMM_NULL;
+        let mut req = mpi::ffi::RSMPI_REQUEST_NULL;
+        {
+            let _g = lock();
+            mpi::ffi::MPI_Comm_idup(world.as_raw(), &mut new, &mut req);
+        }
+        loop {
+            let mut done: std::ffi::c_int = 0;
             {
-                return Ok(());
+                let _g = lock();
+                mpi::ffi::MPI_Test(&mut req, &mut done, mpi::ffi::RSMPI_STATUS_IGNORE);
             }
-            OpData::ReduceScatter { input, .. } if input.is_empty() => return Ok(()),
-            _ => {}
+            if done != 0 {
+                break;
+            }
+            std::thread::yield_now();
         }
-        match data {
-            OpData::AllReduce { buf, op } => all_reduce(comm, buf, *op),
-            OpData::Reduce { buf, op, root } => {
-                let dt = buf.dtype();
-                let rootp = comm.process_at_rank(*root as i32);
-                let me = comm.rank() as usize == *root;
-                typed!(dt, T => {
-                    let send: Vec<T> = buf.as_slice::<T>().to_vec();
-                    if me {
-                        rootp.reduce_into_root(&send[..], buf.as_mut_slice::<T>(), op_of(*op));
-                    } else {
-                        rootp.reduce_into(&send[..], op_of(*op));
-                    }
-                }, half => {
-                    let send = buf.to_f64_vec();
-                    let mut out = send.clone();
-                    if me {
-                        rootp.reduce_into_root(&send[..], &mut out[..], op_of(*op));
-                        *buf = Tensor::from_f64s(dt, &out);
-                    } else {
-                        rootp.reduce_into(&send[..], op_of(*op));
-                    }
-                });
-                Ok(())
-            }
-            OpData::ReduceScatter {
-                input,
-                output,
-                counts,
-                op,
-            } => {
-                // Reduce everything, keep this rank's block.
-                all_reduce(comm, input, *op)?;
-                let me = comm.rank() as usize;
-                let start: usize = counts[..me].iter().sum::<usize>() * input.dtype().size();
-                let n = output.len_bytes();
-                output
-                    .as_bytes_mut()
-                    .copy_from_slice(&input.as_bytes()[start..start + n]);
-                Ok(())
-            }
-            OpData::AllGather {
-                input,
-                output,
-                counts,
-            } => {
-                let (c, d) = partition(counts, input.dtype().size())?;
-                let mut part = PartitionMut::new(output.as_bytes_mut(), c, d);
-                comm.all_gather_varcount_into(input.as_bytes(), &mut part);
-                Ok(())
-            }
-            OpData::Broadcast { buf, root } => {
-                comm.process_at_rank(*root as i32)
-                    .broadcast_into(buf.as_bytes_mut());
-                Ok(())
-            }
-            OpData::Scatter {
-                input,
-                output,
-                root,
-            } => {
-                let rootp = comm.process_at_rank(*root as i32);
-                if comm.rank() as usize == *root {
-                    rootp.scatter_into_root(input.as_bytes(), output.as_bytes_mut());
-                } else {
-                    rootp.scatter_into(output.as_bytes_mut());
-                }
-                Ok(())
-            }
-            OpData::Gather {
-                input,
-                output,
-                root,
-            } => {
-                let rootp = comm.process_at_rank(*root as i32);
-                if comm.rank() as usize == *root {
-                    rootp.gather_into_root(input.as_bytes(), output.as_bytes_mut());
-                } else {
-                    rootp.gather_into(input.as_bytes());
-                }
-                Ok(())
-            }
-            OpData::AllToAll {
-                input,
-                output,
-                send_counts,
-                recv_counts,
-            } => {
-                let es = input.dtype().size();
-                let (sc, sd) = partition(send_counts, es)?;
-                let (rc, rd) = partition(recv_counts, es)?;
-                let send = Partition::new(input.as_bytes(), sc, sd);
-                let mut recv = PartitionMut::new(output.as_bytes_mut(), rc, rd);
-                comm.all_to_all_varcount_into(&send, &mut recv);
-                Ok(())
-            }
-            // The header exchange already synchronised every rank.
-            OpData::Barrier => Ok(()),
-            OpData::P2P { ops } => {
-                mpi::request::scope(|scope| {
-                    let mut reqs = Vec::with_capacity(ops.len());
-                    for t in ops.iter_mut() {
-                        let p = comm.process_at_rank(t.peer as i32);
-                        if t.send {
-                            reqs.push(p.immediate_send(scope, t.buf.as_bytes()));
-                        } else {
-                            reqs.push(p.immediate_receive_into(scope, t.buf.as_bytes_mut()));
-                        }
-                    }
-                    for r in reqs {
-                        r.wait();
-                    }
-                });
-                Ok(())
-            }
-        }
+        SimpleCommunicator::from_raw(new)
     }
 }
 
-fn all_reduce(comm: &SimpleCommunicator, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
-    let dt = buf.dtype();
-    typed!(dt, T => {
-        let send: Vec<T> = buf.as_slice::<T>().to_vec();
-        comm.all_reduce_into(&send[..], buf.as_mut_slice::<T>(), op_of(op));
-    }, half => {
-        // MP-4.
-        let send = buf.to_f64_vec();
-        let mut out = send.clone();
-        comm.all_reduce_into(&send[..], &mut out[..], op_of(op));
-        *buf = Tensor::from_f64s(dt, &out);
-    });
-    Ok(())
-}
+impl VendorComm for MpiComm {
+    const NAME: &'static str = "mpi";
 
-#[async_trait]
-impl Backend for MpiBackend {
-    fn name(&self) -> &'static str {
-        "mpi"
-    }
-
-    async fn exchange_headers(
-        &mut self,
-        ctx: &OpCtx,
-        outgoing: Vec<(usize, u64, Vec<u8>)>,
-    ) -> Result<Vec<(usize, Vec<u8>)>> {
-        if let Some(e) = &self.stopped {
-            return Err(e.clone());
-        }
-        self.ctrl.exchange_headers(ctx, outgoing).await
-    }
-
-    async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
-        if let Some(e) = &self.stopped {
-            return Err(e.clone());
-        }
-        let Some(comm) = &self.mpi else {
+    fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+        let Some(comm) = &self.comm else {
             return Err(Error::Internal(format!(
-                "mpi communicator {:?} is closed",
-                self.comm_name
+                "mpi communicator {:?} (rank {}) is closed",
+                ctx.comm, ctx.rank
             )));
         };
-        let _span = tracing::debug_span!("mpi_op", op = ctx.kind.name(), seq = ctx.seq).entered();
-        tokio::task::block_in_place(|| MpiBackend::run(&comm.0, data))
+        let _in_flight = self.calls.begin(|| {
+            format!(
+                "communicator {:?} (rank {}, epoch {}): {} (seq {})",
+                ctx.comm,
+                ctx.rank,
+                ctx.epoch,
+                ctx.kind.name(),
+                ctx.seq
+            )
+        })?;
+        run(self.calls, comm, self.rank, ctx, data)
     }
 
-    async fn abort(&mut self, reason: &str, failed: &[usize]) {
-        // MP-3: never MPI_Abort.
-        self.stopped = Some(Error::Internal(format!(
-            "mpi communicator {:?} was aborted: {reason}",
-            self.comm_name
-        )));
-        self.ctrl.abort(reason, failed).await;
-    }
-
-    async fn finalize(&mut self) {
-        self.ctrl.finalize().await;
-    }
-}
-
-impl Drop for MpiBackend {
-    fn drop(&mut self) {
-        if let Some(c) = self.mpi.take() {
-            if mpi::is_finalized() || self.stopped.is_some() {
+    fn close(mut self, aborted: bool) {
+        if let Some(c) = self.comm.take() {
+            let _g = lock();
+            if aborted || mpi::is_finalized() {
                 // Freeing a communicator after MPI_Finalize (or one a peer may
                 // still be using after an abort) is undefined: leak it.
                 std::mem::forget(c);
+            } else {
+                drop(c);
             }
         }
     }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // Only reached without `close` if the worker unwound: leak (MP-3).
+        if let Some(c) = self.comm.take() {
+            std::mem::forget(c);
+        }
+    }
+}
+
+/// Run one op: started non-blocking under the lock, then completed (MP-6).
+fn run(
+    calls: Calls,
+    comm: &SimpleCommunicator,
+    me: usize,
+    ctx: &OpCtx,
+    data: &mut OpData,
+) -> Result<()> {
+    // Empty buffers: Open MPI rejects the dangling pointers of empty
+    // slices in some collectives; the counts were matched by the header
+    // exchange, so every rank skips together.
+    match data {
+        OpData::AllReduce { buf, .. }
+        | OpData::Reduce { buf, .. }
+        | OpData::Broadcast { buf, .. }
+            if buf.is_empty() =>
+        {
+            return Ok(());
+        }
+        OpData::ReduceScatter { input, .. } if input.is_empty() => return Ok(()),
+        _ => {}
+    }
+    match data {
+        OpData::AllReduce { buf, op } => all_reduce(calls, comm, buf, *op),
+        OpData::Reduce { buf, op, root } => {
+            let dt = buf.dtype();
+            let root = *root as i32;
+            let op = op_of(*op);
+            typed!(dt, T => {
+                let send: Vec<T> = buf.as_slice::<T>().to_vec();
+                reduce(calls, comm, root, me, &send, buf.as_mut_slice::<T>(), op);
+            }, half => {
+                let send = buf.to_f64_vec();
+                let mut out = send.clone();
+                reduce(calls, comm, root, me, &send, &mut out, op);
+                if me as i32 == root {
+                    *buf = Tensor::from_f64s(dt, &out);
+                }
+            });
+        }
+        OpData::ReduceScatter {
+            input,
+            output,
+            counts,
+            op,
+        } => {
+            all_reduce(calls, comm, input, *op);
+            super::vendor::keep_own_block(input, output, counts, me);
+        }
+        OpData::AllGather {
+            input,
+            output,
+            counts,
+        } => {
+            let (c, d) = partition(ctx, counts, input.dtype().size())?;
+            let mut part = PartitionMut::new(output.as_bytes_mut(), c, d);
+            mpi::request::scope(|scope| {
+                calls.run(|| {
+                    comm.immediate_all_gather_varcount_into(scope, input.as_bytes(), &mut part)
+                })
+            });
+        }
+        OpData::Broadcast { buf, root } => {
+            mpi::request::scope(|scope| {
+                calls.run(|| {
+                    comm.process_at_rank(*root as i32)
+                        .immediate_broadcast_into(scope, buf.as_bytes_mut())
+                })
+            });
+        }
+        OpData::Scatter {
+            input,
+            output,
+            root,
+        } => {
+            mpi::request::scope(|scope| {
+                calls.run(|| {
+                    let rootp = comm.process_at_rank(*root as i32);
+                    if me == *root {
+                        rootp.immediate_scatter_into_root(
+                            scope,
+                            input.as_bytes(),
+                            output.as_bytes_mut(),
+                        )
+                    } else {
+                        rootp.immediate_scatter_into(scope, output.as_bytes_mut())
+                    }
+                })
+            });
+        }
+        OpData::Gather {
+            input,
+            output,
+            root,
+        } => {
+            mpi::request::scope(|scope| {
+                calls.run(|| {
+                    let rootp = comm.process_at_rank(*root as i32);
+                    if me == *root {
+                        rootp.immediate_gather_into_root(
+                            scope,
+                            input.as_bytes(),
+                            output.as_bytes_mut(),
+                        )
+                    } else {
+                        rootp.immediate_gather_into(scope, input.as_bytes())
+                    }
+                })
+            });
+        }
+        OpData::AllToAll {
+            input,
+            output,
+            send_counts,
+            recv_counts,
+        } => {
+            let es = input.dtype().size();
+            let (sc, sd) = partition(ctx, send_counts, es)?;
+            let (rc, rd) = partition(ctx, recv_counts, es)?;
+            let send = Partition::new(input.as_bytes(), sc, sd);
+            let mut recv = PartitionMut::new(output.as_bytes_mut(), rc, rd);
+            mpi::request::scope(|scope| {
+                calls.run(|| comm.immediate_all_to_all_varcount_into(scope, &send, &mut recv))
+            });
+        }
+        // The header exchange already synchronised every rank.
+        OpData::Barrier => {}
+        OpData::P2P { ops } => {
+            mpi::request::scope(|scope| {
+                let reqs: Vec<_> = {
+                    let _g = lock();
+                    ops.iter_mut()
+                        .map(|t| {
+                            let p = comm.process_at_rank(t.peer as i32);
+                            if t.send {
+                                p.immediate_send(scope, t.buf.as_bytes())
+                            } else {
+                                p.immediate_receive_into(scope, t.buf.as_bytes_mut())
+                            }
+                        })
+                        .collect()
+                };
+                for r in reqs {
+                    calls.complete(r);
+                }
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Reduce `send` into `recv` on `root` (`recv` is untouched elsewhere).
+fn reduce<T: Equivalence>(
+    calls: Calls,
+    comm: &SimpleCommunicator,
+    root: i32,
+    me: usize,
+    send: &[T],
+    recv: &mut [T],
+    op: SystemOperation,
+) {
+    mpi::request::scope(|scope| {
+        calls.run(|| {
+            let rootp = comm.process_at_rank(root);
+            if me as i32 == root {
+                rootp.immediate_reduce_into_root(scope, send, recv, op)
+            } else {
+                rootp.immediate_reduce_into(scope, send, op)
+            }
+        })
+    });
+}
+
+/// In-place all-reduce; f16/bf16 through f64 (MP-4).
+fn all_reduce(calls: Calls, comm: &SimpleCommunicator, buf: &mut Tensor, op: ReduceOp) {
+    let dt = buf.dtype();
+    let op = op_of(op);
+    typed!(dt, T => {
+        let send: Vec<T> = buf.as_slice::<T>().to_vec();
+        all_reduce_into(calls, comm, &send, buf.as_mut_slice::<T>(), op);
+    }, half => {
+        let send = buf.to_f64_vec();
+        let mut out = send.clone();
+        all_reduce_into(calls, comm, &send, &mut out, op);
+        *buf = Tensor::from_f64s(dt, &out);
+    });
+}
+
+fn all_reduce_into<T: Equivalence>(
+    calls: Calls,
+    comm: &SimpleCommunicator,
+    send: &[T],
+    recv: &mut [T],
+    op: SystemOperation,
+) {
+    mpi::request::scope(|scope| {
+        calls.run(|| comm.immediate_all_reduce_into(scope, send, recv, op))
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::op::OpKind;
 
     #[test]
     fn partition_is_in_bytes_with_prefix_displacements() {
-        let (c, d) = partition(&[1, 0, 3], 4).unwrap();
+        let ctx = OpCtx {
+            comm: "p".into(),
+            rank: 1,
+            size: 3,
+            epoch: 0,
+            kind: OpKind::AllGather,
+            seq: 4,
+        };
+        let (c, d) = partition(&ctx, &[1, 0, 3], 4).unwrap();
         assert_eq!(c, vec![4, 0, 12]);
         assert_eq!(d, vec![0, 4, 4]);
-        assert!(partition(&[1 << 30], 4).is_err());
+        match partition(&ctx, &[1 << 30], 4) {
+            Err(Error::InvalidArgument { comm, rank, .. }) => {
+                assert_eq!((comm.as_str(), rank), ("p", 1))
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

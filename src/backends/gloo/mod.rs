@@ -8,25 +8,27 @@
 //! - GL-2: Gloo's rendezvous goes through Chorus's store (callbacks into
 //!   Rust, keys under `{key_prefix}/gloo/`), so it shares the job secret
 //!   and the store's scoping by communicator and epoch.
-//! - GL-3: ops run blocking inside `block_in_place` with Gloo's own timeout
-//!   ([`OP_TIMEOUT`] or `connect_timeout`, whichever is larger), so a dead
-//!   peer fails the op instead of hanging the thread forever.
+//! - GL-3: the Gloo context lives on the communicator's vendor worker
+//!   thread (`super::vendor`, VW-1): it is connected, used and freed there,
+//!   and ops block that thread, never a runtime thread, with Gloo's own
+//!   timeout ([`OP_TIMEOUT`] or `connect_timeout`, whichever is larger). So
+//!   a dead peer fails the op instead of blocking the worker forever, and a
+//!   worker left in a call by `abort` (VW-2) ends within that timeout.
 //! - GL-4: reductions are typed in the shim (all ops incl. bitwise, which
 //!   Gloo itself lacks); f16/bf16 reductions are done in f32 (exact for
 //!   every value they hold) and rounded back once; reduce-scatter is an
 //!   all-reduce followed by a local copy of this rank's block.
 //! - GL-5: header exchange, abort notices and finalize run over a
-//!   [`CpuBackend`] control mesh, like every vendor backend. Gloo has no
-//!   abort: `abort` stops using the context, which is freed on drop.
+//!   `CpuBackend` control mesh, like every vendor backend (the shared
+//!   `super::vendor::VendorBackend`). Gloo has no abort: `abort` stops
+//!   using the context, which the worker frees when it ends.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-
-use super::cpu::CpuBackend;
-use super::{Backend, BackendInit, OpCtx, OpData};
+use super::vendor::{VendorBackend, VendorComm};
+use super::{BackendInit, OpCtx, OpData};
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
 use crate::tensor::{DType, Tensor};
@@ -201,31 +203,15 @@ unsafe extern "C" fn store_get(
     }
 }
 
-struct Ctx(*mut GlooCtx);
-// SAFETY: a Gloo context may be used from any thread, one op at a time,
-// which the executor guarantees (BE-1).
-unsafe impl Send for Ctx {}
-unsafe impl Sync for Ctx {}
+/// The Gloo context of one communicator on one rank, owned by its vendor
+/// worker thread: connected, used and freed there (GL-3, VW-1).
+pub(crate) struct GlooComm {
+    g: *mut GlooCtx,
+    rank: usize,
+}
 
 /// The Gloo backend of one communicator on one rank.
-pub struct GlooBackend {
-    comm_name: String,
-    rank: usize,
-    size: usize,
-    ctx: Ctx,
-    ctrl: CpuBackend,
-    stopped: Option<Error>,
-}
-
-impl std::fmt::Debug for GlooBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GlooBackend")
-            .field("comm", &self.comm_name)
-            .field("rank", &self.rank)
-            .field("size", &self.size)
-            .finish_non_exhaustive()
-    }
-}
+pub(crate) type GlooBackend = VendorBackend<GlooComm>;
 
 const ERRLEN: usize = 512;
 
@@ -273,94 +259,89 @@ fn narrow(dtype: DType, t: &Tensor) -> Tensor {
     Tensor::from_f64s(dtype, &t.to_f64_vec())
 }
 
-impl GlooBackend {
-    /// Connect the control mesh, then Gloo's full mesh through the store (GL-2).
-    ///
-    /// # Errors
-    /// Control-mesh errors as `cpu`; `PeerFailed` if Gloo cannot connect.
-    pub async fn connect(init: BackendInit) -> Result<GlooBackend> {
-        let ctrl = CpuBackend::connect(init.clone()).await?;
-        let timeout = init.connect_timeout.max(Duration::from_secs(1));
-        let op_timeout = OP_TIMEOUT.max(init.connect_timeout);
-        let sctx = StoreCtx {
-            store: init.store.clone(),
-            handle: tokio::runtime::Handle::current(),
-            prefix: format!("{}/gloo", init.key_prefix),
-            timeout,
-        };
-        let ip = CString::new(init.bind_ip.to_string())
-            .map_err(|e| Error::Config(format!("bind ip: {e}")))?;
-        let (rank, size) = (init.rank as c_int, init.size as c_int);
-        let res = tokio::task::spawn_blocking(move || {
-            let mut out: *mut GlooCtx = std::ptr::null_mut();
-            let r = call("connect", |err, len| {
-                // SAFETY: sctx outlives the call; callbacks match the shim's
-                // typedefs; `out` is a valid out-parameter.
-                unsafe {
-                    chorus_gloo_connect(
-                        ip.as_ptr(),
-                        rank,
-                        size,
-                        op_timeout.as_millis() as i64,
-                        &sctx as *const StoreCtx as *mut c_void,
-                        store_set,
-                        store_get,
-                        &mut out,
-                        err,
-                        len,
-                    )
-                }
-            });
-            r.map(|_| Ctx(out))
+/// Start the worker thread, connect Gloo's full mesh on it through the
+/// store (GL-2), then the control mesh.
+///
+/// # Errors
+/// `PeerFailed` if Gloo cannot connect; control-mesh errors as `cpu`.
+pub(crate) async fn connect(init: BackendInit) -> Result<GlooBackend> {
+    let timeout = init.connect_timeout.max(Duration::from_secs(1));
+    let op_timeout = OP_TIMEOUT.max(init.connect_timeout);
+    let handle = tokio::runtime::Handle::try_current().map_err(|e| {
+        Error::Internal(format!(
+            "gloo connect needs a tokio runtime for the store: {e}"
+        ))
+    })?;
+    let sctx = StoreCtx {
+        store: init.store.clone(),
+        handle,
+        prefix: format!("{}/gloo", init.key_prefix),
+        timeout,
+    };
+    let ip = CString::new(init.bind_ip.to_string())
+        .map_err(|e| Error::Config(format!("bind ip: {e}")))?;
+    let (comm, rank, size, epoch) = (init.comm.clone(), init.rank, init.size, init.epoch);
+    VendorBackend::connect(init, move || {
+        let mut out: *mut GlooCtx = std::ptr::null_mut();
+        call("connect", |err, len| {
+            // SAFETY: sctx outlives the call; callbacks match the shim's
+            // typedefs; `out` is a valid out-parameter.
+            unsafe {
+                chorus_gloo_connect(
+                    ip.as_ptr(),
+                    rank as c_int,
+                    size as c_int,
+                    op_timeout.as_millis() as i64,
+                    &sctx as *const StoreCtx as *mut c_void,
+                    store_set,
+                    store_get,
+                    &mut out,
+                    err,
+                    len,
+                )
+            }
         })
-        .await
-        .map_err(|e| Error::Internal(format!("gloo connect task: {e}")))?;
-        let ctx = res.map_err(|detail| Error::PeerFailed {
-            comm: init.comm.clone(),
-            rank: init.rank,
-            epoch: init.epoch,
+        .map_err(|detail| Error::PeerFailed {
+            comm,
+            rank,
+            epoch,
             op: "new_comm",
             failed_ranks: vec![],
             detail,
         })?;
-        tracing::info!(comm = %init.comm, rank = init.rank, size = init.size, "gloo communicator ready");
-        Ok(GlooBackend {
-            comm_name: init.comm,
-            rank: init.rank,
-            size: init.size,
-            ctx,
-            ctrl,
-            stopped: None,
-        })
-    }
+        Ok(GlooComm { g: out, rank })
+    })
+    .await
+}
 
-    fn all_reduce(
-        g: *mut GlooCtx,
-        buf: &mut Tensor,
-        op: ReduceOp,
-        tag: u32,
-    ) -> std::result::Result<(), String> {
-        let dtype = buf.dtype();
-        if is_half(dtype) {
-            let mut w = widen(buf);
-            Self::all_reduce(g, &mut w, op, tag)?;
-            *buf = narrow(dtype, &w);
-            return Ok(());
-        }
-        let n = buf.len();
-        let p = buf.as_bytes_mut().as_mut_ptr() as *mut c_void;
-        // SAFETY: `p` holds `n` elements of `dtype`.
-        call("allreduce", |e, l| unsafe {
-            chorus_gloo_allreduce(g, p, n, dtype.code() as c_int, op_code(op), tag, e, l)
-        })
+fn all_reduce(
+    g: *mut GlooCtx,
+    buf: &mut Tensor,
+    op: ReduceOp,
+    tag: u32,
+) -> std::result::Result<(), String> {
+    let dtype = buf.dtype();
+    if is_half(dtype) {
+        let mut w = widen(buf);
+        all_reduce(g, &mut w, op, tag)?;
+        *buf = narrow(dtype, &w);
+        return Ok(());
     }
+    let n = buf.len();
+    let p = buf.as_bytes_mut().as_mut_ptr() as *mut c_void;
+    // SAFETY: `p` holds `n` elements of `dtype`.
+    call("allreduce", |e, l| unsafe {
+        chorus_gloo_allreduce(g, p, n, dtype.code() as c_int, op_code(op), tag, e, l)
+    })
+}
 
-    fn run(&self, ctx: &OpCtx, data: &mut OpData) -> std::result::Result<(), String> {
-        let g = self.ctx.0;
+impl GlooComm {
+    fn run_op(&self, ctx: &OpCtx, data: &mut OpData) -> std::result::Result<(), String> {
+        let g = self.g;
         let tag = ctx.seq as u32;
         let me = self.rank;
         match data {
-            OpData::AllReduce { buf, op } => Self::all_reduce(g, buf, *op, tag),
+            OpData::AllReduce { buf, op } => all_reduce(g, buf, *op, tag),
             OpData::Reduce { buf, op, root } => {
                 let dtype = buf.dtype();
                 let mut work = if is_half(dtype) {
@@ -392,13 +373,8 @@ impl GlooBackend {
                 counts,
                 op,
             } => {
-                Self::all_reduce(g, input, *op, tag)?;
-                let es = input.dtype().size();
-                let start = counts[..me].iter().sum::<usize>() * es;
-                let n = output.len_bytes();
-                output
-                    .as_bytes_mut()
-                    .copy_from_slice(&input.as_bytes()[start..start + n]);
+                all_reduce(g, input, *op, tag)?;
+                super::vendor::keep_own_block(input, output, counts, me);
                 Ok(())
             }
             OpData::AllGather {
@@ -513,57 +489,26 @@ impl GlooBackend {
     }
 }
 
-#[async_trait]
-impl Backend for GlooBackend {
-    fn name(&self) -> &'static str {
-        "gloo"
+impl VendorComm for GlooComm {
+    const NAME: &'static str = "gloo";
+
+    fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+        self.run_op(ctx, data)
+            .map_err(|detail| ctx.peer_failed(vec![], detail))
     }
 
-    async fn exchange_headers(
-        &mut self,
-        ctx: &OpCtx,
-        outgoing: Vec<(usize, u64, Vec<u8>)>,
-    ) -> Result<Vec<(usize, Vec<u8>)>> {
-        if let Some(e) = &self.stopped {
-            return Err(e.clone());
-        }
-        self.ctrl.exchange_headers(ctx, outgoing).await
-    }
-
-    async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
-        if let Some(e) = &self.stopped {
-            return Err(e.clone());
-        }
-        let r = tokio::task::block_in_place(|| self.run(ctx, data));
-        r.map_err(|detail| {
-            let e = ctx.peer_failed(vec![], detail);
-            self.stopped = Some(e.clone());
-            e
-        })
-    }
-
-    async fn abort(&mut self, reason: &str, failed: &[usize]) {
-        if self.stopped.is_none() {
-            self.stopped = Some(Error::Internal(format!(
-                "gloo communicator {:?} was aborted: {reason}",
-                self.comm_name
-            )));
-        }
-        self.ctrl.abort(reason, failed).await;
-    }
-
-    async fn finalize(&mut self) {
-        self.ctrl.finalize().await;
+    fn close(self, _aborted: bool) {
+        // Freed by Drop, on this (the worker) thread: Gloo has no abort.
     }
 }
 
-impl Drop for GlooBackend {
+impl Drop for GlooComm {
     fn drop(&mut self) {
-        if !self.ctx.0.is_null() {
+        if !self.g.is_null() {
             // SAFETY: created by chorus_gloo_connect, freed once; the shim
             // swallows exceptions from the destructor.
-            unsafe { chorus_gloo_free(self.ctx.0) };
-            self.ctx.0 = std::ptr::null_mut();
+            unsafe { chorus_gloo_free(self.g) };
+            self.g = std::ptr::null_mut();
         }
     }
 }
