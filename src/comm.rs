@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::op::{OpKind, ReduceOp};
 use crate::tensor::{DType, Tensor};
 use crate::transport::Store;
-use crate::work::{to_tensor, to_tensors, to_unit, Completion, Work};
+use crate::work::{to_pair, to_tensor, to_tensors, to_unit, Completion, Work};
 
 /// The device a communicator's buffers live on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -629,30 +629,124 @@ impl Comm {
     /// Async form of [`Comm::reduce_scatter_v`].
     pub fn reduce_scatter_v_async(
         &self,
-        mut input: Tensor,
+        input: Tensor,
         counts: &[usize],
         op: ReduceOp,
     ) -> Work<Tensor> {
         self.submit(to_tensor, || {
-            self.check_counts("reduce_scatter", counts, input.len())?;
-            self.check_redop(op, input.dtype())?;
-            premul(&mut input, op);
-            let output = Tensor::zeros(input.dtype(), counts[self.rank()]);
-            Ok(Request::collective(
-                OpKind::ReduceScatter,
-                Some(op),
-                input.dtype(),
-                None,
-                input.len(),
-                counts.to_vec(),
-                OpData::ReduceScatter {
-                    input,
-                    output,
-                    counts: counts.to_vec(),
-                    op: op.combine_op(),
-                },
-            ))
+            self.reduce_scatter_request(input, counts, op, None)
         })
+    }
+
+    /// [`Comm::reduce_scatter`] into a caller-provided `output` of
+    /// `input.len() / size()` elements and the input's dtype, so that a loop
+    /// reuses its buffers instead of allocating (and page-faulting in) a new
+    /// output for every op. Returns `(output, input)`; the input buffer is
+    /// the op's scratch space, so its contents afterwards are unspecified.
+    ///
+    /// ```
+    /// # use chorus::{new_comm, CommOptions, Device, ReduceOp, Tensor};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-rs-into", CommOptions::single())?;
+    /// let (mut input, mut output) = (Tensor::zeros(chorus::DType::F32, 4), Tensor::zeros(chorus::DType::F32, 4));
+    /// for step in 0..3 {
+    ///     input.as_mut_slice::<f32>().fill(step as f32);
+    ///     (output, input) = comm.reduce_scatter_into(input, output, ReduceOp::Sum)?;
+    ///     assert_eq!(output.to_vec::<f32>(), vec![step as f32; 4]);
+    /// }
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Comm::reduce_scatter`], plus [`Error::InvalidArgument`] if
+    /// `output` has the wrong length or dtype.
+    pub fn reduce_scatter_into(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        op: ReduceOp,
+    ) -> Result<(Tensor, Tensor)> {
+        self.blocking(|| self.reduce_scatter_into_async(input, output, op))
+    }
+
+    /// Async form of [`Comm::reduce_scatter_into`].
+    pub fn reduce_scatter_into_async(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        op: ReduceOp,
+    ) -> Work<(Tensor, Tensor)> {
+        self.submit(to_pair, || {
+            let n = self.size();
+            if input.len() % n != 0 {
+                return Err(self.invalid(
+                    "reduce_scatter",
+                    format!(
+                        "input has {} elements, not divisible by {n} ranks",
+                        input.len()
+                    ),
+                ));
+            }
+            let counts = vec![input.len() / n; n];
+            self.reduce_scatter_request(input, &counts, op, Some(output))
+        })
+    }
+
+    fn reduce_scatter_request(
+        &self,
+        mut input: Tensor,
+        counts: &[usize],
+        op: ReduceOp,
+        output: Option<Tensor>,
+    ) -> Result<Request> {
+        self.check_counts("reduce_scatter", counts, input.len())?;
+        self.check_redop(op, input.dtype())?;
+        let mine = counts[self.rank()];
+        let return_input = output.is_some();
+        let output = match output {
+            Some(o) => {
+                self.check_output("reduce_scatter", &o, input.dtype(), mine)?;
+                o
+            }
+            None => self.output("reduce_scatter", input.dtype(), mine)?,
+        };
+        premul(&mut input, op);
+        let mut req = Request::collective(
+            OpKind::ReduceScatter,
+            Some(op),
+            input.dtype(),
+            None,
+            input.len(),
+            counts.to_vec(),
+            OpData::ReduceScatter {
+                input,
+                output,
+                counts: counts.to_vec(),
+                op: op.combine_op(),
+            },
+        );
+        req.return_input = return_input;
+        Ok(req)
+    }
+
+    /// `InvalidArgument` unless `output` holds `len` elements of `dtype`.
+    fn check_output(
+        &self,
+        op: &'static str,
+        output: &Tensor,
+        dtype: DType,
+        len: usize,
+    ) -> Result<()> {
+        if output.dtype() != dtype || output.len() != len {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "output is {} x {}, but this op needs {len} x {dtype}",
+                    output.len(),
+                    output.dtype()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     // ---------------------------------------------------------------- all_gather
@@ -686,40 +780,87 @@ impl Comm {
 
     /// Async form of [`Comm::all_gather_v`].
     pub fn all_gather_v_async(&self, input: Tensor, counts: &[usize]) -> Work<Tensor> {
-        self.submit(to_tensor, || {
-            if counts.len() != self.size() {
-                return Err(self.invalid(
-                    "all_gather",
-                    format!("{} sizes given for {} ranks", counts.len(), self.size()),
-                ));
-            }
-            if counts[self.rank()] != input.len() {
-                return Err(self.invalid(
-                    "all_gather",
-                    format!(
-                        "counts[{}] = {} but this rank's input has {} elements",
-                        self.rank(),
-                        counts[self.rank()],
-                        input.len()
-                    ),
-                ));
-            }
-            let total = self.checked_total("all_gather", counts)?;
-            let output = self.output("all_gather", input.dtype(), total)?;
-            Ok(Request::collective(
-                OpKind::AllGather,
-                None,
-                input.dtype(),
-                None,
-                input.len(),
-                counts.to_vec(),
-                OpData::AllGather {
-                    input,
-                    output,
-                    counts: counts.to_vec(),
-                },
-            ))
+        self.submit(to_tensor, || self.all_gather_request(input, counts, None))
+    }
+
+    /// [`Comm::all_gather`] into a caller-provided `output` of
+    /// `size() × input.len()` elements and the input's dtype, so that a loop
+    /// reuses its buffers instead of allocating (and page-faulting in) a new
+    /// output for every op. Returns `(output, input)`, the input unchanged.
+    ///
+    /// ```
+    /// # use chorus::{new_comm, CommOptions, Device, Tensor};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-ag-into", CommOptions::single())?;
+    /// let (mut input, mut output) = (Tensor::full(1i32, 3), Tensor::zeros(chorus::DType::I32, 3));
+    /// for _ in 0..3 {
+    ///     (output, input) = comm.all_gather_into(input, output)?;
+    ///     assert_eq!(output.to_vec::<i32>(), vec![1, 1, 1]);
+    /// }
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Comm::all_gather`], plus [`Error::InvalidArgument`] if `output`
+    /// has the wrong length or dtype.
+    pub fn all_gather_into(&self, input: Tensor, output: Tensor) -> Result<(Tensor, Tensor)> {
+        self.blocking(|| self.all_gather_into_async(input, output))
+    }
+
+    /// Async form of [`Comm::all_gather_into`].
+    pub fn all_gather_into_async(&self, input: Tensor, output: Tensor) -> Work<(Tensor, Tensor)> {
+        let counts = vec![input.len(); self.size()];
+        self.submit(to_pair, || {
+            self.all_gather_request(input, &counts, Some(output))
         })
+    }
+
+    fn all_gather_request(
+        &self,
+        input: Tensor,
+        counts: &[usize],
+        output: Option<Tensor>,
+    ) -> Result<Request> {
+        if counts.len() != self.size() {
+            return Err(self.invalid(
+                "all_gather",
+                format!("{} sizes given for {} ranks", counts.len(), self.size()),
+            ));
+        }
+        if counts[self.rank()] != input.len() {
+            return Err(self.invalid(
+                "all_gather",
+                format!(
+                    "counts[{}] = {} but this rank's input has {} elements",
+                    self.rank(),
+                    counts[self.rank()],
+                    input.len()
+                ),
+            ));
+        }
+        let total = self.checked_total("all_gather", counts)?;
+        let return_input = output.is_some();
+        let output = match output {
+            Some(o) => {
+                self.check_output("all_gather", &o, input.dtype(), total)?;
+                o
+            }
+            None => self.output("all_gather", input.dtype(), total)?,
+        };
+        let mut req = Request::collective(
+            OpKind::AllGather,
+            None,
+            input.dtype(),
+            None,
+            input.len(),
+            counts.to_vec(),
+            OpData::AllGather {
+                input,
+                output,
+                counts: counts.to_vec(),
+            },
+        );
+        req.return_input = return_input;
+        Ok(req)
     }
 
     // ---------------------------------------------------------------- broadcast

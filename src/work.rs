@@ -234,6 +234,22 @@ pub(crate) fn to_tensors(c: Completion) -> Result<Vec<Tensor>> {
     }
 }
 
+/// `[output, input]` of an `_into` op, as `(output, input)`.
+pub(crate) fn to_pair(c: Completion) -> Result<(Tensor, Tensor)> {
+    match c {
+        Completion::Tensors(v) if v.len() == 2 => {
+            let mut it = v.into_iter();
+            match (it.next(), it.next()) {
+                (Some(out), Some(input)) => Ok((out, input)),
+                _ => Err(Error::Internal("expected two tensors".into())),
+            }
+        }
+        other => Err(Error::Internal(format!(
+            "expected two tensors, got {other:?}"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -418,3 +418,98 @@ fn work_dropped_mid_poll_still_completes_the_op_in_order() {
         assert_eq!(t.to_vec::<i32>(), vec![10; 4]);
     });
 }
+
+#[test]
+fn into_forms_reuse_both_buffers_and_overwrite_stale_output_world_3() {
+    let n = 3;
+    run_ranks(n, "into", move |comm| {
+        let r = comm.rank();
+        let count = 257;
+        // all_gather_into: output starts full of garbage and is reused.
+        let mut inp = input(DType::F32, r, count);
+        let mut output = Tensor::full(-7.0f32, n * count);
+        for step in 0..3 {
+            (output, inp) = if step % 2 == 0 {
+                comm.all_gather_into(inp, output).unwrap()
+            } else {
+                comm.all_gather_into_async(inp, output).wait().unwrap()
+            };
+            let want: Vec<f64> = (0..n)
+                .flat_map(|p| (0..count).map(move |i| value(p, i)))
+                .collect();
+            assert_close(
+                DType::F32,
+                &output,
+                &want,
+                &format!("all_gather_into step {step}"),
+            );
+            let mine: Vec<f64> = (0..count).map(|i| value(r, i)).collect();
+            assert_close(DType::F32, &inp, &mine, "all_gather_into returns its input");
+        }
+        // reduce_scatter_into (the input is scratch: refill it each step).
+        let mut inp = Tensor::zeros(DType::I64, n * count);
+        let mut output = Tensor::full(-7i64, count);
+        for (step, op) in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg]
+            .into_iter()
+            .enumerate()
+        {
+            let fresh = input(DType::I64, r, n * count);
+            inp.as_bytes_mut().copy_from_slice(fresh.as_bytes());
+            (output, inp) = if step == 1 {
+                comm.reduce_scatter_into_async(inp, output, op)
+                    .wait()
+                    .unwrap()
+            } else {
+                comm.reduce_scatter_into(inp, output, op).unwrap()
+            };
+            assert_eq!(inp.len(), n * count);
+            let want: Vec<f64> = (0..count)
+                .map(|i| reference(DType::I64, op, n, r * count + i))
+                .collect();
+            assert_close(
+                DType::I64,
+                &output,
+                &want,
+                &format!("reduce_scatter_into {op}"),
+            );
+        }
+        // A wrong output is refused before anything moves, on every rank.
+        let e = comm
+            .all_gather_into(Tensor::zeros(DType::F32, 4), Tensor::zeros(DType::F32, 4))
+            .unwrap_err();
+        assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+        let e = comm
+            .reduce_scatter_into(
+                Tensor::zeros(DType::F32, 3 * n),
+                Tensor::zeros(DType::F64, 3),
+                ReduceOp::Sum,
+            )
+            .unwrap_err();
+        assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+        // The communicator is still in step.
+        let s = comm
+            .all_reduce(Tensor::full(1u8, 2), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(s.to_vec::<u8>(), vec![n as u8; 2]);
+    });
+}
+
+#[test]
+fn blocking_ops_work_inside_a_callers_tokio_runtime() {
+    // Inside an async runtime a blocking op cannot run inline (EX-6): it is
+    // queued like an async op and waited for.
+    run_ranks(2, "in-tokio", |comm| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let a = comm.all_reduce_async(Tensor::full(1i32, 1 << 12), ReduceOp::Sum);
+            let b = comm
+                .all_reduce(Tensor::full(2i32, 3), ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(b.to_vec::<i32>(), vec![4; 3]);
+            assert_eq!(a.await.unwrap().as_slice::<i32>()[0], 2);
+        })
+    });
+}

@@ -601,9 +601,18 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
                 Completion::Tensor(req.keep.take().unwrap_or(buf))
             }
         }
-        OpData::ReduceScatter { mut output, .. } => {
+        OpData::ReduceScatter {
+            mut output, input, ..
+        } => {
             avg(&mut output);
-            Completion::Tensor(output)
+            if req.return_input {
+                Completion::Tensors(vec![output, input])
+            } else {
+                Completion::Tensor(output)
+            }
+        }
+        OpData::AllGather { output, input, .. } if req.return_input => {
+            Completion::Tensors(vec![output, input])
         }
         OpData::AllGather { output, .. }
         | OpData::Broadcast { buf: output, .. }

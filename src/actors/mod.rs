@@ -71,6 +71,9 @@ pub(crate) struct Request {
     pub(crate) data: OpData,
     /// For reduce on non-root ranks: the input, returned unchanged.
     pub(crate) keep: Option<Tensor>,
+    /// all_gather / reduce_scatter `_into`: complete with `[output, input]`
+    /// so the caller gets both buffers back for reuse.
+    pub(crate) return_input: bool,
     pub(crate) timeout: Duration,
     pub(crate) completer: Option<Completer>,
     /// Collective sequence number (assigned by the executor).
@@ -96,6 +99,7 @@ impl Request {
             counts,
             data,
             keep: None,
+            return_input: false,
             timeout: Duration::from_secs(600),
             completer: None,
             seq: 0,

@@ -22,8 +22,11 @@
 //!   reduce_scatter `(n-1)/n`, broadcast and send_recv `1`.
 //!
 //! Chorus ops move their buffers in and out, so they are in place by nature;
-//! the out-of-place columns time an op on a fresh copy of the input (the copy
-//! included), which is what a caller who keeps the input pays.
+//! the in-place columns reuse the same buffers op after op (all_gather and
+//! reduce_scatter through their `_into` forms, which take the output buffer
+//! too). The out-of-place columns time an op on a fresh copy of the input
+//! (the copy included) with a fresh output, which is what a caller who keeps
+//! the input and uses the allocating forms pays.
 
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, UdpSocket};
@@ -460,49 +463,52 @@ fn time_ops(
     iters: usize,
     out_of_place: bool,
 ) -> chorus::Result<Vec<f64>> {
-    let input = Tensor::zeros(chorus::DType::F32, len);
-    // In place, the input itself circulates (no copy, no first-touch pages).
-    let mut t = if out_of_place {
-        input.clone()
-    } else {
-        Tensor::zeros(chorus::DType::F32, 0)
-    };
-    let mut input = Some(input);
-    if !out_of_place {
-        t = input.take().unwrap_or(t);
-    }
-    let fresh = |input: &Option<Tensor>| {
-        input
-            .clone()
-            .unwrap_or_else(|| Tensor::zeros(chorus::DType::F32, len))
-    };
-    for _ in 0..warmup {
-        t = if out_of_place {
-            run_op(comm, op, fresh(&input))?
-        } else {
-            run_op(comm, op, reuse(op, t, len))?
-        };
-    }
+    let mut bufs = Buffers::new(comm, op, len);
     let mut times = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    for i in 0..warmup + iters {
         let start = Instant::now();
-        t = if out_of_place {
-            run_op(comm, op, fresh(&input))?
+        if out_of_place {
+            run_op(comm, op, bufs.input.clone())?;
         } else {
-            run_op(comm, op, reuse(op, t, len))?
-        };
-        times.push(start.elapsed().as_secs_f64());
+            bufs.run_in_place(comm, op)?;
+        }
+        if i >= warmup {
+            times.push(start.elapsed().as_secs_f64());
+        }
     }
     Ok(times)
 }
 
-/// The previous output as the next input when the shapes agree, else a new buffer
-/// (all_gather and reduce_scatter change the length).
-fn reuse(op: Op, t: Tensor, len: usize) -> Tensor {
-    match op {
-        Op::AllGather | Op::ReduceScatter => Tensor::zeros(chorus::DType::F32, len),
-        _ if t.len() == len => t,
-        _ => Tensor::zeros(chorus::DType::F32, len),
+/// The buffers of the in-place runs, reused op after op (no allocation, no
+/// first-touch page faults inside the timed region).
+struct Buffers {
+    input: Tensor,
+    /// all_gather and reduce_scatter: the caller-provided output.
+    output: Tensor,
+}
+
+impl Buffers {
+    fn new(comm: &Comm, op: Op, len: usize) -> Buffers {
+        let out_len = match op {
+            Op::AllGather => len * comm.size(),
+            Op::ReduceScatter => len / comm.size().max(1),
+            _ => 0,
+        };
+        Buffers {
+            input: Tensor::zeros(chorus::DType::F32, len),
+            output: Tensor::zeros(chorus::DType::F32, out_len),
+        }
+    }
+
+    fn run_in_place(&mut self, comm: &Comm, op: Op) -> chorus::Result<()> {
+        let input = std::mem::replace(&mut self.input, Tensor::zeros(chorus::DType::F32, 0));
+        let output = std::mem::replace(&mut self.output, Tensor::zeros(chorus::DType::F32, 0));
+        (self.output, self.input) = match op {
+            Op::AllGather => comm.all_gather_into(input, output)?,
+            Op::ReduceScatter => comm.reduce_scatter_into(input, output, ReduceOp::Sum)?,
+            _ => (output, run_op(comm, op, input)?),
+        };
+        Ok(())
     }
 }
 
