@@ -11,7 +11,8 @@
 # prints the ratio table, and draws $OUT/busbw.png (needs matplotlib, which
 # the peers venv installs). Not run in CI: it installs packages and takes
 # minutes. Environment: PEERS_DIR (venvs, default target/peers), OUT
-# (default target/peers/run-<date>), MAXBYTES, FACTOR, RANKS, OPS, BUDGET.
+# (default target/peers/run-<date>), MAXBYTES, FACTOR, RANKS, OPS, BUDGET,
+# ITERS, WARMUP, SYSTEMS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,8 @@ FACTOR=${FACTOR:-4}
 RANKS=${RANKS:-"2 4"}
 OPS=${OPS:-"all_reduce all_gather broadcast reduce_scatter"}
 BUDGET=${BUDGET:-1}
+ITERS=${ITERS:-100}     # timed ops per size (fewer where BUDGET seconds would be exceeded)
+WARMUP=${WARMUP:-10}
 SYSTEMS=${SYSTEMS:-"chorus chorus-tcp mpich openmpi gloo"}
 mkdir -p "$PEERS_DIR" "$OUT"
 
@@ -67,7 +70,7 @@ BENCH=scripts/peer_bench.py
 cat "$OUT/env.txt" >&2
 RES=$OUT/results.jsonl
 : > "$RES"
-common=(-b 8 -e "$MAXBYTES" -f "$FACTOR")
+common=(-b 8 -e "$MAXBYTES" -f "$FACTOR" -w "$WARMUP" -i "$ITERS")
 for n in $RANKS; do
   for op in $OPS; do
     for sys in $SYSTEMS; do

@@ -281,6 +281,7 @@ fn run_rank(args: &Args) -> Result<(), String> {
     if args.op == Op::SendRecv && n < 2 {
         return Err("send_recv needs at least 2 ranks".into());
     }
+    settle(&comm).map_err(|e| format!("warm-up: {e}"))?;
     if rank == 0 && !args.json {
         println!(
             "# chorus-perf {} backend={} nranks={n} warmup={} iters={} (median over ops of the max over ranks)",
@@ -509,6 +510,21 @@ impl Buffers {
             _ => (output, run_op(comm, op, input)?),
         };
         Ok(())
+    }
+}
+
+/// Small all-reduces for a fixed time before the first size: just-started
+/// rank processes often share one core until the scheduler spreads them,
+/// which made the first size measured (only) up to 10x slower.
+fn settle(comm: &Comm) -> chorus::Result<()> {
+    let start = Instant::now();
+    loop {
+        // Every rank leaves after the same op: rank 0's clock decides.
+        let go_on = u8::from(comm.rank() != 0 || start.elapsed() < Duration::from_millis(200));
+        let t = comm.all_reduce(Tensor::full(go_on, 1), ReduceOp::Min)?;
+        if t.as_slice::<u8>().first() != Some(&1) {
+            return Ok(());
+        }
     }
 }
 
