@@ -46,7 +46,18 @@ def counts(op, nbytes, n):
     return total, total
 
 
+def settle(rank, max_over_ranks):
+    """200 ms of tiny collectives before the first size, as chorus-perf does:
+    freshly started ranks may share a core until the scheduler spreads them."""
+    t0 = time.perf_counter()
+    while True:
+        stop = 1.0 if rank == 0 and time.perf_counter() - t0 > 0.2 else 0.0
+        if max_over_ranks([stop])[0] > 0:
+            return
+
+
 def run(a, rank, n, do_op, barrier, max_over_ranks, make):
+    settle(rank, max_over_ranks)
     for nbytes in sizes(a):
         count, per = counts(a.op, nbytes, n)
         bufs = make(count, per)
