@@ -209,6 +209,27 @@ pub(crate) struct Spec {
 
 /// Connect the backend and start the communicator's actor.
 pub(crate) async fn start(spec: Spec) -> Result<Comm> {
+    let ctx = &spec.ctx;
+    let init = backends::BackendInit {
+        comm: ctx.name.clone(),
+        key_prefix: spec.key_prefix.clone(),
+        rank: spec.rank,
+        size: spec.size,
+        epoch: spec.epoch,
+        store: ctx.store.clone(),
+        secret: ctx.secret.clone(),
+        connect_timeout: ctx.options.connect_timeout,
+        bind_ip: ctx.bind_ip,
+    };
+    let backend_impl = backends::create_on(&spec.backend, spec.device, init).await?;
+    start_with_backend(spec, backend_impl).await
+}
+
+/// Start the communicator's actor over an already connected backend.
+pub(crate) async fn start_with_backend(
+    spec: Spec,
+    backend_impl: Box<dyn backends::Backend>,
+) -> Result<Comm> {
     let Spec {
         backend,
         device,
@@ -221,18 +242,6 @@ pub(crate) async fn start(spec: Spec) -> Result<Comm> {
     } = spec;
     let name = ctx.name.clone();
     let options = &ctx.options;
-    let init = backends::BackendInit {
-        comm: name.clone(),
-        key_prefix: key_prefix.clone(),
-        rank,
-        size,
-        epoch,
-        store: ctx.store.clone(),
-        secret: ctx.secret.clone(),
-        connect_timeout: options.connect_timeout,
-        bind_ip: ctx.bind_ip,
-    };
-    let backend_impl = backends::create_on(&backend, device, init).await?;
     let backend_name = backend_impl.name();
     let state = Arc::new(AtomicU8::new(comm::STATE_ACTIVE));
     let poison = Arc::new(Mutex::new(None));

@@ -26,6 +26,11 @@
 //!   calling thread (`ExecHandle::try_run_inline`), saving the two
 //!   cross-thread wake-ups of the queue (caller to task, task back to
 //!   caller), which dominate small ops.
+//! - EX-7: a backend that can fail between ops (BE-3) is polled every
+//!   [`IDLE_POLL`] while the communicator is idle (no op holds the core).
+//!   An error found so is fatal, like one an op returned: it is published
+//!   (EX-4), recorded as the abort's cause (visible in `health()`), and the
+//!   communicator is aborted (EX-2), without waiting for its next op.
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,12 +41,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{CommInfo, CommMsg, Request};
-use crate::backends::{cpu::reduce, Backend, OpCtx, OpData};
+use crate::backends::{cpu::reduce, Backend, IdleCtx, OpCtx, OpData};
 use crate::comm::STATE_ABORTED;
 use crate::error::{Error, Result};
 use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
 use crate::tensor::{checked_sum, Tensor};
 use crate::work::Completion;
+
+/// EX-7: how often an idle communicator polls its backend for errors the
+/// library found on its own (BE-3). NCCL's own watchdogs poll at this scale;
+/// one `ncclCommGetAsyncError` costs well under a microsecond.
+pub(crate) const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Messages to the executor task: ops the actor forwards, and finalize.
 pub(crate) enum ExecMsg {
@@ -137,12 +147,19 @@ enum Outcome {
 
 impl Executor {
     pub(crate) async fn run(mut self) {
-        let (span, cancel) = {
+        let (span, cancel, poll) = {
             let core = self.core.lock().await;
-            (core.span(), core.cancel.clone())
+            (
+                core.span(),
+                core.cancel.clone(),
+                core.backend.polls_async_errors(),
+            )
         };
         let shared = self.core.clone();
         async move {
+            // EX-7: only backends that can fail on their own are polled.
+            let mut idle = tokio::time::interval(IDLE_POLL);
+            idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let msg = tokio::select! {
                     biased;
@@ -153,6 +170,17 @@ impl Executor {
                         return;
                     }
                     msg = self.rx.recv() => msg,
+                    _ = idle.tick(), if poll => {
+                        // An op in flight (inline, EX-6) holds the lock and
+                        // watches the library itself: skip this tick.
+                        let Ok(mut core) = shared.try_lock() else { continue };
+                        if !core.poll_idle().await {
+                            core.shutdown_aborted().await;
+                            self.drain(&core, |core| core.revoked_error());
+                            return;
+                        }
+                        continue;
+                    }
                 };
                 match msg {
                     Some(ExecMsg::Run(req)) => {
@@ -406,42 +434,71 @@ impl ExecCore {
                 completer.complete(Err(e));
                 true
             }
-            Outcome::Done(Err(mut e)) => {
-                tracing::warn!(error = %e, "fatal error; aborting communicator");
-                // EX-4: tell every rank, through the store, who failed. The
-                // first notice of the epoch wins, and this rank reports the
-                // winner's failed ranks: a rank that only saw a survivor close
-                // its links (because that survivor aborted after seeing the
-                // real failure) must not blame the survivor.
-                if let (
-                    Error::PeerFailed {
-                        failed_ranks,
-                        detail,
-                        ..
-                    },
-                    Some(w),
-                ) = (&mut e, &self.watchdog)
-                {
-                    if !failed_ranks.is_empty() {
-                        if let Some(n) =
-                            w.config.publish(failed_ranks.clone(), detail.clone()).await
-                        {
-                            if n.failed_ranks != *failed_ranks {
-                                *detail = format!(
-                                    "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
-                                    n.by, n.failed_ranks, n.detail
-                                );
-                                *failed_ranks = n.failed_ranks;
-                            }
-                        }
+            Outcome::Done(Err(e)) => {
+                let e = self.record_fatal(e).await;
+                completer.complete(Err(e));
+                false
+            }
+        }
+    }
+
+    /// EX-2, EX-4: a fatal error ends this communicator. Publish the peer
+    /// failure it names (if any) as the epoch's failure notice, record it as
+    /// the cause of the abort, and mark the communicator aborted. Returns the
+    /// error to report, with the notice's failed ranks when another rank's
+    /// notice came first.
+    async fn record_fatal(&mut self, mut e: Error) -> Error {
+        tracing::warn!(error = %e, "fatal error; aborting communicator");
+        // EX-4: tell every rank, through the store, who failed. The first
+        // notice of the epoch wins, and this rank reports the winner's failed
+        // ranks: a rank that only saw a survivor close its links (because
+        // that survivor aborted after seeing the real failure) must not blame
+        // the survivor.
+        if let (
+            Error::PeerFailed {
+                failed_ranks,
+                detail,
+                ..
+            },
+            Some(w),
+        ) = (&mut e, &self.watchdog)
+        {
+            if !failed_ranks.is_empty() {
+                if let Some(n) = w.config.publish(failed_ranks.clone(), detail.clone()).await {
+                    if n.failed_ranks != *failed_ranks {
+                        *detail = format!(
+                            "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                            n.by, n.failed_ranks, n.detail
+                        );
+                        *failed_ranks = n.failed_ranks;
                     }
                 }
-                if let Ok(mut p) = self.poison.lock() {
-                    p.get_or_insert(e.clone());
-                }
-                // Later submits must see the abort as soon as this op completes.
-                self.state.store(STATE_ABORTED, Ordering::Release);
-                completer.complete(Err(e));
+            }
+        }
+        if let Ok(mut p) = self.poison.lock() {
+            p.get_or_insert(e.clone());
+        }
+        // Later submits must see the abort as soon as this op completes.
+        self.state.store(STATE_ABORTED, Ordering::Release);
+        e
+    }
+
+    /// EX-7: poll the backend for an error found while no op runs (BE-3).
+    /// Returns false if the communicator must shut down.
+    async fn poll_idle(&mut self) -> bool {
+        if self.closed {
+            return true;
+        }
+        let ctx = IdleCtx {
+            comm: self.info.name.clone(),
+            rank: self.info.rank,
+            size: self.info.size,
+            epoch: self.info.epoch,
+        };
+        match self.backend.poll_async_error(&ctx) {
+            Ok(()) => true,
+            Err(e) => {
+                self.record_fatal(e).await;
                 false
             }
         }
@@ -647,4 +704,207 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         OpData::Barrier => Completion::Unit,
         OpData::P2P { ops } => Completion::Tensors(ops.into_iter().map(|t| t.buf).collect()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! EX-7 with a fake backend: a world of one rank, so every op reaches
+    //! `execute` without a header exchange and no heartbeats run.
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use async_trait::async_trait;
+
+    use crate::backends::{Backend, IdleCtx, OpCtx, OpData};
+    use crate::error::{Error, Result};
+    use crate::{CommOptions, Device, ReduceOp, Tensor};
+
+    /// What the fake backend saw.
+    #[derive(Default)]
+    struct Seen {
+        polls: AtomicUsize,
+        in_op: AtomicBool,
+        polled_during_op: AtomicBool,
+        aborted: AtomicBool,
+        /// Make the next poll report this error.
+        fail: std::sync::Mutex<Option<Error>>,
+    }
+
+    struct Fake {
+        polls: bool,
+        seen: Arc<Seen>,
+    }
+
+    #[async_trait]
+    impl Backend for Fake {
+        fn name(&self) -> &'static str {
+            "cpu"
+        }
+        async fn exchange_headers(
+            &mut self,
+            _ctx: &OpCtx,
+            _outgoing: Vec<(usize, u64, Vec<u8>)>,
+        ) -> Result<Vec<(usize, Vec<u8>)>> {
+            Ok(vec![])
+        }
+        async fn execute(&mut self, _ctx: &OpCtx, _data: &mut OpData) -> Result<()> {
+            self.seen.in_op.store(true, Ordering::SeqCst);
+            // Long enough for several idle ticks to fall inside the op.
+            tokio::time::sleep(super::IDLE_POLL * 3).await;
+            self.seen.in_op.store(false, Ordering::SeqCst);
+            Ok(())
+        }
+        async fn abort(&mut self, _reason: &str, _failed: &[usize]) {
+            self.seen.aborted.store(true, Ordering::SeqCst);
+        }
+        async fn finalize(&mut self) {}
+        fn polls_async_errors(&self) -> bool {
+            self.polls
+        }
+        fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
+            self.seen.polls.fetch_add(1, Ordering::SeqCst);
+            if self.seen.in_op.load(Ordering::SeqCst) {
+                self.seen.polled_during_op.store(true, Ordering::SeqCst);
+            }
+            match self.seen.fail.lock().expect("lock").take() {
+                Some(Error::PeerFailed { detail, .. }) => Err(ctx.peer_failed(vec![], detail)),
+                Some(e) => Err(e),
+                None => Ok(()),
+            }
+        }
+    }
+
+    fn comm_over(name: &str, fake: Fake) -> crate::Comm {
+        let store: Arc<dyn crate::transport::Store> =
+            Arc::new(crate::transport::MemoryStore::new());
+        let spec = crate::Spec {
+            backend: "cpu".into(),
+            device: Device::Cpu,
+            rank: 0,
+            size: 1,
+            epoch: 0,
+            key_prefix: format!("test/{name}/epoch/0"),
+            ctx: Arc::new(crate::elastic::CommCtx {
+                name: name.into(),
+                base: format!("test/{name}"),
+                store,
+                secret: Arc::from(Vec::new()),
+                bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+                options: CommOptions::single().with_timeout(Duration::from_secs(20)),
+                server: None,
+            }),
+            parent: None,
+        };
+        crate::runtime::block_on(crate::start_with_backend(spec, Box::new(fake)))
+            .expect("runtime")
+            .expect("start")
+    }
+
+    /// Wait (bounded) until `cond` holds.
+    fn eventually(what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn ex_7_an_error_found_while_idle_aborts_the_communicator() {
+        let seen = Arc::new(Seen::default());
+        let comm = comm_over(
+            "idle-error",
+            Fake {
+                polls: true,
+                seen: seen.clone(),
+            },
+        );
+        let t = comm
+            .all_reduce(Tensor::from_slice(&[1.0f32, 2.0]), ReduceOp::Sum)
+            .expect("healthy op");
+        assert_eq!(t.to_vec::<f32>(), vec![1.0, 2.0]);
+        *seen.fail.lock().expect("lock") = Some(Error::PeerFailed {
+            comm: String::new(),
+            rank: 0,
+            epoch: 0,
+            op: "",
+            failed_ranks: vec![],
+            detail: "remote process exited".into(),
+        });
+        // No op is submitted: the idle poll alone must find it.
+        eventually("the communicator is aborted", || !comm.is_active());
+        assert!(
+            seen.aborted.load(Ordering::SeqCst),
+            "backend not aborted (BE-2)"
+        );
+        let health = comm.health();
+        match &health.failure {
+            Some(Error::PeerFailed { op, detail, .. }) => {
+                assert_eq!(*op, IdleCtx::OP);
+                assert!(detail.contains("remote process exited"), "{detail}");
+            }
+            other => panic!("health does not carry the idle error: {other:?}"),
+        }
+        match comm.all_reduce(Tensor::from_slice(&[1.0f32]), ReduceOp::Sum) {
+            Err(Error::Aborted { reason, .. }) => {
+                assert!(reason.contains("remote process exited"), "{reason}")
+            }
+            other => panic!("expected Aborted after the idle error, got {other:?}"),
+        }
+        eventually("the poll stopped", || {
+            let n = seen.polls.load(Ordering::SeqCst);
+            std::thread::sleep(super::IDLE_POLL * 2);
+            seen.polls.load(Ordering::SeqCst) == n
+        });
+    }
+
+    #[test]
+    fn ex_7_idle_polls_never_overlap_an_op_inline_or_queued() {
+        let seen = Arc::new(Seen::default());
+        let comm = comm_over(
+            "idle-poll-ops",
+            Fake {
+                polls: true,
+                seen: seen.clone(),
+            },
+        );
+        eventually("the idle communicator is polled", || {
+            seen.polls.load(Ordering::SeqCst) >= 2
+        });
+        // Inline (blocking, nothing queued) and queued (async) ops, each
+        // spanning several poll intervals.
+        comm.barrier().expect("barrier");
+        let works: Vec<_> = (0..3).map(|_| comm.barrier_async()).collect();
+        for w in works {
+            w.wait().expect("queued barrier");
+        }
+        assert!(
+            !seen.polled_during_op.load(Ordering::SeqCst),
+            "the backend was polled while an op ran"
+        );
+        let before = seen.polls.load(Ordering::SeqCst);
+        eventually("polling resumes after the ops", || {
+            seen.polls.load(Ordering::SeqCst) > before
+        });
+        comm.finalize().expect("finalize");
+        assert!(!seen.aborted.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn ex_7_backends_without_async_errors_are_never_polled() {
+        let seen = Arc::new(Seen::default());
+        let comm = comm_over(
+            "no-poll",
+            Fake {
+                polls: false,
+                seen: seen.clone(),
+            },
+        );
+        // Ops spanning several poll intervals; any poll would be counted.
+        comm.barrier().expect("barrier");
+        comm.barrier_async().wait().expect("queued barrier");
+        comm.finalize().expect("finalize");
+        assert_eq!(seen.polls.load(Ordering::SeqCst), 0);
+    }
 }

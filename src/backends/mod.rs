@@ -38,6 +38,11 @@
 //!   same op on every participant, with buffers whose sizes match the headers.
 //! - BE-2: after `execute` or `exchange_headers` returns an error, or its future
 //!   is dropped, the executor calls `abort` before anything else.
+//! - BE-3: a backend whose library finds errors on its own (NCCL's
+//!   `ncclCommGetAsyncError`) says so with [`Backend::polls_async_errors`];
+//!   the executor then calls [`Backend::poll_async_error`] while the
+//!   communicator is idle, never during an op, and treats an error as fatal
+//!   exactly as if an op had returned it (BE-2 applies).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -186,6 +191,36 @@ impl OpCtx {
     }
 }
 
+/// Identifies an idle communicator polled for asynchronous errors (BE-3).
+#[derive(Debug, Clone)]
+pub struct IdleCtx {
+    /// Communicator name.
+    pub comm: String,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub size: usize,
+    /// Epoch.
+    pub epoch: u64,
+}
+
+impl IdleCtx {
+    /// The name errors found while idle carry as their op.
+    pub const OP: &'static str = "async error poll";
+
+    /// A `PeerFailed` error found while idle.
+    pub fn peer_failed(&self, failed: Vec<usize>, detail: impl Into<String>) -> Error {
+        Error::PeerFailed {
+            comm: self.comm.clone(),
+            rank: self.rank,
+            epoch: self.epoch,
+            op: Self::OP,
+            failed_ranks: failed,
+            detail: detail.into(),
+        }
+    }
+}
+
 /// One point-to-point transfer of a batch.
 #[derive(Debug)]
 pub struct P2PTransfer {
@@ -320,6 +355,22 @@ pub trait Backend: Send {
 
     /// Close all links after a clean shutdown (every rank finalizing).
     async fn finalize(&mut self);
+
+    /// Whether the library can fail on its own, between ops, so that the
+    /// executor must poll [`Backend::poll_async_error`] while idle (BE-3).
+    /// Read once, when the communicator starts.
+    fn polls_async_errors(&self) -> bool {
+        false
+    }
+
+    /// Report an error the library found asynchronously (a peer lost while
+    /// no op ran, a device fault). Called by the executor between ops only,
+    /// and only when [`Backend::polls_async_errors`]; must not block. An
+    /// error is fatal: the executor aborts the communicator (BE-2, BE-3).
+    fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
+        let _ = ctx;
+        Ok(())
+    }
 }
 
 /// Vendor worker threads (one per live `gloo` or `mpi` communicator) that

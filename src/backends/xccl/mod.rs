@@ -34,6 +34,11 @@
 //! - XC-6: header exchange, abort notices and finalize run over a
 //!   [`CpuBackend`] control mesh, so mismatch detection is the same as on
 //!   every other backend.
+//! - XC-7: while no op runs, the executor polls `ncclCommGetAsyncError`
+//!   (BE-3): an error NCCL finds between ops (a lost peer, a device fault)
+//!   aborts the communicator and reaches `health()` without waiting for the
+//!   next op. NCCL does not say which rank failed, so such an error names
+//!   none unless the heartbeats (WD-2) name one first.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -42,7 +47,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::cpu::CpuBackend;
-use super::{Backend, BackendInit, OpCtx, OpData};
+use super::{Backend, BackendInit, IdleCtx, OpCtx, OpData};
 use crate::comm::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -794,6 +799,41 @@ impl Backend for XcclBackend {
             self.comm = std::ptr::null_mut();
         }
         self.ctrl.finalize().await;
+    }
+
+    fn polls_async_errors(&self) -> bool {
+        true
+    }
+
+    /// XC-7: between ops, `ncclCommGetAsyncError` (BE-3), so a peer lost
+    /// while this rank is idle aborts the communicator now rather than at
+    /// its next op.
+    fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
+        if self.broken.is_some() || self.comm.is_null() {
+            // Already reported (the executor aborts after the first error).
+            return Ok(());
+        }
+        // SAFETY: live communicator; no op in flight (BE-3).
+        match unsafe { result::async_error(&self.api.nccl, self.comm) } {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let err = if e.nccl && plan::is_peer_failure(e.code) {
+                    ctx.peer_failed(
+                        vec![],
+                        format!("{} (found while idle): {e}", self.flavor.name()),
+                    )
+                } else {
+                    Error::Internal(format!(
+                        "{} on communicator {:?} rank {} (found while idle): {e}",
+                        self.flavor.name(),
+                        ctx.comm,
+                        ctx.rank
+                    ))
+                };
+                self.broken = Some(err.clone());
+                Err(err)
+            }
+        }
     }
 }
 
