@@ -33,8 +33,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::actors::executor::NativeSplit;
 use crate::actors::watchdog::{notice_key, Notice};
 use crate::actors::CommMsg;
+use crate::backends::{SplitArgs, SplitChild};
 use crate::comm::{Comm, CommOptions, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -337,7 +339,13 @@ impl Comm {
                 "rank 0 and rank {r} passed different rank lists to split"
             )));
         }
+        // BE-4: children numbered densely, the same way on every rank.
+        let mut colors: Vec<i64> = rows.iter().map(|row| row[0]).filter(|&c| c >= 0).collect();
+        colors.sort_unstable();
+        colors.dedup();
         let Some(color) = color else {
+            // A native split needs every parent rank, members or not.
+            self.native_split(None)?;
             return Ok(None);
         };
         let mut members: Vec<(i64, usize)> = rows
@@ -379,7 +387,27 @@ impl Comm {
             }),
             parent: Some(self.shared.actor.get_cell()),
         };
-        let child = crate::runtime::block_on(crate::start(spec))??;
+        let dense = colors
+            .iter()
+            .position(|&c| c == i64::from(color))
+            .ok_or_else(|| {
+                Error::Internal("split: this rank's color is not in the exchange".into())
+            })?;
+        let native = self.native_split(Some(SplitChild {
+            color: dense as u32,
+            init: spec.backend_init(),
+        }))?;
+        let child = match native {
+            NativeSplit::Unsupported => crate::runtime::block_on(crate::start(spec))??,
+            NativeSplit::Child(backend) => {
+                crate::runtime::block_on(crate::start_with_backend(spec, backend))??
+            }
+            NativeSplit::NoChild => {
+                return Err(Error::Internal(
+                    "split: the backend's native split gave a member no child".into(),
+                ))
+            }
+        };
         // AC-4: the parent finalizes/aborts it first. Wait until the parent
         // knows it, so that anything the caller does to the child next
         // (abort, drop) is seen as a child's.
@@ -399,6 +427,17 @@ impl Comm {
             let _ = work.wait();
         }
         Ok(Some(child))
+    }
+
+    /// BE-4: let the backend split its own communicator (every parent rank
+    /// calls this once per split, right after the agreement all_gather).
+    fn native_split(&self, child: Option<SplitChild>) -> Result<NativeSplit> {
+        let exec = self.shared.exec.clone();
+        let args = SplitArgs {
+            child,
+            timeout: self.shared.ctx.options.connect_timeout,
+        };
+        crate::runtime::block_on(async move { exec.native_split(args).await })?
     }
 
     /// Build the two levels of a hierarchy from this communicator: `local`

@@ -209,20 +209,26 @@ pub(crate) struct Spec {
 
 /// Connect the backend and start the communicator's actor.
 pub(crate) async fn start(spec: Spec) -> Result<Comm> {
-    let ctx = &spec.ctx;
-    let init = backends::BackendInit {
-        comm: ctx.name.clone(),
-        key_prefix: spec.key_prefix.clone(),
-        rank: spec.rank,
-        size: spec.size,
-        epoch: spec.epoch,
-        store: ctx.store.clone(),
-        secret: ctx.secret.clone(),
-        connect_timeout: ctx.options.connect_timeout,
-        bind_ip: ctx.bind_ip,
-    };
-    let backend_impl = backends::create_on(&spec.backend, spec.device, init).await?;
+    let backend_impl = backends::create_on(&spec.backend, spec.device, spec.backend_init()).await?;
     start_with_backend(spec, backend_impl).await
+}
+
+impl Spec {
+    /// How this communicator's backend connects.
+    pub(crate) fn backend_init(&self) -> backends::BackendInit {
+        let ctx = &self.ctx;
+        backends::BackendInit {
+            comm: ctx.name.clone(),
+            key_prefix: self.key_prefix.clone(),
+            rank: self.rank,
+            size: self.size,
+            epoch: self.epoch,
+            store: ctx.store.clone(),
+            secret: ctx.secret.clone(),
+            connect_timeout: ctx.options.connect_timeout,
+            bind_ip: ctx.bind_ip,
+        }
+    }
 }
 
 /// Start the communicator's actor over an already connected backend.

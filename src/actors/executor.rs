@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{CommInfo, CommMsg, Request};
-use crate::backends::{cpu::reduce, Backend, IdleCtx, OpCtx, OpData};
+use crate::backends::{cpu::reduce, Backend, IdleCtx, OpCtx, OpData, SplitArgs};
 use crate::comm::STATE_ABORTED;
 use crate::error::{Error, Result};
 use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
@@ -88,6 +88,40 @@ impl ExecHandle {
         let span = core.span();
         crate::runtime::handle().block_on(core.run_inline(req).instrument(span));
         None
+    }
+}
+
+/// What a native split gave this rank (BE-4).
+pub(crate) enum NativeSplit {
+    /// The backend has no native split: connect the child from scratch.
+    Unsupported,
+    /// The child's backend, connected.
+    Child(Box<dyn Backend>),
+    /// This rank joins no child.
+    NoChild,
+}
+
+impl ExecHandle {
+    /// BE-4: split the backend's communicator, between ops (the split takes
+    /// the core's lock like an op). Errors are fatal for this communicator,
+    /// which is aborted before this returns.
+    pub(crate) async fn native_split(&self, args: SplitArgs) -> Result<NativeSplit> {
+        let mut core = self.core.lock().await;
+        if core.closed {
+            return Err(core.closed_error());
+        }
+        if !core.backend.splits_natively() {
+            return Ok(NativeSplit::Unsupported);
+        }
+        match core.backend.split(args).await {
+            Ok(Some(child)) => Ok(NativeSplit::Child(child)),
+            Ok(None) => Ok(NativeSplit::NoChild),
+            Err(e) => {
+                let e = core.record_fatal(e).await;
+                core.shutdown_aborted().await;
+                Err(e)
+            }
+        }
     }
 }
 
@@ -716,7 +750,7 @@ mod tests {
 
     use async_trait::async_trait;
 
-    use crate::backends::{Backend, IdleCtx, OpCtx, OpData};
+    use crate::backends::{Backend, IdleCtx, OpCtx, OpData, SplitArgs};
     use crate::error::{Error, Result};
     use crate::{CommOptions, Device, ReduceOp, Tensor};
 
@@ -729,11 +763,33 @@ mod tests {
         aborted: AtomicBool,
         /// Make the next poll report this error.
         fail: std::sync::Mutex<Option<Error>>,
+        /// Native splits asked for: (color, child rank, child size, child
+        /// key prefix) per split, `None` for a rank joining no child.
+        splits: std::sync::Mutex<Vec<Option<AskedSplit>>>,
+        /// Make the next native split fail with this error.
+        split_fail: std::sync::Mutex<Option<Error>>,
+        /// What the children this backend split off saw.
+        children: std::sync::Mutex<Vec<Arc<Seen>>>,
+        executed: AtomicUsize,
     }
+
+    /// A member's native split: (color, child rank, child size, key prefix).
+    type AskedSplit = (u32, usize, usize, String);
 
     struct Fake {
         polls: bool,
+        native_split: bool,
         seen: Arc<Seen>,
+    }
+
+    impl Fake {
+        fn new(polls: bool, seen: &Arc<Seen>) -> Fake {
+            Fake {
+                polls,
+                native_split: false,
+                seen: seen.clone(),
+            }
+        }
     }
 
     #[async_trait]
@@ -748,7 +804,12 @@ mod tests {
         ) -> Result<Vec<(usize, Vec<u8>)>> {
             Ok(vec![])
         }
-        async fn execute(&mut self, _ctx: &OpCtx, _data: &mut OpData) -> Result<()> {
+        async fn execute(&mut self, _ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+            self.seen.executed.fetch_add(1, Ordering::SeqCst);
+            // A world of one: gathering is copying (split's agreement step).
+            if let OpData::AllGather { input, output, .. } = data {
+                output.as_bytes_mut().copy_from_slice(input.as_bytes());
+            }
             self.seen.in_op.store(true, Ordering::SeqCst);
             // Long enough for several idle ticks to fall inside the op.
             tokio::time::sleep(super::IDLE_POLL * 3).await;
@@ -772,6 +833,24 @@ mod tests {
                 Some(e) => Err(e),
                 None => Ok(()),
             }
+        }
+        fn splits_natively(&self) -> bool {
+            self.native_split
+        }
+        async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
+            self.seen.splits.lock().expect("lock").push(
+                args.child
+                    .as_ref()
+                    .map(|c| (c.color, c.init.rank, c.init.size, c.init.key_prefix.clone())),
+            );
+            if let Some(e) = self.seen.split_fail.lock().expect("lock").take() {
+                return Err(e);
+            }
+            Ok(args.child.map(|_| {
+                let seen = Arc::new(Seen::default());
+                self.seen.children.lock().expect("lock").push(seen.clone());
+                Box::new(Fake::new(false, &seen)) as Box<dyn Backend>
+            }))
         }
     }
 
@@ -813,13 +892,7 @@ mod tests {
     #[test]
     fn ex_7_an_error_found_while_idle_aborts_the_communicator() {
         let seen = Arc::new(Seen::default());
-        let comm = comm_over(
-            "idle-error",
-            Fake {
-                polls: true,
-                seen: seen.clone(),
-            },
-        );
+        let comm = comm_over("idle-error", Fake::new(true, &seen));
         let t = comm
             .all_reduce(Tensor::from_slice(&[1.0f32, 2.0]), ReduceOp::Sum)
             .expect("healthy op");
@@ -862,13 +935,7 @@ mod tests {
     #[test]
     fn ex_7_idle_polls_never_overlap_an_op_inline_or_queued() {
         let seen = Arc::new(Seen::default());
-        let comm = comm_over(
-            "idle-poll-ops",
-            Fake {
-                polls: true,
-                seen: seen.clone(),
-            },
-        );
+        let comm = comm_over("idle-poll-ops", Fake::new(true, &seen));
         eventually("the idle communicator is polled", || {
             seen.polls.load(Ordering::SeqCst) >= 2
         });
@@ -894,17 +961,69 @@ mod tests {
     #[test]
     fn ex_7_backends_without_async_errors_are_never_polled() {
         let seen = Arc::new(Seen::default());
-        let comm = comm_over(
-            "no-poll",
-            Fake {
-                polls: false,
-                seen: seen.clone(),
-            },
-        );
+        let comm = comm_over("no-poll", Fake::new(false, &seen));
         // Ops spanning several poll intervals; any poll would be counted.
         comm.barrier().expect("barrier");
         comm.barrier_async().wait().expect("queued barrier");
         comm.finalize().expect("finalize");
         assert_eq!(seen.polls.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn be_4_a_native_split_hands_the_child_the_backend_it_returns() {
+        let seen = Arc::new(Seen::default());
+        let mut fake = Fake::new(false, &seen);
+        fake.native_split = true;
+        let comm = comm_over("native-split", fake);
+        // Opting out still reaches the backend: the library may need every rank.
+        assert!(comm
+            .split_by_color(None, 0, "nobody")
+            .expect("opt-out split")
+            .is_none());
+        let child = comm
+            .split_by_color(Some(7), 3, "kid")
+            .expect("split")
+            .expect("member");
+        let splits = seen.splits.lock().expect("lock").clone();
+        assert_eq!(splits.len(), 2, "{splits:?}");
+        assert_eq!(splits[0], None);
+        let (color, rank, size, prefix) = splits[1].clone().expect("member split");
+        // Colors reach the backend dense, ranks as the child ranks.
+        assert_eq!((color, rank, size), (0, 0, 1));
+        assert!(prefix.contains("/split/1/7/"), "{prefix}");
+        // The child's ops run on the backend the split returned.
+        child.barrier().expect("child barrier");
+        let kids = seen.children.lock().expect("lock").clone();
+        assert_eq!(kids.len(), 1);
+        assert_eq!(kids[0].executed.load(Ordering::SeqCst), 1);
+        comm.barrier().expect("parent still usable");
+        comm.finalize().expect("finalize");
+        assert!(!child.is_active(), "the parent finalizes its child");
+    }
+
+    #[test]
+    fn be_4_a_failed_native_split_aborts_the_parent_with_the_cause() {
+        let seen = Arc::new(Seen::default());
+        let mut fake = Fake::new(false, &seen);
+        fake.native_split = true;
+        let comm = comm_over("native-split-fails", fake);
+        *seen.split_fail.lock().expect("lock") = Some(Error::Internal(
+            "ncclCommSplit: unhandled cuda error".into(),
+        ));
+        match comm.split(&[0], "kid") {
+            Err(Error::Internal(m)) => assert!(m.contains("unhandled cuda error"), "{m}"),
+            other => panic!("expected the split's error, got {other:?}"),
+        }
+        assert!(!comm.is_active(), "the parent must be aborted (BE-4)");
+        assert!(
+            seen.aborted.load(Ordering::SeqCst),
+            "backend not aborted (BE-2)"
+        );
+        match comm.barrier() {
+            Err(Error::Aborted { reason, .. }) => {
+                assert!(reason.contains("unhandled cuda error"), "{reason}")
+            }
+            other => panic!("expected Aborted, got {other:?}"),
+        }
     }
 }

@@ -43,6 +43,13 @@
 //!   the executor then calls [`Backend::poll_async_error`] while the
 //!   communicator is idle, never during an op, and treats an error as fatal
 //!   exactly as if an op had returned it (BE-2 applies).
+//! - BE-4: a backend whose library splits communicators itself
+//!   (`ncclCommSplit`) says so with [`Backend::splits_natively`]; a split
+//!   of its communicator then calls [`Backend::split`] on every parent
+//!   rank, between ops, after the ranks agreed on the split, and the child
+//!   runs on the backend it returns. An error is fatal for the parent.
+//!   Other backends' children connect from scratch, like a new
+//!   communicator.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -221,6 +228,28 @@ impl IdleCtx {
     }
 }
 
+/// A native split as one parent rank sees it (BE-4).
+#[derive(Debug, Clone)]
+pub struct SplitArgs {
+    /// The child this rank joins; `None` on a rank that joins none (it
+    /// still takes part: the library may need every parent rank).
+    pub child: Option<SplitChild>,
+    /// How long the split may take before it is abandoned.
+    pub timeout: Duration,
+}
+
+/// The child a rank joins in a native split (BE-4).
+#[derive(Debug, Clone)]
+pub struct SplitChild {
+    /// The child's color, dense: `0..k` for the `k` children of this split,
+    /// the same on every member of one child.
+    pub color: u32,
+    /// How the child connects: its name, key prefix, rank (members are
+    /// ranked by the split's key, ties by parent rank, so `init.rank` is
+    /// also the key to give the library) and size.
+    pub init: BackendInit,
+}
+
 /// One point-to-point transfer of a batch.
 #[derive(Debug)]
 pub struct P2PTransfer {
@@ -370,6 +399,29 @@ pub trait Backend: Send {
     fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
         let _ = ctx;
         Ok(())
+    }
+
+    /// Whether a split of this communicator goes through [`Backend::split`]
+    /// (BE-4). Asked at every split, on every parent rank; must give the
+    /// same answer on every rank of a communicator.
+    fn splits_natively(&self) -> bool {
+        false
+    }
+
+    /// Split this communicator with the library's own call (BE-4). Called on
+    /// every parent rank, in the same order relative to the parent's ops,
+    /// only when [`Backend::splits_natively`]. Returns the child's backend,
+    /// connected, on a rank with [`SplitArgs::child`], `None` on the others.
+    ///
+    /// # Errors
+    /// Whatever the library or the child's connection reports; fatal for
+    /// the parent.
+    async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
+        let _ = args;
+        Err(Error::Internal(format!(
+            "backend {} has no native split",
+            self.name()
+        )))
     }
 }
 

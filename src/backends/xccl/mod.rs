@@ -39,6 +39,11 @@
 //!   aborts the communicator and reaches `health()` without waiting for the
 //!   next op. NCCL does not say which rank failed, so such an error names
 //!   none unless the heartbeats (WD-2) name one first.
+//! - XC-8: `split` uses `ncclCommSplit` when the library has it (NCCL >=
+//!   2.18; BE-4): every parent rank calls it (non-members with
+//!   `NCCL_SPLIT_NOCOLOR`), the child's rank is the key, and the child gets
+//!   its own stream and control mesh. Without the symbol, a child connects
+//!   from a fresh unique id like any new communicator.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -47,7 +52,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::cpu::CpuBackend;
-use super::{Backend, BackendInit, IdleCtx, OpCtx, OpData};
+use super::{Backend, BackendInit, IdleCtx, OpCtx, OpData, SplitArgs};
 use crate::comm::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -266,37 +271,8 @@ impl XcclBackend {
         };
         // XC-6: the control mesh first, so every rank is known to be up.
         let ctrl = CpuBackend::connect(init.clone()).await?;
-        let mut me = XcclBackend {
-            flavor,
-            comm_name: init.comm.clone(),
-            rank: init.rank,
-            device,
-            api: api.clone(),
-            comm: std::ptr::null_mut(),
-            stream: std::ptr::null_mut(),
-            bufs: [
-                DevBuf {
-                    ptr: std::ptr::null_mut(),
-                    cap: 0,
-                },
-                DevBuf {
-                    ptr: std::ptr::null_mut(),
-                    cap: 0,
-                },
-            ],
-            ctrl,
-            broken: None,
-        };
-        {
-            let mut stream: sys::Stream = std::ptr::null_mut();
-            // SAFETY: plain runtime calls with out-parameters.
-            unsafe {
-                result::rt(&api.rt, "SetDevice", (api.rt.set_device)(device)).map_err(ctx_err)?;
-                result::rt(&api.rt, "StreamCreate", (api.rt.stream_create)(&mut stream))
-                    .map_err(ctx_err)?;
-            }
-            me.stream = stream;
-        }
+        let mut me =
+            XcclBackend::with_stream(flavor, &init, device, api.clone(), ctrl).map_err(ctx_err)?;
 
         // XC-2: unique id through the store.
         let key = format!("{}/{}/id", init.key_prefix, flavor.name());
@@ -352,29 +328,13 @@ impl XcclBackend {
             me.comm = comm;
             result::nccl(&api.nccl, "ncclCommInitRankConfig", r).map_err(ctx_err)?;
         }
-        let comm = SendPtr(me.comm);
         let deadline = Instant::now() + init.connect_timeout;
-        loop {
-            // SAFETY: `comm` was returned by init.
-            match unsafe { result::async_error(&api.nccl, comm.0) } {
-                Ok(true) => break,
-                Ok(false) if Instant::now() < deadline => tokio::time::sleep(POLL).await,
-                Ok(false) => {
-                    return Err(Error::PeerFailed {
-                        comm: init.comm.clone(),
-                        rank: init.rank,
-                        epoch: init.epoch,
-                        op: "new_comm",
-                        failed_ranks: vec![],
-                        detail: format!(
-                            "{} communicator init did not finish within {:?}; aborted",
-                            flavor.name(),
-                            init.connect_timeout
-                        ),
-                    })
-                }
-                Err(e) => return Err(ctx_err(e)),
+        match settle_new(&api, SendPtr(me.comm), deadline).await {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(init_timeout(flavor, &init, "communicator init"));
             }
+            Err(e) => return Err(ctx_err(e)),
         }
         tracing::info!(comm = %init.comm, rank = init.rank, device, version = api.version(), backend = flavor.name(), "vendor communicator ready");
         Ok(me)
@@ -725,7 +685,207 @@ fn outputs(d: &mut OpData, rank: usize) -> Vec<&mut Tensor> {
     }
 }
 
+/// Poll a communicator that a non-blocking init or split returned until it
+/// is ready (`Ok(true)`) or `deadline` passed (`Ok(false)`).
+async fn settle_new(
+    api: &Vendor,
+    comm: SendPtr,
+    deadline: Instant,
+) -> std::result::Result<bool, CallError> {
+    loop {
+        // SAFETY: `comm` was returned by init or split and not freed.
+        if unsafe { result::async_error(&api.nccl, comm.0)? } {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The error of an init or split that did not finish in time (XC-3).
+fn init_timeout(flavor: Flavor, init: &BackendInit, what: &str) -> Error {
+    Error::PeerFailed {
+        comm: init.comm.clone(),
+        rank: init.rank,
+        epoch: init.epoch,
+        op: "new_comm",
+        failed_ranks: vec![],
+        detail: format!(
+            "{} {what} did not finish within {:?}; aborted",
+            flavor.name(),
+            init.connect_timeout
+        ),
+    }
+}
+
 impl XcclBackend {
+    /// A backend with its own stream on `device` and no NCCL communicator
+    /// yet (`Drop` cleans up whatever was created).
+    fn with_stream(
+        flavor: Flavor,
+        init: &BackendInit,
+        device: c_int,
+        api: Arc<Vendor>,
+        ctrl: CpuBackend,
+    ) -> std::result::Result<XcclBackend, CallError> {
+        let mut me = XcclBackend {
+            flavor,
+            comm_name: init.comm.clone(),
+            rank: init.rank,
+            device,
+            api,
+            comm: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+            bufs: [
+                DevBuf {
+                    ptr: std::ptr::null_mut(),
+                    cap: 0,
+                },
+                DevBuf {
+                    ptr: std::ptr::null_mut(),
+                    cap: 0,
+                },
+            ],
+            ctrl,
+            broken: None,
+        };
+        let rt = &me.api.rt;
+        let mut stream: sys::Stream = std::ptr::null_mut();
+        // SAFETY: plain runtime calls with out-parameters.
+        unsafe {
+            result::rt(rt, "SetDevice", (rt.set_device)(device))?;
+            result::rt(rt, "StreamCreate", (rt.stream_create)(&mut stream))?;
+        }
+        me.stream = stream;
+        Ok(me)
+    }
+
+    /// XC-8: `ncclCommSplit` of this communicator (BE-4). Members connect
+    /// the child's control mesh first, then every parent rank calls the
+    /// split (non-members with `NCCL_SPLIT_NOCOLOR`), non-blocking, and
+    /// waits for the parent and the child to settle within the timeout.
+    /// Any failure leaves the parent broken (the executor aborts it).
+    async fn split_native(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        let flavor = self.flavor;
+        let name = self.comm_name.clone();
+        let unusable = move |what: String| {
+            Error::Internal(format!(
+                "{} split of communicator {name:?}: {what}",
+                flavor.name()
+            ))
+        };
+        let ctrl = match &args.child {
+            Some(c) => Some(CpuBackend::connect(c.init.clone()).await?),
+            None => None,
+        };
+        let (color, key) = match &args.child {
+            Some(c) => (
+                c_int::try_from(c.color)
+                    .map_err(|_| unusable(format!("color {} too large", c.color)))?,
+                c_int::try_from(c.init.rank)
+                    .map_err(|_| unusable("child rank too large".into()))?,
+            ),
+            None => (sys::NCCL_SPLIT_NOCOLOR, 0),
+        };
+        let child = match self.start_split(color, key) {
+            Ok(child) => child,
+            Err(e) => return Err(self.split_failed(None, unusable(e))),
+        };
+        let deadline = Instant::now() + args.timeout;
+        // The parent is busy until the split settled on it.
+        match settle_new(&self.api, SendPtr(self.comm), deadline).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let e = unusable(format!(
+                    "the parent did not settle within {:?}",
+                    args.timeout
+                ));
+                return Err(self.split_failed(child, e));
+            }
+            Err(e) => return Err(self.split_failed(child, unusable(e.to_string()))),
+        }
+        let (Some(ctrl), Some(c)) = (ctrl, args.child) else {
+            // NCCL_SPLIT_NOCOLOR: no child communicator.
+            if let Some(child) = child {
+                // SAFETY: an unexpected child of a non-member; never used.
+                let _ = unsafe { (self.api.nccl.comm_abort)(child.0) };
+            }
+            return Ok(None);
+        };
+        let Some(child) = child else {
+            let e = unusable("ncclCommSplit returned no child communicator".into());
+            return Err(self.split_failed(None, e));
+        };
+        match settle_new(&self.api, child, deadline).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let e = init_timeout(flavor, &c.init, "split");
+                return Err(self.split_failed(Some(child), e));
+            }
+            Err(e) => return Err(self.split_failed(Some(child), unusable(e.to_string()))),
+        }
+        let mut me =
+            match XcclBackend::with_stream(flavor, &c.init, self.device, self.api.clone(), ctrl) {
+                Ok(me) => me,
+                Err(e) => return Err(self.split_failed(Some(child), unusable(e.to_string()))),
+            };
+        me.comm = child.0;
+        tracing::info!(comm = %c.init.comm, rank = c.init.rank, size = c.init.size, parent = %self.comm_name, backend = flavor.name(), "vendor communicator split");
+        Ok(Some(Box::new(me)))
+    }
+
+    /// Issue `ncclCommSplit` (non-blocking) on the parent; the child, if
+    /// NCCL returned one.
+    fn start_split(
+        &mut self,
+        color: c_int,
+        key: c_int,
+    ) -> std::result::Result<Option<SendPtr>, String> {
+        let split = self
+            .api
+            .nccl
+            .comm_split
+            .ok_or_else(|| format!("{} has no ncclCommSplit", self.api.nccl.path))?;
+        if self.comm.is_null() {
+            return Err("the parent has no NCCL communicator (aborted)".into());
+        }
+        let mut config = sys::ncclConfig_t::new(false);
+        let mut child: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: live parent communicator, no op in flight (BE-4); device
+        // set first; out-parameter and config live across the call.
+        let r = unsafe {
+            (self.api.rt.set_device)(self.device);
+            split(self.comm, color, key, &mut child, &mut config)
+        };
+        let child = (!child.is_null()).then_some(SendPtr(child));
+        match result::nccl(&self.api.nccl, "ncclCommSplit", r) {
+            Ok(()) => Ok(child),
+            Err(e) => {
+                if let Some(c) = child {
+                    // SAFETY: returned by the failed split; never used again.
+                    let _ = unsafe { (self.api.nccl.comm_abort)(c.0) };
+                }
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// A failed split: abort the child NCCL may have created and mark the
+    /// parent broken (its executor aborts it, BE-4).
+    fn split_failed(&mut self, child: Option<SendPtr>, err: Error) -> Error {
+        if let Some(c) = child {
+            // SAFETY: returned by the split; never used again.
+            let _ = unsafe { (self.api.nccl.comm_abort)(c.0) };
+        }
+        self.broken = Some(err.clone());
+        err
+    }
+
     fn abort_comm(&mut self) {
         if !self.comm.is_null() {
             // SAFETY: live communicator; abort is allowed at any time.
@@ -803,6 +963,14 @@ impl Backend for XcclBackend {
 
     fn polls_async_errors(&self) -> bool {
         true
+    }
+
+    fn splits_natively(&self) -> bool {
+        self.api.nccl.comm_split.is_some()
+    }
+
+    async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
+        self.split_native(args).await
     }
 
     /// XC-7: between ops, `ncclCommGetAsyncError` (BE-3), so a peer lost

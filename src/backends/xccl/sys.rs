@@ -5,6 +5,8 @@
 //! tables, nothing else. Every symbol is resolved when the table is loaded,
 //! so a missing library or symbol is an error string at load time
 //! (XS-1), never a panic or a failure at the first call.
+//! XS-2: a symbol only newer releases have (`ncclCommSplit`) is optional:
+//! `None` when absent, and the feature that needs it falls back.
 //!
 //! The CUDA runtime (`cuda*`) and HIP (`hip*`) entry points used here have
 //! identical signatures and the same numeric values for the constants used
@@ -38,6 +40,8 @@ pub const RT_NOT_READY: RtError = 600;
 pub const MEMCPY_H2D: c_int = 1;
 /// `cudaMemcpyDeviceToHost` / `hipMemcpyDeviceToHost`.
 pub const MEMCPY_D2H: c_int = 2;
+/// `NCCL_SPLIT_NOCOLOR`: this rank takes part in a split but joins no child.
+pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
 /// `NCCL_UNIQUE_ID_BYTES`.
 pub const UNIQUE_ID_BYTES: usize = 128;
 
@@ -93,7 +97,11 @@ impl ncclConfig_t {
 }
 
 macro_rules! fn_table {
-    ($(#[$m:meta])* $name:ident { $($field:ident : $sym:literal => fn($($arg:ty),*) -> $ret:ty;)* }) => {
+    ($(#[$m:meta])* $name:ident {
+        $($field:ident : $sym:literal => fn($($arg:ty),*) -> $ret:ty;)*
+    } $(optional {
+        $($ofield:ident : $osym:literal => fn($($oarg:ty),*) -> $oret:ty;)*
+    })?) => {
         $(#[$m])*
         #[allow(missing_docs)]
         pub struct $name {
@@ -101,10 +109,12 @@ macro_rules! fn_table {
             /// The file the library was loaded from.
             pub path: String,
             $(pub $field: unsafe extern "C" fn($($arg),*) -> $ret,)*
+            $($(pub $ofield: Option<unsafe extern "C" fn($($oarg),*) -> $oret>,)*)?
         }
 
         impl $name {
-            /// Resolve every symbol (with `prefix` prepended) from `lib`.
+            /// Resolve every symbol (with `prefix` prepended) from `lib`;
+            /// an optional symbol the library lacks is `None` (XS-2).
             ///
             /// # Safety
             /// `lib` must be the library these signatures describe.
@@ -115,7 +125,14 @@ macro_rules! fn_table {
                         .get::<unsafe extern "C" fn($($arg),*) -> $ret>(sym.as_bytes())
                         .map_err(|e| format!("{path} lacks {}: {e}", sym.trim_end_matches('\0')))?;
                 )*
-                Ok($name { _lib: lib, path, $($field,)* })
+                $($(
+                    let sym = format!("{}{}\0", prefix, $osym);
+                    let $ofield = lib
+                        .get::<unsafe extern "C" fn($($oarg),*) -> $oret>(sym.as_bytes())
+                        .ok()
+                        .map(|f| *f);
+                )*)?
+                Ok($name { _lib: lib, path, $($field,)* $($($ofield,)*)? })
             }
         }
     };
@@ -140,6 +157,9 @@ fn_table! {
         recv: "Recv" => fn(*mut c_void, usize, ncclDataType_t, c_int, ncclComm_t, Stream) -> ncclResult_t;
         group_start: "GroupStart" => fn() -> ncclResult_t;
         group_end: "GroupEnd" => fn() -> ncclResult_t;
+    } optional {
+        // NCCL >= 2.18, RCCL from ROCm 6.0.
+        comm_split: "CommSplit" => fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut ncclConfig_t) -> ncclResult_t;
     }
 }
 
