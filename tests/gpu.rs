@@ -124,6 +124,51 @@ fn gpu_every_collective_matches_host_reference() {
     }
 }
 
+/// `split_by_color` on a GPU communicator goes through `ncclCommSplit`
+/// when the library has it (BE-4): children by parity, one opt-out rank
+/// when there are three or more, each child all-reduces its own members,
+/// and the parent stays usable.
+#[test]
+fn gpu_split_children_reduce_their_own_members() {
+    for flavor in flavors() {
+        let Some(n) = world(flavor) else { continue };
+        run_ranks_on(
+            flavor.name(),
+            n,
+            "gpu-split",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                let color = if n >= 3 && r == n - 1 {
+                    None
+                } else {
+                    Some((r % 2) as u32)
+                };
+                let child = comm.split_by_color(color, r as i64, "parity").unwrap();
+                match (color, child) {
+                    (None, None) => {}
+                    (Some(c), Some(child)) => {
+                        let members: Vec<usize> = (0..n)
+                            .filter(|&q| !(n >= 3 && q == n - 1) && (q % 2) as u32 == c)
+                            .collect();
+                        assert_eq!(child.size(), members.len());
+                        let out = child
+                            .all_reduce(input(DType::F32, r, 1024), ReduceOp::Sum)
+                            .unwrap();
+                        let want: Vec<f64> = (0..1024)
+                            .map(|i| members.iter().map(|&q| value(q, i)).sum())
+                            .collect();
+                        assert_close(DType::F32, &out, &want, "child all_reduce");
+                    }
+                    (c, got) => panic!("color {c:?} but child {:?}", got.map(|g| g.size())),
+                }
+                comm.barrier().unwrap();
+                comm.finalize().unwrap();
+            },
+        );
+    }
+}
+
 /// Bus bandwidth of all-reduce, f32, 1 MiB .. 256 MiB (staged through the
 /// host, so this measures the whole current data path, not NCCL alone).
 #[test]
