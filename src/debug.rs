@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub(crate) static LIVE_ACTORS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static LIVE_BACKENDS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static LIVE_WATCHDOGS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static SINGLE_COPY_READS: AtomicUsize = AtomicUsize::new(0);
 
 /// Communicator actors alive in this process (started and not yet stopped).
 pub fn live_actors() -> usize {
@@ -32,4 +33,11 @@ pub fn live_backends() -> usize {
 /// Watchdog (heartbeat) tasks running in this process.
 pub fn live_watchdogs() -> usize {
     LIVE_WATCHDOGS.load(Ordering::Acquire)
+}
+
+/// Payloads this process has read straight from a same-host peer's memory
+/// (`process_vm_readv`, the cpu backend's single-copy path for large
+/// transfers) instead of through a shared-memory ring.
+pub fn single_copy_reads() -> usize {
+    SINGLE_COPY_READS.load(Ordering::Acquire)
 }

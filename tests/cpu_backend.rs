@@ -199,6 +199,59 @@ async fn ring_shift_schedule_moves_each_block_to_the_next_rank() {
     .await;
 }
 
+/// SX-4: large payloads between same-host ranks are read from the sender's
+/// memory (one copy) when the ranks may read each other; results are the
+/// same as through the rings, for copies and reductions.
+#[tokio::test]
+async fn large_transfers_between_same_host_ranks_take_the_single_copy_path() {
+    bounded(async {
+        let size = 2;
+        let mut w = world(size).await;
+        let before = chorus::debug::single_copy_reads();
+        let n = 1 << 20; // 4 MiB of i32: every frame is above the threshold
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            let mut reduce = OpData::AllReduce {
+                buf: Tensor::from_vec((0..n).map(|i| (i + r) as i32).collect()),
+                op: ReduceOp::Sum,
+            };
+            b.execute(&ctx(r, size, OpKind::AllReduce, 1), &mut reduce)
+                .await
+                .expect("all_reduce");
+            let mut gather = OpData::AllGather {
+                input: Tensor::from_vec(vec![r as i32 + 1; n]),
+                output: Tensor::zeros(DType::I32, n * size),
+                counts: vec![n; size],
+            };
+            b.execute(&ctx(r, size, OpKind::AllGather, 2), &mut gather)
+                .await
+                .expect("all_gather");
+            (reduce, gather)
+        }))
+        .await;
+        for (r, (reduce, gather)) in res.into_iter().enumerate() {
+            let OpData::AllReduce { buf, .. } = reduce else {
+                unreachable!()
+            };
+            let want: Vec<i32> = (0..n).map(|i| (2 * i + 1) as i32).collect();
+            assert!(buf.to_vec::<i32>() == want, "rank {r}: all_reduce result");
+            let OpData::AllGather { output, .. } = gather else {
+                unreachable!()
+            };
+            let got = output.to_vec::<i32>();
+            assert!(got[..n].iter().all(|&v| v == 1), "rank {r}: block 0");
+            assert!(got[n..].iter().all(|&v| v == 2), "rank {r}: block 1");
+        }
+        let reads = chorus::debug::single_copy_reads() - before;
+        if std::env::var("CHORUS_SHM_CMA").as_deref() == Ok("0") {
+            assert_eq!(reads, 0);
+        } else {
+            // Ranks in one process can always read each other.
+            assert!(reads >= 4, "only {reads} single-copy reads");
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn p2p_batch_with_several_transfers_per_peer_in_both_directions() {
     bounded(async {

@@ -849,12 +849,16 @@ pub(crate) async fn setup_shm(
                 .ok()
                 .filter(|p| p.starts_with(&format!("{SHM_DIR}/chorus-")) && !p.contains(".."))
                 .and_then(|p| match ShmSegment::open(Path::new(&p)) {
-                    Ok(s) => Some(s),
+                    Ok(s) => Some(RingProducer::new(s)),
                     Err(e) => {
                         tracing::debug!(peer, error = %e, "cannot map the peer's shm ring");
                         None
                     }
                 });
+            // SH-5: before our ok, so the peer can probe us once it has it.
+            if let Some(p) = &outgoing {
+                p.advertise_cma();
+            }
             let ok = [u8::from(incoming.is_some() && outgoing.is_some())];
             let mut ack = Vec::new();
             let (sent, got) = futures::future::join(
@@ -881,7 +885,10 @@ pub(crate) async fn setup_shm(
             got?;
             Ok::<_, Error>(match (incoming, outgoing) {
                 (Some(i), Some(o)) if ok[0] == 1 && ack == [1] => {
-                    Some((peer, RingProducer::new(o), RingConsumer::new(i)))
+                    let rx = RingConsumer::new(i);
+                    let cma = cma_enabled() && rx.probe_cma();
+                    tracing::debug!(peer, cma, "shared-memory link");
+                    Some((peer, o, rx))
                 }
                 _ => None,
             })
@@ -895,6 +902,12 @@ pub(crate) async fn setup_shm(
     }
     tracing::debug!(rank = me, peers = ?same, "shared-memory links set up");
     Ok(out)
+}
+
+/// Whether single-copy transfers may be used (SH-5); `CHORUS_SHM_CMA=0`
+/// turns them off.
+fn cma_enabled() -> bool {
+    std::env::var("CHORUS_SHM_CMA").map_or(true, |v| v != "0")
 }
 
 /// Connect the full mesh for `init`: returns one authenticated stream per

@@ -34,6 +34,19 @@
 //! - SH-4: each side publishes its counter at least every [`PUBLISH`]
 //!   bytes, so producer and consumer copy concurrently (pipelining) instead
 //!   of taking turns over the whole ring.
+//! - SH-5: single copy (CMA). The producer advertises its pid and the
+//!   address of a known word in the ring header; the consumer probes it with
+//!   `process_vm_readv` and, only if that reads back the right value, sets
+//!   `cma_ok`. Only then may the producer send a large payload as its
+//!   address instead of its bytes; the consumer reads it straight out of the
+//!   producer's memory and counts it in `cma_done`, and the producer keeps
+//!   the buffer untouched until `cma_done` reaches its ticket. A consumer
+//!   that cannot read the producer (Yama `ptrace_scope` >= 1, other pid
+//!   namespaces, `CHORUS_SHM_CMA=0`) never sets `cma_ok`, and everything
+//!   goes through the ring as before. A producer that abandons a transfer
+//!   before its ack (cancelled op) sets `cma_revoked` before its buffer can
+//!   be freed; a consumer checks it after every read and fails rather than
+//!   keep bytes that may have changed under it.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -50,6 +63,17 @@ const OFF_SPACE_SEQ: usize = 192;
 const OFF_PROD_WAITING: usize = 196;
 const OFF_MAGIC: usize = 256;
 const OFF_CAPACITY: usize = 264;
+/// CMA (SH-5): the producer's pid, and the address of [`CMA_PROBE`] in its
+/// address space, for the consumer's probe.
+const OFF_CMA_PID: usize = 272;
+const OFF_CMA_ADDR: usize = 280;
+/// Set to 1 by the consumer once it can read the producer's memory.
+const OFF_CMA_OK: usize = 288;
+/// Single-copy transfers the consumer has finished reading (SH-5).
+const OFF_CMA_DONE: usize = 320;
+/// Set by a producer that gave up on a transfer the consumer may still be
+/// reading (its op was cancelled): the buffer may be gone (SH-5).
+const OFF_CMA_REVOKED: usize = 328;
 const OFF_DATA: usize = 512;
 const MAGIC: u64 = u64::from_le_bytes(*b"CHSHMRG1");
 
@@ -285,29 +309,123 @@ fn wake_if_waiting(seq: &AtomicU32, flag: &AtomicU32) {
     }
 }
 
+/// The word a consumer reads through `process_vm_readv` to check that it
+/// may (SH-5).
+static CMA_PROBE: u64 = u64::from_le_bytes(*b"CHCMAOK1");
+
+/// Copy `dst.len()` bytes at `addr` in process `pid` into `dst` with
+/// `process_vm_readv` (cross-memory attach). Any failure, including a
+/// short read the kernel will not finish, is an error.
+pub(crate) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0usize;
+    while done < dst.len() {
+        let rest = &mut dst[done..];
+        let local = libc::iovec {
+            iov_base: rest.as_mut_ptr().cast(),
+            iov_len: rest.len(),
+        };
+        let remote = libc::iovec {
+            iov_base: (addr as usize).wrapping_add(done) as *mut libc::c_void,
+            iov_len: rest.len(),
+        };
+        // SAFETY: `local` describes `rest`, memory this process owns and
+        // may write; the remote range is only read, by the kernel, which
+        // checks it against the other process's mappings (EFAULT if bad).
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            return Err(os_err("process_vm_readv"));
+        }
+        if n == 0 {
+            return Err(std::io::Error::other("process_vm_readv read nothing"));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
 /// The writing end of a ring.
 #[derive(Debug, Clone)]
 pub(crate) struct RingProducer {
     seg: Arc<ShmSegment>,
+    /// Single-copy transfers sent so far (SH-5).
+    tickets: Arc<AtomicU64>,
 }
 
 /// The reading end of a ring.
 #[derive(Debug, Clone)]
 pub(crate) struct RingConsumer {
     seg: Arc<ShmSegment>,
+    /// The producer's pid once the CMA probe succeeded, else 0 (SH-5).
+    cma_pid: Arc<std::sync::atomic::AtomicI32>,
 }
 
 /// Both ends of one ring over the same segment.
 #[cfg(test)]
 pub(crate) fn ring(seg: ShmSegment) -> (RingProducer, RingConsumer) {
     let seg = Arc::new(seg);
-    (RingProducer { seg: seg.clone() }, RingConsumer { seg })
+    (
+        RingProducer::from_arc(seg.clone()),
+        RingConsumer::from_arc(seg),
+    )
 }
 
 impl RingProducer {
     /// The producing end of `seg`.
     pub(crate) fn new(seg: ShmSegment) -> RingProducer {
-        RingProducer { seg: Arc::new(seg) }
+        RingProducer::from_arc(Arc::new(seg))
+    }
+
+    fn from_arc(seg: Arc<ShmSegment>) -> RingProducer {
+        RingProducer {
+            seg,
+            tickets: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// SH-5: publish this process's pid and the address of [`CMA_PROBE`]
+    /// for the consumer's probe.
+    pub(crate) fn advertise_cma(&self) {
+        let s = &self.seg;
+        s.u32_at(OFF_CMA_PID)
+            .store(std::process::id(), Ordering::Relaxed);
+        s.u64_at(OFF_CMA_ADDR).store(
+            std::ptr::addr_of!(CMA_PROBE) as usize as u64,
+            Ordering::Release,
+        );
+    }
+
+    /// Whether the consumer can read this process's memory (SH-5).
+    pub(crate) fn cma_ok(&self) -> bool {
+        self.seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) == 1
+    }
+
+    /// Take the ticket of a single-copy transfer whose descriptor was just
+    /// written: the buffer is free again once [`RingProducer::cma_done`]
+    /// reaches it.
+    pub(crate) fn take_ticket(&self) -> u64 {
+        self.tickets.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether the consumer finished reading transfer `ticket` (SH-5).
+    pub(crate) fn cma_done(&self, ticket: u64) -> bool {
+        self.seg.u64_at(OFF_CMA_DONE).load(Ordering::Acquire) >= ticket
+    }
+
+    /// Give up on every transfer not yet read: the consumer must not trust
+    /// what it reads from now on (SH-5). Called before the buffers can go.
+    pub(crate) fn revoke_cma(&self) {
+        self.seg.u64_at(OFF_CMA_REVOKED).store(1, Ordering::SeqCst);
+    }
+
+    /// Sleep until transfer `ticket` was read or `timeout` passes.
+    pub(crate) fn wait_cma(&self, ticket: u64, timeout: Duration) {
+        let s = &self.seg;
+        sleep_unless(
+            s.u32_at(OFF_SPACE_SEQ),
+            s.u32_at(OFF_PROD_WAITING),
+            timeout,
+            || self.cma_done(ticket),
+        );
     }
 
     /// Bytes that can be written now (SH-3: clamped).
@@ -358,7 +476,58 @@ impl RingProducer {
 impl RingConsumer {
     /// The consuming end of `seg`.
     pub(crate) fn new(seg: ShmSegment) -> RingConsumer {
-        RingConsumer { seg: Arc::new(seg) }
+        RingConsumer::from_arc(Arc::new(seg))
+    }
+
+    fn from_arc(seg: Arc<ShmSegment>) -> RingConsumer {
+        RingConsumer {
+            seg,
+            cma_pid: Arc::new(std::sync::atomic::AtomicI32::new(0)),
+        }
+    }
+
+    /// SH-5: try to read the producer's advertised probe word; on success
+    /// remember its pid and tell the producer (`cma_ok`). Returns whether
+    /// single copy is on for this ring.
+    pub(crate) fn probe_cma(&self) -> bool {
+        let s = &self.seg;
+        let addr = s.u64_at(OFF_CMA_ADDR).load(Ordering::Acquire);
+        let pid = s.u32_at(OFF_CMA_PID).load(Ordering::Relaxed);
+        let Ok(pid) = i32::try_from(pid) else {
+            return false;
+        };
+        if pid <= 0 || addr == 0 {
+            return false;
+        }
+        let mut word = [0u8; 8];
+        match cma_read(pid, addr, &mut word) {
+            Ok(()) if u64::from_le_bytes(word) == CMA_PROBE => {
+                self.cma_pid.store(pid, Ordering::Relaxed);
+                s.u32_at(OFF_CMA_OK).store(1, Ordering::Release);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The producer's pid if single copy is on for this ring (SH-5).
+    pub(crate) fn cma_pid(&self) -> Option<i32> {
+        Some(self.cma_pid.load(Ordering::Relaxed)).filter(|&p| p > 0)
+    }
+
+    /// Whether the producer abandoned its transfers (SH-5): checked after
+    /// each read, so bytes read before the producer let its buffer go are
+    /// the only ones ever kept.
+    pub(crate) fn cma_revoked(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.seg.u64_at(OFF_CMA_REVOKED).load(Ordering::SeqCst) != 0
+    }
+
+    /// Count one single-copy transfer as read and wake the producer (SH-5).
+    pub(crate) fn cma_ack(&self) {
+        let s = &self.seg;
+        s.u64_at(OFF_CMA_DONE).fetch_add(1, Ordering::Release);
+        wake_if_waiting(s.u32_at(OFF_SPACE_SEQ), s.u32_at(OFF_PROD_WAITING));
     }
 
     /// Bytes readable now (SH-3: clamped).
@@ -409,6 +578,49 @@ impl RingConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sh_5_single_copy_is_on_only_after_a_successful_probe() {
+        let (p, c) = ring(ShmSegment::anonymous(4096).unwrap());
+        // Nothing advertised: the probe fails, the producer keeps the ring.
+        assert!(!c.probe_cma());
+        assert!(!p.cma_ok());
+        assert_eq!(c.cma_pid(), None);
+        p.advertise_cma();
+        assert!(c.probe_cma(), "this process can read itself");
+        assert!(p.cma_ok());
+        assert_eq!(c.cma_pid(), Some(std::process::id() as i32));
+        // Tickets complete in order as the consumer acks them.
+        let (t1, t2) = (p.take_ticket(), p.take_ticket());
+        assert!(!p.cma_done(t1));
+        c.cma_ack();
+        assert!(p.cma_done(t1) && !p.cma_done(t2));
+        c.cma_ack();
+        assert!(p.cma_done(t2));
+        // A producer that abandons a transfer tells the consumer.
+        assert!(!c.cma_revoked());
+        p.revoke_cma();
+        assert!(c.cma_revoked());
+    }
+
+    #[test]
+    fn sh_5_cma_read_copies_and_reports_bad_addresses() {
+        let src: Vec<u8> = (0..3 * 4096 + 17).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        let pid = std::process::id() as i32;
+        cma_read(pid, src.as_ptr() as usize as u64, &mut dst).unwrap();
+        assert_eq!(dst, src);
+        // An address the "peer" does not map is an error, not a crash.
+        let err = cma_read(pid, 8, &mut dst[..16]).unwrap_err();
+        assert!(err.to_string().contains("process_vm_readv"), "{err}");
+        // A probe word that is not ours is refused.
+        let (p, c) = ring(ShmSegment::anonymous(4096).unwrap());
+        p.advertise_cma();
+        p.seg
+            .u64_at(OFF_CMA_ADDR)
+            .store(src.as_ptr() as usize as u64, Ordering::Release);
+        assert!(!c.probe_cma());
+    }
 
     #[test]
     fn sh_4_large_transfers_are_published_in_steps() {

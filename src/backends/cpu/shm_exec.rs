@@ -24,6 +24,12 @@
 //!   `PeerFailed`, a readable one carries the peer's Abort frame (nothing
 //!   else travels on the TCP link of a shared-memory peer) and becomes
 //!   `PeerFailed` with the peer's reason.
+//! - SX-4: a payload of at least [`CMA_MIN`] bytes to a peer that can read
+//!   this process's memory (SH-5) travels as its address (prefix flag byte
+//!   2 = 1, 8 address bytes); the receiver copies or reduces it straight
+//!   from the sender's buffer with `process_vm_readv`, then acks, and the
+//!   send completes only after the ack, so the buffer is never changed while
+//!   it is read. One copy instead of two (into the ring, out of it).
 //! - SX-3: on a current-thread runtime the engine never sleeps in the
 //!   kernel (the peer may be a task on the same thread): it yields to the
 //!   runtime instead.
@@ -32,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use super::link::{FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
 use super::reduce;
-use super::shm::{RingConsumer, RingProducer};
+use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
 
@@ -40,6 +46,14 @@ use crate::error::Result;
 const PREFIX: usize = 24;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
+/// Smallest payload sent as an address (SX-4). Below it the ring's two
+/// pipelined copies cost less than the ack round trip.
+const CMA_MIN: usize = 256 << 10;
+/// Bytes read per `process_vm_readv` into a reduction's scratch buffer
+/// (fits in cache, so the reduction reads it back from there).
+const CMA_REDUCE_STEP: usize = 256 << 10;
+/// Bytes read per `process_vm_readv` straight into the destination.
+const CMA_COPY_STEP: usize = 1 << 20;
 /// Longest single futex sleep.
 const SLEEP: Duration = Duration::from_micros(50);
 /// Longest time spent blocking before returning to the runtime (SX-2).
@@ -54,10 +68,11 @@ pub(crate) struct ShmLink {
     pub(crate) rx: RingConsumer,
 }
 
-fn prefix(kind: FrameKind, class: FrameClass, seq: u64, len: u64) -> [u8; PREFIX] {
+fn prefix(kind: FrameKind, class: FrameClass, seq: u64, len: u64, cma: bool) -> [u8; PREFIX] {
     let mut h = [0u8; PREFIX];
     h[0] = kind as u8;
     h[1] = class as u8;
+    h[2] = u8::from(cma);
     h[8..16].copy_from_slice(&seq.to_le_bytes());
     h[16..24].copy_from_slice(&len.to_le_bytes());
     h
@@ -71,29 +86,54 @@ struct SendJob<'a> {
     ring: &'a RingProducer,
     prefix: [u8; PREFIX],
     payload: &'a [u8],
+    /// SX-4: the payload's address, sent instead of its bytes.
+    desc: Option<[u8; 8]>,
+    /// SX-4: the ticket of the descriptor, once written.
+    ticket: Option<u64>,
     pos: usize,
 }
 
 impl SendJob<'_> {
+    /// Bytes this job puts in the ring after the prefix.
+    fn wire_len(&self) -> usize {
+        match self.desc {
+            Some(d) => d.len(),
+            None => self.payload.len(),
+        }
+    }
+
     fn total(&self) -> usize {
-        padded(self.payload.len())
+        padded(self.wire_len())
+    }
+
+    fn written(&self) -> bool {
+        self.pos >= self.total()
     }
 
     fn done(&self) -> bool {
-        self.pos >= self.total()
+        self.written() && self.ticket.is_none_or(|t| self.ring.cma_done(t))
+    }
+
+    /// SX-4: the ticket this job waits on, if it is waiting for a read.
+    fn awaiting_read(&self) -> Option<u64> {
+        self.ticket.filter(|&t| !self.ring.cma_done(t))
     }
 
     /// Write what fits; returns whether anything was written.
     fn progress(&mut self) -> bool {
         const ZEROS: [u8; 8] = [0u8; 8];
         let mut any = false;
-        while !self.done() {
+        while !self.written() {
             let p = self.pos;
-            let l = self.payload.len();
+            let l = self.wire_len();
+            let body: &[u8] = match &self.desc {
+                Some(d) => d,
+                None => self.payload,
+            };
             let src = if p < PREFIX {
                 &self.prefix[p..]
             } else if p < PREFIX + l {
-                &self.payload[p - PREFIX..]
+                &body[p - PREFIX..]
             } else {
                 &ZEROS[..self.total() - p]
             };
@@ -104,8 +144,33 @@ impl SendJob<'_> {
             self.pos += n;
             any = true;
         }
+        if self.written() && self.desc.is_some() && self.ticket.is_none() {
+            self.ticket = Some(self.ring.take_ticket());
+        }
         any
     }
+}
+
+impl Drop for SendJob<'_> {
+    /// SX-4: an op cancelled while the peer may still read this buffer
+    /// revokes the transfer before the buffer can be freed (SH-5).
+    fn drop(&mut self) {
+        let in_flight = self.desc.is_some() && self.pos > 0 && !self.done();
+        if in_flight {
+            self.ring.revoke_cma();
+        }
+    }
+}
+
+/// SX-4: a payload being read from the sender's memory.
+struct CmaRecv {
+    pid: i32,
+    /// The sender's address, as it arrives from the ring.
+    desc: [u8; 8],
+    /// Payload bytes read so far.
+    off: usize,
+    acked: bool,
+    scratch: Vec<u8>,
 }
 
 struct RecvJob<'a> {
@@ -119,17 +184,94 @@ struct RecvJob<'a> {
     got: usize,
     /// Payload length, once the prefix is in.
     len: usize,
+    /// SX-4: set when the prefix announces a single-copy payload.
+    cma: Option<CmaRecv>,
 }
 
 impl RecvJob<'_> {
     fn done(&self) -> bool {
-        self.got >= PREFIX && self.got >= padded(self.len)
+        match &self.cma {
+            Some(c) => c.acked,
+            None => self.got >= PREFIX && self.got >= padded(self.len),
+        }
+    }
+
+    /// SX-4: take the address out of the ring, read the payload from the
+    /// sender's memory a step at a time, then ack.
+    fn progress_cma(&mut self, ctx: &OpCtx) -> Result<bool> {
+        let Some(c) = self.cma.as_mut() else {
+            return Ok(false);
+        };
+        if self.got < PREFIX + 8 {
+            let (at, desc) = (self.got - PREFIX, &mut c.desc);
+            let n = self.ring.consume_with(PREFIX + 8 - self.got, |b| {
+                desc[at..at + b.len()].copy_from_slice(b);
+                b.len()
+            });
+            self.got += n;
+            return Ok(n > 0);
+        }
+        let peer = self.peer;
+        let addr = u64::from_le_bytes(c.desc).wrapping_add(c.off as u64);
+        let failed = |e: std::io::Error| {
+            ctx.peer_failed(
+                vec![peer],
+                format!("cannot read rank {peer}'s buffer (single copy): {e}"),
+            )
+        };
+        if c.off < self.len {
+            let off = c.off;
+            // `accepts` checked the length against every target (SX-1).
+            let step = match &mut self.into {
+                RecvInto::Exact(buf) => {
+                    let step = (self.len - off).min(CMA_COPY_STEP);
+                    shm::cma_read(c.pid, addr, &mut buf[off..off + step]).map_err(failed)?;
+                    step
+                }
+                RecvInto::Bounded(buf, _) => {
+                    let step = (self.len - off).min(CMA_COPY_STEP);
+                    shm::cma_read(c.pid, addr, &mut buf[off..off + step]).map_err(failed)?;
+                    step
+                }
+                RecvInto::Reduce(buf, dtype, op) => {
+                    let es = dtype.size();
+                    let step = (self.len - off).min(CMA_REDUCE_STEP / es * es);
+                    c.scratch.resize(step, 0);
+                    shm::cma_read(c.pid, addr, &mut c.scratch).map_err(failed)?;
+                    reduce::reduce_into(*dtype, *op, &mut buf[off..off + step], &c.scratch)?;
+                    step
+                }
+            };
+            if self.ring.cma_revoked() {
+                return Err(ctx.peer_failed(
+                    vec![peer],
+                    format!("rank {peer} abandoned a transfer while it was being read"),
+                ));
+            }
+            c.off += step;
+            return Ok(true);
+        }
+        if !c.acked {
+            self.ring.cma_ack();
+            c.acked = true;
+            crate::debug::SINGLE_COPY_READS.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// Read what has arrived; returns whether anything was consumed.
     fn progress(&mut self, ctx: &OpCtx) -> Result<bool> {
         let mut any = false;
         loop {
+            if self.cma.is_some() {
+                let more = self.progress_cma(ctx)?;
+                any |= more;
+                if !more || self.done() {
+                    return Ok(any);
+                }
+                continue;
+            }
             if self.got < PREFIX {
                 let (got, head) = (self.got, &mut self.head);
                 let n = self.ring.consume_with(PREFIX - got, |b| {
@@ -196,7 +338,8 @@ impl RecvJob<'_> {
         let peer = self.peer;
         if h[0] != self.kind as u8
             || h[1] != self.class as u8
-            || h[2..8] != [0u8; 6]
+            || h[2] > 1
+            || h[3..8] != [0u8; 5]
             || seq != self.seq
         {
             return Err(ctx.mismatch(format!(
@@ -211,6 +354,21 @@ impl RecvJob<'_> {
         if let RecvInto::Bounded(buf, _) = &mut self.into {
             buf.clear();
             buf.resize(self.len, 0);
+        }
+        if h[2] == 1 {
+            // SX-4: only a sender this rank probed successfully sends addresses.
+            let pid = self.ring.cma_pid().ok_or_else(|| {
+                ctx.mismatch(format!(
+                    "rank {peer} sent a buffer address, but this rank cannot read its memory"
+                ))
+            })?;
+            self.cma = Some(CmaRecv {
+                pid,
+                desc: [0; 8],
+                off: 0,
+                acked: false,
+                scratch: Vec::new(),
+            });
         }
         Ok(())
     }
@@ -245,11 +403,16 @@ pub(crate) async fn run_shm(
         let l = link(peer)?;
         let q = frames
             .into_iter()
-            .map(|(kind, seq, payload)| SendJob {
-                ring: &l.tx,
-                prefix: prefix(kind, class, seq, payload.len() as u64),
-                payload,
-                pos: 0,
+            .map(|(kind, seq, payload)| {
+                let cma = payload.len() >= CMA_MIN && l.tx.cma_ok();
+                SendJob {
+                    ring: &l.tx,
+                    prefix: prefix(kind, class, seq, payload.len() as u64, cma),
+                    payload,
+                    desc: cma.then(|| (payload.as_ptr() as usize as u64).to_le_bytes()),
+                    ticket: None,
+                    pos: 0,
+                }
             })
             .collect();
         send_q.push((peer, q));
@@ -269,6 +432,7 @@ pub(crate) async fn run_shm(
                 head: [0u8; PREFIX],
                 got: 0,
                 len: 0,
+                cma: None,
             })
             .collect();
         recv_q.push((peer, q));
@@ -319,7 +483,10 @@ pub(crate) async fn run_shm(
             if let Some(j) = recv_q.first().and_then(|(_, q)| q.front()) {
                 j.ring.wait_data(SLEEP);
             } else if let Some(j) = send_q.first().and_then(|(_, q)| q.front()) {
-                j.ring.wait_space(SLEEP);
+                match j.awaiting_read() {
+                    Some(t) => j.ring.wait_cma(t, SLEEP),
+                    None => j.ring.wait_space(SLEEP),
+                }
             }
         }
         // SX-2: liveness of every peer still pending.
