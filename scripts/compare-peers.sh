@@ -12,7 +12,9 @@
 # the peers venv installs). Not run in CI: it installs packages and takes
 # minutes. Environment: PEERS_DIR (venvs, default target/peers), OUT
 # (default target/peers/run-<date>), MAXBYTES, FACTOR, RANKS, OPS, BUDGET,
-# ITERS, WARMUP, SYSTEMS.
+# ITERS, WARMUP, SYSTEMS, ROUNDS (repeat the whole interleaved sweep this
+# many times; the report takes each point's median over rounds, which
+# evens out a host whose speed drifts from minute to minute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +28,7 @@ BUDGET=${BUDGET:-1}
 ITERS=${ITERS:-100}     # timed ops per size (fewer where BUDGET seconds would be exceeded)
 WARMUP=${WARMUP:-10}
 SYSTEMS=${SYSTEMS:-"chorus chorus-tcp mpich openmpi gloo"}
+ROUNDS=${ROUNDS:-1}
 mkdir -p "$PEERS_DIR" "$OUT"
 
 log() { echo "compare-peers: $*" >&2; }
@@ -71,10 +74,11 @@ cat "$OUT/env.txt" >&2
 RES=$OUT/results.jsonl
 : > "$RES"
 common=(-b 8 -e "$MAXBYTES" -f "$FACTOR" -w "$WARMUP" -i "$ITERS")
+for round in $(seq "$ROUNDS"); do
 for n in $RANKS; do
   for op in $OPS; do
     for sys in $SYSTEMS; do
-      log "$sys $op n=$n"
+      log "round $round/$ROUNDS: $sys $op n=$n"
       case $sys in
         chorus)
           timeout 600 "$PERF" "$op" "${common[@]}" -n "$n" --in-place-only --budget "$BUDGET" --json \
@@ -95,6 +99,7 @@ for n in $RANKS; do
       esac
     done
   done
+done
 done
 
 "$MPICH_VENV/bin/python" scripts/peer_report.py "$RES" "$OUT" | tee "$OUT/report.md"

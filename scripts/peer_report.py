@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Summarise compare-peers results: busbw table per (ranks, op, size) for
-every system, Chorus/peer busbw ratios, small-message latency ratios, and a
+every system (the median over rounds when the run had several), Chorus/peer busbw ratios, small-message latency ratios, and a
 busbw-vs-size PNG per (ranks, op).
 
   python peer_report.py results.jsonl OUTDIR
 """
 import collections
 import json
+import statistics
 import sys
 
 
@@ -18,10 +19,20 @@ def main():
             rows.append(json.loads(line))
         except ValueError:
             pass  # a partial line (run still going) or a stray message
-    data = collections.defaultdict(dict)  # (n, op) -> {system: {size: (us, busbw)}}
+    # Every round of compare-peers.sh (ROUNDS) measures each point once;
+    # the report keeps, per point, the median over rounds of time and busbw.
+    samples = collections.defaultdict(list)  # (n, op, system, size) -> [(us, busbw)]
     for r in rows:
         ip = r["in_place"]
-        data[(r["nranks"], r["op"])].setdefault(r["system"], {})[r["size"]] = (ip["time_us"], ip["busbw_gbs"])
+        samples[(r["nranks"], r["op"], r["system"], r["size"])].append((ip["time_us"], ip["busbw_gbs"]))
+    data = collections.defaultdict(dict)  # (n, op) -> {system: {size: (us, busbw)}}
+    rounds = max((len(v) for v in samples.values()), default=0)
+    for (n, op, system, size), v in samples.items():
+        data[(n, op)].setdefault(system, {})[size] = (
+            statistics.median(t for t, _ in v),
+            statistics.median(b for _, b in v),
+        )
+    print(f"(median over {rounds} round(s) per point)")
     peers = ["mpich", "openmpi", "gloo", "chorus-tcp"]
     for (n, op), systems in sorted(data.items()):
         print(f"\n### {op}, {n} ranks (busbw GB/s; time µs for sizes < 64 KiB; ratio = chorus / peer)\n")

@@ -240,23 +240,23 @@ impl RecvJob<'_> {
         if c.off < self.len {
             let off = c.off;
             // `accepts` checked the length against every target (SX-1).
-            let step = match &mut self.into {
-                RecvInto::Exact(buf) => {
+            let (dst, reduce_with) = match &mut self.into {
+                RecvInto::Exact(b) => (&mut b[..], None),
+                RecvInto::Bounded(b, _) => (&mut b[..], None),
+                RecvInto::Reduce(b, dtype, op) => (&mut b[..], Some((*dtype, *op))),
+            };
+            let step = match reduce_with {
+                None => {
                     let step = (self.len - off).min(CMA_COPY_STEP);
-                    shm::cma_read(c.pid, addr, &mut buf[off..off + step]).map_err(failed)?;
+                    shm::cma_read(c.pid, addr, &mut dst[off..off + step]).map_err(failed)?;
                     step
                 }
-                RecvInto::Bounded(buf, _) => {
-                    let step = (self.len - off).min(CMA_COPY_STEP);
-                    shm::cma_read(c.pid, addr, &mut buf[off..off + step]).map_err(failed)?;
-                    step
-                }
-                RecvInto::Reduce(buf, dtype, op) => {
+                Some((dtype, op)) => {
                     let es = dtype.size();
                     let step = (self.len - off).min(CMA_REDUCE_STEP / es * es);
                     c.scratch.resize(step, 0);
                     shm::cma_read(c.pid, addr, &mut c.scratch).map_err(failed)?;
-                    reduce::reduce_into(*dtype, *op, &mut buf[off..off + step], &c.scratch)?;
+                    reduce::reduce_into(dtype, op, &mut dst[off..off + step], &c.scratch)?;
                     step
                 }
             };
