@@ -27,7 +27,7 @@
 //!   cross-thread wake-ups of the queue (caller to task, task back to
 //!   caller), which dominate small ops.
 //! - EX-7: a backend that can fail between ops (BE-3) is polled every
-//!   [`IDLE_POLL`] while the communicator is idle (no op holds the core).
+//!   `IDLE_POLL` (100 ms) while the communicator is idle (no op holds the core).
 //!   An error found so is fatal, like one an op returned: it is published
 //!   (EX-4), recorded as the abort's cause (visible in `health()`), and the
 //!   communicator is aborted (EX-2), without waiting for its next op.
