@@ -340,17 +340,23 @@ impl XcclBackend {
         Ok(me)
     }
 
-    fn vendor_err(&mut self, ctx: &OpCtx, e: CallError) -> Error {
+    /// XC-5: what a failed library call becomes, whether an op or the idle
+    /// poll (XC-7) found it: `PeerFailed` (made by `peer_failed`) when
+    /// NCCL's code means a peer is gone, else `Internal`; either way the
+    /// communicator is broken from then on. `site` says where it was found.
+    fn vendor_err(
+        &mut self,
+        e: CallError,
+        site: &str,
+        peer_failed: impl FnOnce(String) -> Error,
+    ) -> Error {
+        let name = self.flavor.name();
         let err = if e.nccl && plan::is_peer_failure(e.code) {
-            ctx.peer_failed(vec![], format!("{}: {e}", self.flavor.name()))
+            peer_failed(format!("{name} ({site}): {e}"))
         } else {
             Error::Internal(format!(
-                "{} on communicator {:?} rank {} (op {}, seq {}): {e}",
-                self.flavor.name(),
-                ctx.comm,
-                ctx.rank,
-                ctx.kind.name(),
-                ctx.seq
+                "{name} on communicator {:?} rank {} ({site}): {e}",
+                self.comm_name, self.rank
             ))
         };
         self.broken = Some(err.clone());
@@ -935,7 +941,10 @@ impl Backend for XcclBackend {
         drop(_g);
         match self.run(ctx.size, data).await {
             Ok(()) => Ok(()),
-            Err(e) => Err(self.vendor_err(ctx, e)),
+            Err(e) => {
+                let site = format!("op {}, seq {}", ctx.kind.name(), ctx.seq);
+                Err(self.vendor_err(e, &site, |d| ctx.peer_failed(vec![], d)))
+            }
         }
     }
 
@@ -984,23 +993,7 @@ impl Backend for XcclBackend {
         // SAFETY: live communicator; no op in flight (BE-3).
         match unsafe { result::async_error(&self.api.nccl, self.comm) } {
             Ok(_) => Ok(()),
-            Err(e) => {
-                let err = if e.nccl && plan::is_peer_failure(e.code) {
-                    ctx.peer_failed(
-                        vec![],
-                        format!("{} (found while idle): {e}", self.flavor.name()),
-                    )
-                } else {
-                    Error::Internal(format!(
-                        "{} on communicator {:?} rank {} (found while idle): {e}",
-                        self.flavor.name(),
-                        ctx.comm,
-                        ctx.rank
-                    ))
-                };
-                self.broken = Some(err.clone());
-                Err(err)
-            }
+            Err(e) => Err(self.vendor_err(e, "found while idle", |d| ctx.peer_failed(vec![], d))),
         }
     }
 }
