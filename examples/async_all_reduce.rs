@@ -101,6 +101,6 @@ async fn run() -> Res<()> {
     )?;
 
     println!("rank {rank}/{n}: 4 async ops ok (polled {polls} times before the last completed)");
-    comm.finalize()?;
+    comm.finalize_async().await?;
     Ok(())
 }

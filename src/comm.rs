@@ -19,13 +19,13 @@
 //!   ops must be issued in the same relative order by both ends.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::ActorRef;
 
-use crate::actors::{CommMsg, Request};
+use crate::actors::status::{State, Status};
+use crate::actors::{CommMsg, Home, Request};
 use crate::backends::{OpData, P2PTransfer};
 use crate::error::{Error, Result};
 use crate::op::{OpKind, ReduceOp};
@@ -130,6 +130,11 @@ pub struct CommOptions {
     /// A peer whose heartbeat did not advance for this long (10 s) is declared
     /// failed, and so is this rank if it cannot reach the store for this long.
     pub heartbeat_timeout: Duration,
+    /// The tokio runtime the communicator's actor, links and heartbeats run
+    /// on; `None` (the default) uses a multi-thread runtime owned by
+    /// Chorus. A current-thread runtime works for the async API only:
+    /// blocking methods called on its thread return [`Error::WouldBlock`].
+    pub runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Default for CommOptions {
@@ -144,6 +149,7 @@ impl Default for CommOptions {
             bind_ip: None,
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(10),
+            runtime: None,
         }
     }
 }
@@ -191,6 +197,13 @@ impl CommOptions {
         self
     }
 
+    /// Run the communicator's tasks on `runtime` (e.g. `Handle::current()`
+    /// in an async service) instead of Chorus's own runtime.
+    pub fn with_runtime(mut self, runtime: tokio::runtime::Handle) -> Self {
+        self.runtime = Some(runtime);
+        self
+    }
+
     /// Set the watchdog's heartbeat interval and failure timeout
     /// (`interval == Duration::ZERO` turns heartbeats off).
     pub fn with_heartbeat(mut self, interval: Duration, timeout: Duration) -> Self {
@@ -232,13 +245,10 @@ impl P2POp {
 
 thread_local! {
     /// Set by [`Comm::blocking`] around the call that builds and submits a
-    /// blocking op: `submit` takes it, so only that one op may run inline.
+    /// blocking op: `submit` takes it, so only that one op may run as a
+    /// turn on this thread.
     static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
-
-pub(crate) const STATE_ACTIVE: u8 = 0;
-pub(crate) const STATE_FINALIZED: u8 = 1;
-pub(crate) const STATE_ABORTED: u8 = 2;
 
 pub(crate) struct Shared {
     pub(crate) name: String,
@@ -248,11 +258,9 @@ pub(crate) struct Shared {
     pub(crate) device: Device,
     pub(crate) backend: &'static str,
     pub(crate) actor: ActorRef<CommMsg>,
-    /// The executor's queue count and core, for blocking ops run on the
-    /// calling thread (EX-6).
-    pub(crate) exec: crate::actors::executor::ExecHandle,
-    pub(crate) state: Arc<AtomicU8>,
-    pub(crate) poison: Arc<std::sync::Mutex<Option<Error>>>,
+    /// The actor's home: its offer of the core to blocked callers, its abort
+    /// signal and status, its runtime.
+    pub(crate) home: Arc<Home>,
     pub(crate) _server: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// What split and reconfigure need to build related communicators.
     pub(crate) ctx: Arc<crate::elastic::CommCtx>,
@@ -260,17 +268,21 @@ pub(crate) struct Shared {
     pub(crate) key_prefix: String,
     /// The backend name as the user asked for it (children and new epochs use it).
     pub(crate) backend_requested: String,
-    /// Failures seen by the actor (watchdog notices, children).
-    pub(crate) health: Arc<std::sync::Mutex<crate::elastic::HealthState>>,
     /// Splits issued on this handle's communicator (part of child key prefixes).
     pub(crate) splits: std::sync::atomic::AtomicU64,
+    /// A split's parent, kept alive (not finalized by its handles' drop)
+    /// while this child lives.
+    pub(crate) _parent: Option<Arc<Shared>>,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
         // RAII: the last handle finalizes (flushes queued ops, closes links).
-        if self.state.load(Ordering::Acquire) == STATE_ACTIVE {
-            let _ = self.actor.send_message(CommMsg::Finalize(None));
+        if self.home.status.state() == State::Active {
+            self.home.count_pending();
+            if self.actor.send_message(CommMsg::Finalize(None)).is_err() {
+                self.home.uncount_pending();
+            }
         }
     }
 }
@@ -282,10 +294,17 @@ impl Drop for Shared {
 ///
 /// Every collective has a blocking form and an `_async` form returning a
 /// [`Work`]; the blocking form behaves exactly as `..._async(..).wait()`.
-/// (When no op is queued, a blocking op called outside any async runtime
-/// runs on the calling thread instead of the communicator's executor task,
+/// (When nothing is queued, a blocking op runs as a turn of the
+/// communicator's actor on the calling thread instead of waking the actor,
 /// which makes small ops several times faster; ordering, timeouts, aborts
-/// and errors are the same.)
+/// and errors are the same. Inside a multi-thread tokio runtime the wait
+/// runs in `block_in_place`; on a current-thread runtime blocking forms
+/// return [`Error::WouldBlock`]: await the `_async` form there.)
+///
+/// A child communicator (from [`Comm::split`]) keeps its parent alive:
+/// dropping every handle of the parent finalizes it only once its children
+/// are dropped too. An explicit [`Comm::finalize`] or [`Comm::abort`] of the
+/// parent ends its children first.
 #[derive(Clone)]
 pub struct Comm {
     pub(crate) shared: Arc<Shared>,
@@ -435,6 +454,7 @@ impl Comm {
         map: fn(Completion) -> Result<T>,
         build: impl FnOnce() -> Result<Request>,
     ) -> Work<T> {
+        let inline = INLINE.replace(false);
         let mut req = match build() {
             Ok(r) => r,
             Err(e) => return Work::ready(map, Err(e)),
@@ -442,66 +462,61 @@ impl Comm {
         let (work, completer) = Work::new(map);
         req.timeout = self.timeout;
         req.completer = Some(completer);
-        match self.shared.state.load(Ordering::Acquire) {
-            STATE_ACTIVE => {}
-            s => {
-                let err = self.closed_error(s);
-                if let Some(c) = req.completer.take() {
-                    c.complete(Err(err));
-                }
+        let home = &self.shared.home;
+        if home.status.state() != State::Active {
+            if let Some(c) = req.completer.take() {
+                c.complete(Err(self.closed_error()));
+            }
+            return work;
+        }
+        let req = Box::new(req);
+        if inline {
+            // A turn on this (blocked) thread, when the actor offers its core.
+            if let Some(lease) = home.lend() {
+                home.rt.block_on(lease.run(req));
                 return work;
             }
         }
-        let req = Box::new(req);
-        let req = if INLINE.replace(false) {
-            match self.shared.exec.try_run_inline(req) {
-                None => return work,
-                Some(req) => req,
-            }
-        } else {
-            req
-        };
-        // EX-6: counted until the executor starts it, so no blocking op
-        // submitted after it runs inline before it.
-        let queued = &self.shared.exec.queued;
-        queued.fetch_add(1, Ordering::AcqRel);
+        home.count_pending();
         if let Err(ractor::MessagingErr::SendErr(CommMsg::Submit(mut req))) =
             self.shared.actor.send_message(CommMsg::Submit(req))
         {
-            queued.fetch_sub(1, Ordering::AcqRel);
-            let err = self.closed_error(self.shared.state.load(Ordering::Acquire));
+            home.uncount_pending();
             if let Some(c) = req.completer.take() {
-                c.complete(Err(err));
+                c.complete(Err(self.closed_error()));
             }
         }
         work
     }
 
-    /// The blocking form of an op: `submit` (called by `op`) may run it on
-    /// this thread when the communicator is idle (EX-6), so a blocking op
-    /// costs no thread hand-off.
-    fn blocking<T>(&self, op: impl FnOnce() -> Work<T>) -> Result<T> {
+    /// The blocking form of an op: `submit` (called by `op`) may run it as
+    /// a turn on this thread when the communicator is idle, so a blocking
+    /// op costs no thread hand-off. Never blocks a worker of the caller's
+    /// runtime ([`crate::runtime::blocking`]).
+    fn blocking<T>(&self, name: &'static str, op: impl FnOnce() -> Work<T>) -> Result<T> {
         struct Reset;
         impl Drop for Reset {
             fn drop(&mut self) {
                 INLINE.set(false);
             }
         }
-        INLINE.set(true);
-        let _reset = Reset;
-        let work = op();
-        drop(_reset);
-        work.wait()
+        crate::runtime::blocking(name, || {
+            INLINE.set(true);
+            let reset = Reset;
+            let work = op();
+            drop(reset);
+            work.wait()
+        })
     }
 
-    pub(crate) fn closed_error(&self, state: u8) -> Error {
-        closed_error(
-            &self.shared.name,
-            self.shared.rank,
-            self.shared.epoch,
-            state,
-            &self.shared.poison,
-        )
+    /// The error of an op submitted once this communicator no longer runs
+    /// ops: `Aborted` carrying the cause's failed ranks, or `Finalized`.
+    pub(crate) fn closed_error(&self) -> Error {
+        let info = &self.shared.home.info;
+        self.shared
+            .home
+            .status
+            .closed_error(&info.name, info.rank, info.epoch)
     }
 
     // ---------------------------------------------------------------- all_reduce
@@ -513,7 +528,7 @@ impl Comm {
     /// if ranks disagree on count, dtype or op; [`Error::Timeout`],
     /// [`Error::PeerFailed`], [`Error::Aborted`] on failures.
     pub fn all_reduce(&self, tensor: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.blocking(|| self.all_reduce_async(tensor, op))
+        self.blocking("all_reduce", || self.all_reduce_async(tensor, op))
     }
 
     /// Async form of [`Comm::all_reduce`].
@@ -548,7 +563,7 @@ impl Comm {
     /// As [`Comm::all_reduce`], plus [`Error::InvalidArgument`] for a root out
     /// of range and [`Error::Mismatch`] if ranks disagree on the root.
     pub fn reduce(&self, tensor: Tensor, op: ReduceOp, root: usize) -> Result<Tensor> {
-        self.blocking(|| self.reduce_async(tensor, op, root))
+        self.blocking("reduce", || self.reduce_async(tensor, op, root))
     }
 
     /// Async form of [`Comm::reduce`].
@@ -589,7 +604,7 @@ impl Comm {
     /// [`Error::InvalidArgument`] if the length is not divisible by `size()`;
     /// otherwise as [`Comm::all_reduce`].
     pub fn reduce_scatter(&self, input: Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.blocking(|| self.reduce_scatter_async(input, op))
+        self.blocking("reduce_scatter", || self.reduce_scatter_async(input, op))
     }
 
     /// Async form of [`Comm::reduce_scatter`].
@@ -623,7 +638,9 @@ impl Comm {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<Tensor> {
-        self.blocking(|| self.reduce_scatter_v_async(input, counts, op))
+        self.blocking("reduce_scatter_v", || {
+            self.reduce_scatter_v_async(input, counts, op)
+        })
     }
 
     /// Async form of [`Comm::reduce_scatter_v`].
@@ -665,7 +682,9 @@ impl Comm {
         output: Tensor,
         op: ReduceOp,
     ) -> Result<(Tensor, Tensor)> {
-        self.blocking(|| self.reduce_scatter_into_async(input, output, op))
+        self.blocking("reduce_scatter_into", || {
+            self.reduce_scatter_into_async(input, output, op)
+        })
     }
 
     /// Async form of [`Comm::reduce_scatter_into`].
@@ -758,7 +777,7 @@ impl Comm {
     /// [`Error::Mismatch`] if ranks pass different lengths or dtypes; failures
     /// as [`Comm::all_reduce`].
     pub fn all_gather(&self, input: Tensor) -> Result<Tensor> {
-        self.blocking(|| self.all_gather_async(input))
+        self.blocking("all_gather", || self.all_gather_async(input))
     }
 
     /// Async form of [`Comm::all_gather`].
@@ -775,7 +794,7 @@ impl Comm {
     /// `counts[rank()]` is not the input length; [`Error::Mismatch`] if ranks
     /// disagree.
     pub fn all_gather_v(&self, input: Tensor, counts: &[usize]) -> Result<Tensor> {
-        self.blocking(|| self.all_gather_v_async(input, counts))
+        self.blocking("all_gather_v", || self.all_gather_v_async(input, counts))
     }
 
     /// Async form of [`Comm::all_gather_v`].
@@ -803,7 +822,9 @@ impl Comm {
     /// As [`Comm::all_gather`], plus [`Error::InvalidArgument`] if `output`
     /// has the wrong length or dtype.
     pub fn all_gather_into(&self, input: Tensor, output: Tensor) -> Result<(Tensor, Tensor)> {
-        self.blocking(|| self.all_gather_into_async(input, output))
+        self.blocking("all_gather_into", || {
+            self.all_gather_into_async(input, output)
+        })
     }
 
     /// Async form of [`Comm::all_gather_into`].
@@ -872,7 +893,7 @@ impl Comm {
     /// [`Error::InvalidArgument`] for a root out of range; [`Error::Mismatch`]
     /// if ranks disagree on root, length or dtype.
     pub fn broadcast(&self, tensor: Tensor, root: usize) -> Result<Tensor> {
-        self.blocking(|| self.broadcast_async(tensor, root))
+        self.blocking("broadcast", || self.broadcast_async(tensor, root))
     }
 
     /// Async form of [`Comm::broadcast`].
@@ -906,7 +927,7 @@ impl Comm {
         inputs: Option<Vec<Tensor>>,
         root: usize,
     ) -> Result<Tensor> {
-        self.blocking(|| self.scatter_async(output, inputs, root))
+        self.blocking("scatter", || self.scatter_async(output, inputs, root))
     }
 
     /// Async form of [`Comm::scatter`].
@@ -967,7 +988,7 @@ impl Comm {
     /// [`Error::InvalidArgument`] for a root out of range; [`Error::Mismatch`]
     /// if ranks disagree on root, length or dtype.
     pub fn gather(&self, input: Tensor, root: usize) -> Result<Vec<Tensor>> {
-        self.blocking(|| self.gather_async(input, root))
+        self.blocking("gather", || self.gather_async(input, root))
     }
 
     /// Async form of [`Comm::gather`].
@@ -1008,7 +1029,7 @@ impl Comm {
     /// [`Error::InvalidArgument`] if `inputs.len() != size()` or dtypes are
     /// mixed; [`Error::Mismatch`] if ranks use different dtypes.
     pub fn all_to_all(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.blocking(|| self.all_to_all_async(inputs))
+        self.blocking("all_to_all", || self.all_to_all_async(inputs))
     }
 
     /// Async form of [`Comm::all_to_all`].
@@ -1048,7 +1069,7 @@ impl Comm {
     /// [`Error::InvalidArgument`] if the length is not divisible by `size()`;
     /// [`Error::Mismatch`] if ranks disagree on length or dtype.
     pub fn all_to_all_single(&self, input: Tensor) -> Result<Tensor> {
-        self.blocking(|| self.all_to_all_single_async(input))
+        self.blocking("all_to_all_single", || self.all_to_all_single_async(input))
     }
 
     /// Async form of [`Comm::all_to_all_single`].
@@ -1082,7 +1103,7 @@ impl Comm {
         input_split_sizes: &[usize],
         output_split_sizes: &[usize],
     ) -> Result<Tensor> {
-        self.blocking(|| {
+        self.blocking("all_to_all_v_single", || {
             self.all_to_all_v_single_async(input, input_split_sizes, output_split_sizes)
         })
     }
@@ -1134,7 +1155,7 @@ impl Comm {
     /// # Errors
     /// [`Error::Timeout`], [`Error::PeerFailed`], [`Error::Aborted`].
     pub fn barrier(&self) -> Result<()> {
-        self.blocking(|| self.barrier_async())
+        self.blocking("barrier", || self.barrier_async())
     }
 
     /// Async form of [`Comm::barrier`].
@@ -1160,7 +1181,7 @@ impl Comm {
     /// [`Error::InvalidArgument`] for a bad peer; [`Error::Mismatch`] (on both
     /// ends) if the receiver expects another length or dtype.
     pub fn send(&self, tensor: Tensor, dst: usize) -> Result<Tensor> {
-        self.blocking(|| self.send_async(tensor, dst))
+        self.blocking("send", || self.send_async(tensor, dst))
     }
 
     /// Async form of [`Comm::send`].
@@ -1176,7 +1197,7 @@ impl Comm {
     /// # Errors
     /// As [`Comm::send`].
     pub fn recv(&self, tensor: Tensor, src: usize) -> Result<Tensor> {
-        self.blocking(|| self.recv_async(tensor, src))
+        self.blocking("recv", || self.recv_async(tensor, src))
     }
 
     /// Async form of [`Comm::recv`].
@@ -1194,7 +1215,7 @@ impl Comm {
     /// # Errors
     /// As [`Comm::send`].
     pub fn batch_p2p(&self, ops: Vec<P2POp>) -> Result<Vec<Tensor>> {
-        self.blocking(|| self.batch_p2p_async(ops))
+        self.blocking("batch_p2p", || self.batch_p2p_async(ops))
     }
 
     /// Async form of [`Comm::batch_p2p`].
@@ -1223,13 +1244,26 @@ impl Comm {
     // ---------------------------------------------------------------- lifecycle
 
     /// Finish every queued op, then close the communicator's links and stop
-    /// its actor. Later ops fail with [`Error::Finalized`].
+    /// its actor; its children (splits) are finalized first. Later ops fail
+    /// with [`Error::Finalized`].
     ///
     /// # Errors
-    /// [`Error::Internal`] if the actor is already gone.
+    /// [`Error::WouldBlock`] on a current-thread tokio runtime (use
+    /// [`Comm::finalize_async`]).
     pub fn finalize(&self) -> Result<()> {
-        match self.finalize_request() {
+        crate::runtime::blocking("finalize", || match self.finalize_request() {
             Some(done) => done.wait(),
+            None => Ok(()),
+        })
+    }
+
+    /// Async form of [`Comm::finalize`].
+    ///
+    /// # Errors
+    /// None today; reserved for a finalize that cannot complete.
+    pub async fn finalize_async(&self) -> Result<()> {
+        match self.finalize_request() {
+            Some(done) => done.await,
             None => Ok(()),
         }
     }
@@ -1237,85 +1271,90 @@ impl Comm {
     /// Ask the actor to finalize; `None` if the communicator is already
     /// finalized or aborted, or its actor is gone.
     pub(crate) fn finalize_request(&self) -> Option<Work<()>> {
-        self.shared
-            .state
-            .compare_exchange(
-                STATE_ACTIVE,
-                STATE_FINALIZED,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .ok()?;
+        let home = &self.shared.home;
+        if home.status.state() != State::Active {
+            return None;
+        }
         let (work, completer) = Work::new(to_unit);
-        self.shared
+        home.count_pending();
+        if self
+            .shared
             .actor
             .send_message(CommMsg::Finalize(Some(completer)))
-            .ok()?;
+            .is_err()
+        {
+            home.uncount_pending();
+            return None;
+        }
         Some(work)
     }
 
     /// Abort: fail every outstanding and queued op with [`Error::Aborted`],
-    /// tell the peers, close the links and stop the actor. Never kills the
-    /// process. Returns once the abort is done.
+    /// tell the peers, close the links, abort the children and stop the
+    /// actor. Never kills the process. Returns once the abort is done (on a
+    /// current-thread tokio runtime it does not wait: use
+    /// [`Comm::abort_async`] there).
     pub fn abort(&self) {
         self.abort_with_reason("abort() called by the user");
     }
 
     /// [`Comm::abort`] with a reason that peers and errors will show.
     pub fn abort_with_reason(&self, reason: &str) {
-        let prev = self.shared.state.swap(STATE_ABORTED, Ordering::AcqRel);
-        if prev == STATE_ABORTED {
-            return;
+        if let Some(done) = self.abort_request(reason) {
+            let _ = crate::runtime::blocking("abort", || done.wait());
         }
+    }
+
+    /// Async form of [`Comm::abort`].
+    pub async fn abort_async(&self) {
+        self.abort_with_reason_async("abort() called by the user")
+            .await
+    }
+
+    /// Async form of [`Comm::abort_with_reason`].
+    pub async fn abort_with_reason_async(&self, reason: &str) {
+        if let Some(done) = self.abort_request(reason) {
+            let _ = done.await;
+        }
+    }
+
+    /// Raise the abort signal (the op in flight ends at once) and ask the
+    /// actor to act on it; `None` if there is nothing to abort.
+    fn abort_request(&self, reason: &str) -> Option<Work<()>> {
+        let home = &self.shared.home;
+        if home.status.state() != State::Active {
+            return None;
+        }
+        home.signal.raise(Error::Aborted {
+            comm: self.shared.name.clone(),
+            rank: self.shared.rank,
+            epoch: self.shared.epoch,
+            failed_ranks: vec![],
+            reason: reason.to_string(),
+        });
         let (work, completer) = Work::new(to_unit);
-        if self
-            .shared
+        self.shared
             .actor
             .send_message(CommMsg::Abort {
-                reason: reason.to_string(),
                 done: Some(completer),
             })
-            .is_ok()
-        {
-            let _ = work.wait();
-        }
+            .ok()?;
+        Some(work)
     }
 
     /// Whether the communicator is still accepting ops.
     pub fn is_active(&self) -> bool {
-        self.shared.state.load(Ordering::Acquire) == STATE_ACTIVE
+        self.shared.home.status.state() == State::Active
     }
-}
 
-/// The error for an op submitted to a communicator that no longer runs ops:
-/// `Aborted` (with the original cause, if a failure aborted it) or `Finalized`.
-pub(crate) fn closed_error(
-    name: &str,
-    rank: usize,
-    epoch: u64,
-    state: u8,
-    poison: &std::sync::Mutex<Option<Error>>,
-) -> Error {
-    if state == STATE_ABORTED {
-        let cause = poison.lock().ok().and_then(|p| p.clone());
-        Error::Aborted {
-            comm: name.to_string(),
-            rank,
-            epoch,
-            failed_ranks: cause
-                .as_ref()
-                .map(|e| e.failed_ranks().to_vec())
-                .unwrap_or_default(),
-            reason: match cause {
-                Some(e) => format!("an earlier operation failed: {e}"),
-                None => "the communicator was aborted".into(),
-            },
-        }
-    } else {
-        Error::Finalized {
-            comm: name.to_string(),
-            rank,
-        }
+    /// Whether the communicator was aborted (by a failure or by a user).
+    pub fn is_aborted(&self) -> bool {
+        self.shared.home.status.state() == State::Aborted
+    }
+
+    /// The communicator's status: whether it runs ops, and what aborted it.
+    pub fn status(&self) -> Status {
+        self.shared.home.status.get()
     }
 }
 

@@ -54,23 +54,6 @@ pub(crate) struct CommCtx {
     pub(crate) server: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
-/// Failures recorded by a communicator's actor.
-#[derive(Debug, Default)]
-pub(crate) struct HealthState {
-    pub(crate) failure: Option<Error>,
-    pub(crate) child_failures: Vec<ChildFailure>,
-}
-
-/// A child communicator (split) that stopped for another reason than a clean
-/// finalize, as seen by its parent's supervision.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChildFailure {
-    /// The child actor's name (empty if unnamed).
-    pub name: String,
-    /// Why it stopped.
-    pub reason: String,
-}
-
 /// A communicator's health, as [`Comm::health`] reports it.
 #[derive(Debug, Clone)]
 pub struct Health {
@@ -83,7 +66,7 @@ pub struct Health {
     /// The failure that aborted it, if any.
     pub failure: Option<Error>,
     /// Children (splits) that failed.
-    pub child_failures: Vec<ChildFailure>,
+    pub child_failures: Vec<crate::ChildFailure>,
 }
 
 /// The two levels of a hierarchical communicator ([`Comm::hierarchy`]).
@@ -228,9 +211,8 @@ impl Comm {
     /// This communicator's health: whether it is active, which ranks are known
     /// to have failed (watchdog notice or failed op), and which children failed.
     pub fn health(&self) -> Health {
-        let h = self.shared.health.lock().unwrap_or_else(|e| e.into_inner());
-        let poison = self.shared.poison.lock().ok().and_then(|p| p.clone());
-        let failure = h.failure.clone().or(poison);
+        let status = &self.shared.home.status;
+        let failure = status.cause();
         Health {
             active: self.is_active(),
             epoch: self.epoch(),
@@ -239,8 +221,32 @@ impl Comm {
                 .map(|e| e.failed_ranks().to_vec())
                 .unwrap_or_default(),
             failure,
-            child_failures: h.child_failures.clone(),
+            child_failures: status.child_failures(),
         }
+    }
+
+    /// Run `f(self)` as a task on the communicator's runtime and await it;
+    /// the async forms of split and reconfigure use it, so that they can be
+    /// awaited from any executor.
+    async fn on_runtime<T, F, Fut>(&self, f: F) -> Result<T>
+    where
+        F: FnOnce(Comm) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let this = self.clone();
+        crate::runtime::run_on(&self.shared.home.rt, f(this)).await?
+    }
+
+    /// Block (where allowed) on `f(self)` run on the communicator's runtime.
+    fn block<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
+    where
+        F: FnOnce(Comm) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let this = self.clone();
+        crate::runtime::block_on(op, &self.shared.home.rt, f(this))?
     }
 
     fn invalid_split(&self, reason: impl Into<String>) -> Error {
@@ -271,6 +277,17 @@ impl Comm {
     /// name; [`Error::Mismatch`] if ranks pass different lists (or issue
     /// another op); the parent's failures otherwise.
     pub fn split(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
+        let (ranks, name) = (ranks.to_vec(), name.to_string());
+        self.block("split", move |c| async move {
+            c.split_async(&ranks, &name).await
+        })
+    }
+
+    /// Async form of [`Comm::split`].
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub async fn split_async(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
         let mut seen = vec![false; self.size()];
         for &r in ranks {
             if r >= self.size() {
@@ -286,7 +303,9 @@ impl Comm {
         let color = ranks.contains(&self.rank()).then_some(0);
         let key = ranks.iter().position(|&r| r == self.rank()).unwrap_or(0) as i64;
         let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_le_bytes()).collect();
-        self.split_inner(color, key, fnv(&bytes), name)
+        let (check, name) = (fnv(&bytes), name.to_string());
+        self.on_runtime(move |c| async move { c.split_inner(color, key, check, &name).await })
+            .await
     }
 
     /// Split by color: ranks passing the same `color` form one child, ordered
@@ -296,10 +315,28 @@ impl Comm {
     /// # Errors
     /// As [`Comm::split`].
     pub fn split_by_color(&self, color: Option<u32>, key: i64, name: &str) -> Result<Option<Comm>> {
-        self.split_inner(color, key, 0, name)
+        let name = name.to_string();
+        self.block("split_by_color", move |c| async move {
+            c.split_inner(color, key, 0, &name).await
+        })
     }
 
-    fn split_inner(
+    /// Async form of [`Comm::split_by_color`].
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub async fn split_by_color_async(
+        &self,
+        color: Option<u32>,
+        key: i64,
+        name: &str,
+    ) -> Result<Option<Comm>> {
+        let name = name.to_string();
+        self.on_runtime(move |c| async move { c.split_inner(color, key, 0, &name).await })
+            .await
+    }
+
+    async fn split_inner(
         &self,
         color: Option<u32>,
         key: i64,
@@ -319,7 +356,10 @@ impl Comm {
             check,
             fnv(name.as_bytes()),
         ];
-        let all = self.all_gather(Tensor::from_vec(mine))?.to_vec::<i64>();
+        let all = self
+            .all_gather_async(Tensor::from_vec(mine))
+            .await?
+            .to_vec::<i64>();
         let mismatch = |detail: String| Error::Mismatch {
             comm: self.shared.name.clone(),
             rank: self.rank(),
@@ -345,7 +385,7 @@ impl Comm {
         colors.dedup();
         let Some(color) = color else {
             // A native split needs every parent rank, members or not.
-            self.native_split(None)?;
+            self.native_split(None).await?;
             return Ok(None);
         };
         let mut members: Vec<(i64, usize)> = rows
@@ -385,7 +425,7 @@ impl Comm {
                 options: parent.options.clone(),
                 server: parent.server.clone(),
             }),
-            parent: Some(self.shared.actor.get_cell()),
+            parent: Some(self.shared.clone()),
         };
         let dense = colors
             .iter()
@@ -393,51 +433,50 @@ impl Comm {
             .ok_or_else(|| {
                 Error::Internal("split: this rank's color is not in the exchange".into())
             })?;
-        let native = self.native_split(Some(SplitChild {
-            color: dense as u32,
-            init: spec.backend_init(),
-        }))?;
+        let native = self
+            .native_split(Some(SplitChild {
+                color: dense as u32,
+                init: spec.backend_init(),
+            }))
+            .await?;
+        // The child's actor is spawned linked under this one's: it is
+        // finalized or aborted first (AC-4), and its failure is reported here.
         let child = match native {
-            NativeSplit::Unsupported => crate::runtime::block_on(crate::start(spec))??,
-            NativeSplit::Child(backend) => {
-                crate::runtime::block_on(crate::start_with_backend(spec, backend))??
-            }
+            NativeSplit::Unsupported => crate::start(spec).await?,
+            NativeSplit::Child(backend) => crate::start_with_backend(spec, backend).await?,
             NativeSplit::NoChild => {
                 return Err(Error::Internal(
                     "split: the backend's native split gave a member no child".into(),
                 ))
             }
         };
-        // AC-4: the parent finalizes/aborts it first. Wait until the parent
-        // knows it, so that anything the caller does to the child next
-        // (abort, drop) is seen as a child's.
-        let (work, completer) = crate::work::Work::new(crate::work::to_unit);
-        let child_entry = crate::actors::Child {
-            actor: child.shared.actor.clone(),
-            state: child.shared.state.clone(),
-            poison: child.shared.poison.clone(),
-            name: name.to_string(),
-        };
-        if self
-            .shared
-            .actor
-            .send_message(CommMsg::AddChild(child_entry, Some(completer)))
-            .is_ok()
-        {
-            let _ = work.wait();
-        }
         Ok(Some(child))
     }
 
-    /// BE-4: let the backend split its own communicator (every parent rank
-    /// calls this once per split, right after the agreement all_gather).
-    fn native_split(&self, child: Option<SplitChild>) -> Result<NativeSplit> {
-        let exec = self.shared.exec.clone();
+    /// Let the backend split its own communicator (every parent rank
+    /// calls this once per split, right after the agreement all_gather), as
+    /// one turn of the actor, ordered with the parent's ops.
+    async fn native_split(&self, child: Option<SplitChild>) -> Result<NativeSplit> {
         let args = SplitArgs {
             child,
             timeout: self.shared.ctx.options.connect_timeout,
         };
-        crate::runtime::block_on(async move { exec.native_split(args).await })?
+        let home = &self.shared.home;
+        if home.status.state() != crate::State::Active {
+            return Err(self.closed_error());
+        }
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        home.count_pending();
+        if self
+            .shared
+            .actor
+            .send_message(CommMsg::Split { args, reply })
+            .is_err()
+        {
+            home.uncount_pending();
+            return Err(self.closed_error());
+        }
+        rx.await.map_err(|_| self.closed_error())?
     }
 
     /// Build the two levels of a hierarchy from this communicator: `local`
@@ -451,26 +490,47 @@ impl Comm {
         self.hierarchy_by(&host_id())
     }
 
+    /// Async form of [`Comm::hierarchy`].
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub async fn hierarchy_async(&self) -> Result<Hierarchy> {
+        self.hierarchy_by_async(&host_id()).await
+    }
+
     /// [`Comm::hierarchy`] with an explicit host identity: ranks passing the
     /// same `host` are grouped as local.
     ///
     /// # Errors
     /// As [`Comm::split`].
     pub fn hierarchy_by(&self, host: &str) -> Result<Hierarchy> {
+        let host = host.to_string();
+        self.block("hierarchy", move |c| async move {
+            c.hierarchy_by_async(&host).await
+        })
+    }
+
+    /// Async form of [`Comm::hierarchy_by`].
+    ///
+    /// # Errors
+    /// As [`Comm::split`].
+    pub async fn hierarchy_by_async(&self, host: &str) -> Result<Hierarchy> {
         let color = (fnv(host.as_bytes()) & 0x7fff_ffff) as u32;
         let local = self
-            .split_by_color(
+            .split_by_color_async(
                 Some(color),
                 self.rank() as i64,
                 &format!("{}.local", self.name()),
-            )?
+            )
+            .await?
             .ok_or_else(|| Error::Internal("hierarchy: no local group".into()))?;
         let cross = self
-            .split_by_color(
+            .split_by_color_async(
                 Some(local.rank() as u32),
                 self.rank() as i64,
                 &format!("{}.cross", self.name()),
-            )?
+            )
+            .await?
             .ok_or_else(|| Error::Internal("hierarchy: no cross group".into()))?;
         Ok(Hierarchy { local, cross })
     }
@@ -481,11 +541,26 @@ impl Comm {
     /// # Errors
     /// [`Error::Transport`] if the store cannot be read.
     pub fn pending_joiners(&self) -> Result<usize> {
+        self.block("pending_joiners", |c| async move {
+            c.pending_joiners_async().await
+        })
+    }
+
+    /// Async form of [`Comm::pending_joiners`].
+    ///
+    /// # Errors
+    /// As [`Comm::pending_joiners`].
+    pub async fn pending_joiners_async(&self) -> Result<usize> {
         let ctx = self.shared.ctx.clone();
         let key = format!("{}/joiners", epoch_prefix(&ctx.base, self.epoch() + 1));
-        crate::runtime::block_on(async move { ctx.store.add(&key, 0).await })?
-            .map(|n| n.max(0) as usize)
-            .map_err(transport)
+        self.on_runtime(move |_| async move {
+            ctx.store
+                .add(&key, 0)
+                .await
+                .map(|n| n.max(0) as usize)
+                .map_err(transport)
+        })
+        .await
     }
 
     /// Form the next epoch of this communicator from the ranks that survive
@@ -503,11 +578,23 @@ impl Comm {
     /// [`Error::Transport`] if the store cannot be reached; errors of
     /// connecting the new epoch's links.
     pub fn reconfigure(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
-        let this = self.clone();
-        let r = crate::runtime::block_on(async move { this.reconfigure_inner(opts).await });
-        // Whatever the outcome, this epoch is over on this rank.
-        let _ = self.finalize();
-        r?
+        self.block("reconfigure", move |c| async move {
+            c.reconfigure_async(opts).await
+        })
+    }
+
+    /// Async form of [`Comm::reconfigure`].
+    ///
+    /// # Errors
+    /// As [`Comm::reconfigure`].
+    pub async fn reconfigure_async(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
+        self.on_runtime(move |c| async move {
+            let r = c.reconfigure_inner(opts).await;
+            // Whatever the outcome, this epoch is over on this rank.
+            let _ = c.finalize_async().await;
+            r
+        })
+        .await
     }
 
     /// The ranks known to have failed in this epoch: the published failure
@@ -694,7 +781,8 @@ async fn start_epoch(
 pub fn join_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
     crate::backends::check_name(backend)?;
     let (backend, name) = (backend.to_string(), name.to_string());
-    crate::runtime::block_on(join(backend, device, name, options))?
+    let rt = crate::runtime::handle_for(&options);
+    crate::runtime::block_on("join_comm", &rt, join(backend, device, name, options))?
 }
 
 /// Async form of [`join_comm`].
@@ -709,7 +797,8 @@ pub async fn join_comm_async(
 ) -> Result<Comm> {
     crate::backends::check_name(backend)?;
     let (backend, name) = (backend.to_string(), name.to_string());
-    crate::runtime::run(join(backend, device, name, options)).await?
+    let rt = crate::runtime::handle_for(&options);
+    crate::runtime::run_on(&rt, join(backend, device, name, options)).await?
 }
 
 async fn join(backend: String, device: Device, name: String, options: CommOptions) -> Result<Comm> {

@@ -189,6 +189,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// A blocking method was called on a thread where blocking is not
+    /// allowed: a worker of a current-thread tokio runtime, whose only
+    /// thread would stop running every other task (including the I/O the
+    /// call waits for).
+    #[error(
+        "{op} blocks, and was called on a current-thread tokio runtime, whose only thread it \
+         would stop; await its async form (e.g. `{op}_async(..).await`) instead, or call it \
+         from a multi-thread runtime or a plain thread"
+    )]
+    WouldBlock {
+        /// The method.
+        op: &'static str,
+    },
+
     /// Bootstrap or configuration problem (missing environment, bad address...).
     #[error("configuration error: {0}")]
     Config(String),

@@ -69,8 +69,7 @@
 //! under a majority rule ([`Error::NoQuorum`]).
 #![deny(missing_docs)]
 
-use std::sync::atomic::AtomicU8;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ractor::Actor;
 
@@ -87,10 +86,9 @@ pub mod tensor;
 pub mod transport;
 mod work;
 
+pub use actors::status::{ChildFailure, State, Status};
 pub use comm::{Comm, CommOptions, Device, P2POp, Rendezvous};
-pub use elastic::{
-    join_comm, join_comm_async, ChildFailure, Health, Hierarchy, RankMap, ReconfigureOptions,
-};
+pub use elastic::{join_comm, join_comm_async, Health, Hierarchy, RankMap, ReconfigureOptions};
 pub use error::{Error, Result};
 pub use op::{OpKind, ReduceOp};
 pub use tensor::{DType, Element, Tensor};
@@ -100,21 +98,25 @@ pub use work::Work;
 ///
 /// Blocks until every rank of the communicator has connected (or
 /// `options.connect_timeout` expired). Collective over all ranks: each must
-/// call `new_comm` with the same backend and name.
+/// call `new_comm` with the same backend and name. In an async service,
+/// await [`new_comm_async`] instead.
 ///
 /// # Errors
 /// [`Error::UnknownBackend`] for a backend name this binary does not know
 /// and [`Error::BackendUnavailable`] for one not compiled in (before any
 /// I/O) or whose library/device is missing; [`Error::Config`] for a bad environment or options;
 /// [`Error::Transport`] if the store cannot be reached or refuses our secret;
-/// [`Error::PeerFailed`] if a peer never connects.
+/// [`Error::PeerFailed`] if a peer never connects; [`Error::WouldBlock`] on
+/// a current-thread tokio runtime.
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
     backends::check_name(backend)?;
     let (backend, name) = (backend.to_string(), name.to_string());
-    runtime::block_on(create(backend, device, name, options))?
+    let rt = runtime::handle_for(&options);
+    runtime::block_on("new_comm", &rt, create(backend, device, name, options))?
 }
 
-/// Async form of [`new_comm`]; can be awaited from any executor.
+/// Async form of [`new_comm`]; can be awaited from any executor, and never
+/// blocks a thread of the caller's runtime.
 ///
 /// # Errors
 /// As [`new_comm`].
@@ -126,7 +128,8 @@ pub async fn new_comm_async(
 ) -> Result<Comm> {
     backends::check_name(backend)?;
     let (backend, name) = (backend.to_string(), name.to_string());
-    runtime::run(create(backend, device, name, options)).await?
+    let rt = runtime::handle_for(&options);
+    runtime::run_on(&rt, create(backend, device, name, options)).await?
 }
 
 async fn create(
@@ -203,8 +206,10 @@ pub(crate) struct Spec {
     pub(crate) epoch: u64,
     pub(crate) key_prefix: String,
     pub(crate) ctx: Arc<elastic::CommCtx>,
-    /// The parent's actor, for a split (the child is linked under it).
-    pub(crate) parent: Option<ractor::ActorCell>,
+    /// The parent, for a split: the child's actor is linked under the
+    /// parent's, its abort signal derives from the parent's, and its
+    /// handles keep the parent alive.
+    pub(crate) parent: Option<Arc<comm::Shared>>,
 }
 
 /// Connect the backend and start the communicator's actor.
@@ -231,7 +236,22 @@ impl Spec {
     }
 }
 
-/// Start the communicator's actor over an already connected backend.
+/// A free actor name for `info`: `<name>/<epoch>/<rank>`, with `#k`
+/// appended while another communicator of this process holds it (say, one
+/// with the same name still shutting down).
+fn actor_name(info: &actors::CommInfo) -> String {
+    let base = info.actor_name();
+    let mut name = base.clone();
+    let mut k = 1;
+    while ractor::registry::where_is(name.clone()).is_some() {
+        name = format!("{base}#{k}");
+        k += 1;
+    }
+    name
+}
+
+/// Start the communicator's actor over an already connected backend. Runs
+/// on the communicator's runtime.
 pub(crate) async fn start_with_backend(
     spec: Spec,
     backend_impl: Box<dyn backends::Backend>,
@@ -249,21 +269,27 @@ pub(crate) async fn start_with_backend(
     let name = ctx.name.clone();
     let options = &ctx.options;
     let backend_name = backend_impl.name();
-    let state = Arc::new(AtomicU8::new(comm::STATE_ACTIVE));
-    let poison = Arc::new(Mutex::new(None));
-    let health = Arc::new(Mutex::new(elastic::HealthState::default()));
-    let exec_out = Arc::new(std::sync::OnceLock::new());
+    let info = actors::CommInfo {
+        name: name.clone(),
+        rank,
+        size,
+        epoch,
+    };
+    let (status_writer, status) = actors::status::status();
+    let signal = match &parent {
+        Some(p) => actors::status::AbortSignal::child_of(&p.home.signal, &p.name),
+        None => actors::status::AbortSignal::new(),
+    };
+    let home = Arc::new(actors::Home::new(
+        info.clone(),
+        signal,
+        status,
+        runtime::handle_for(options),
+    ));
     let args = actors::CommArgs {
-        info: actors::CommInfo {
-            name: name.clone(),
-            rank,
-            size,
-            epoch,
-        },
         backend: backend_impl,
-        state: state.clone(),
-        poison: poison.clone(),
-        health: health.clone(),
+        home: home.clone(),
+        status: status_writer,
         watchdog: Some(actors::watchdog::WatchdogConfig {
             prefix: key_prefix.clone(),
             rank,
@@ -273,18 +299,22 @@ pub(crate) async fn start_with_backend(
             timeout: options.heartbeat_timeout,
             store: ctx.store.clone(),
         }),
-        exec_out: exec_out.clone(),
     };
+    let actor_name = actor_name(&info);
     let spawned = match &parent {
-        Some(cell) => Actor::spawn_linked(None, actors::CommActor, args, cell.clone()).await,
-        None => Actor::spawn(None, actors::CommActor, args).await,
+        Some(p) => {
+            Actor::spawn_linked(
+                Some(actor_name),
+                actors::CommActor,
+                args,
+                p.actor.get_cell(),
+            )
+            .await
+        }
+        None => Actor::spawn(Some(actor_name), actors::CommActor, args).await,
     };
     let (actor, _join) = spawned
         .map_err(|e| Error::Internal(format!("cannot start the communicator actor: {e}")))?;
-    let exec = exec_out
-        .get()
-        .cloned()
-        .ok_or_else(|| Error::Internal("the communicator actor started no executor".into()))?;
     tracing::info!(comm = %name, rank, size, epoch, "communicator ready");
     let shared = Arc::new(comm::Shared {
         name,
@@ -294,15 +324,13 @@ pub(crate) async fn start_with_backend(
         device,
         backend: backend_name,
         actor,
-        exec,
-        state,
-        poison,
+        home,
         _server: ctx.server.clone(),
         ctx,
         key_prefix,
         backend_requested: backend,
-        health,
         splits: std::sync::atomic::AtomicU64::new(0),
+        _parent: parent,
     });
     let timeout = shared.ctx.options.timeout;
     Ok(Comm::from_shared(shared, timeout))

@@ -1,16 +1,32 @@
-//! Chorus's own tokio runtime.
+//! Where Chorus's tasks run, and how blocking calls wait without blocking a
+//! caller's async runtime.
 //!
-//! Communicator actors, executors and links run on a runtime owned by the
-//! library, so that blocking calls (`Work::wait`, the blocking collectives)
-//! work from any thread — a plain `main`, a thread pool, or even a task of the
-//! caller's own async runtime — without starving the I/O they wait for.
+//! A communicator's actor, links and heartbeats run on one tokio runtime:
+//! the one given in [`CommOptions::runtime`](crate::CommOptions::runtime),
+//! else a multi-thread runtime owned by the library, started on first use.
+//!
+//! Blocking methods (`Work::wait`, the blocking collectives, `split`,
+//! `finalize`, ...) are a facade over the async ones ([`blocking`]):
+//! - on a plain thread they block it;
+//! - on a worker of a multi-thread tokio runtime they block inside
+//!   [`tokio::task::block_in_place`], which first hands that worker's other
+//!   tasks to another thread, so the caller's runtime keeps running;
+//! - on a current-thread runtime they refuse with [`Error::WouldBlock`]:
+//!   its only thread would stop, and with it whatever the call waits for.
+//!
+//! Waiting for a future from a blocking call never polls a tokio
+//! `JoinHandle` from a foreign executor (whose cooperative budget would
+//! never be reset): the future runs as a task and hands its output back
+//! through a plain channel.
 
 use std::future::Future;
 use std::sync::OnceLock;
 
+use tokio::runtime::{Handle, RuntimeFlavor};
+
 use crate::error::{Error, Result};
 
-fn runtime() -> &'static tokio::runtime::Runtime {
+fn own_runtime() -> &'static tokio::runtime::Runtime {
     static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
     RT.get_or_init(|| {
         let threads = std::thread::available_parallelism()
@@ -31,28 +47,101 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-/// The handle of Chorus's runtime.
-pub(crate) fn handle() -> tokio::runtime::Handle {
-    runtime().handle().clone()
+/// The handle of Chorus's own runtime.
+pub(crate) fn handle() -> Handle {
+    own_runtime().handle().clone()
 }
 
-/// Run `fut` on Chorus's runtime and await it from any executor.
-pub(crate) async fn run<F>(fut: F) -> Result<F::Output>
+/// The runtime `options` asks for, else Chorus's own.
+pub(crate) fn handle_for(options: &crate::CommOptions) -> Handle {
+    options.runtime.clone().unwrap_or_else(handle)
+}
+
+/// Run `fut` as a task on `rt` and await it from any executor.
+pub(crate) async fn run_on<F>(rt: &Handle, fut: F) -> Result<F::Output>
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    handle()
-        .spawn(fut)
+    rt.spawn(fut)
         .await
         .map_err(|e| Error::Internal(format!("chorus task failed: {e}")))
 }
 
-/// Run `fut` on Chorus's runtime and block the calling thread until it is done.
-pub(crate) fn block_on<F>(fut: F) -> Result<F::Output>
+/// Run `wait`, which blocks the calling thread, where that is allowed (see
+/// the module docs); `op` names the method for [`Error::WouldBlock`].
+pub(crate) fn blocking<T>(op: &'static str, wait: impl FnOnce() -> Result<T>) -> Result<T> {
+    match Handle::try_current() {
+        Err(_) => wait(),
+        Ok(h) => match h.runtime_flavor() {
+            RuntimeFlavor::CurrentThread => Err(Error::WouldBlock { op }),
+            _ => tokio::task::block_in_place(wait),
+        },
+    }
+}
+
+/// Block (where allowed) until `fut`, run as a task on `rt`, is done.
+pub(crate) fn block_on<F>(op: &'static str, rt: &Handle, fut: F) -> Result<F::Output>
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    futures::executor::block_on(run(fut))
+    blocking(op, || {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        rt.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv().map_err(|_| {
+            Error::Internal(format!(
+                "{op}: the task ended without a result (its runtime shut down?)"
+            ))
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_on_works_from_a_plain_thread() {
+        assert_eq!(block_on("t", &handle(), async { 7 }).unwrap(), 7);
+    }
+
+    #[test]
+    fn blocking_on_a_current_thread_runtime_is_refused() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let r = rt.block_on(async { block_on("split", &handle(), async { 1 }) });
+        match r {
+            Err(Error::WouldBlock { op }) => assert_eq!(op, "split"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn blocking_on_a_multi_thread_worker_keeps_the_runtime_running() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // A task on the only worker, which must progress while another
+            // task blocks in `block_on`.
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let ticker = tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                let _ = tx.send(());
+            });
+            let waited =
+                tokio::spawn(
+                    async move { block_on("t", &handle(), async move { rx.await.is_ok() }) },
+                );
+            assert!(waited.await.unwrap().unwrap(), "the ticker never ran");
+            ticker.await.unwrap();
+        });
+    }
 }

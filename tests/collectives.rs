@@ -495,21 +495,55 @@ fn into_forms_reuse_both_buffers_and_overwrite_stale_output_world_3() {
 }
 
 #[test]
-fn blocking_ops_work_inside_a_callers_tokio_runtime() {
-    // Inside an async runtime a blocking op cannot run inline (EX-6): it is
-    // queued like an async op and waited for.
-    run_ranks(2, "in-tokio", |comm| {
+fn blocking_ops_work_inside_a_callers_multi_thread_runtime() {
+    // On a worker of a multi-thread runtime a blocking op waits inside
+    // block_in_place (the runtime keeps running its other tasks), and still
+    // runs as a turn on the calling thread when nothing is queued.
+    run_ranks(2, "in-tokio-mt", |comm| {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let comm2 = comm.clone();
+            tokio::spawn(async move {
+                let a = comm2.all_reduce_async(Tensor::full(1i32, 1 << 12), ReduceOp::Sum);
+                let b = comm2
+                    .all_reduce(Tensor::full(2i32, 3), ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(b.to_vec::<i32>(), vec![4; 3]);
+                assert_eq!(a.await.unwrap().as_slice::<i32>()[0], 2);
+                let c = comm2
+                    .all_reduce(Tensor::full(3i32, 3), ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(c.to_vec::<i32>(), vec![6; 3]);
+            })
+            .await
+            .unwrap();
+        })
+    });
+}
+
+#[test]
+fn blocking_ops_on_a_current_thread_runtime_refuse_and_consume_no_seq() {
+    // Blocking would stop the runtime's only thread: a typed error instead,
+    // before anything is submitted, so the ranks stay in step.
+    run_ranks(2, "in-tokio-ct", |comm| {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         rt.block_on(async {
-            let a = comm.all_reduce_async(Tensor::full(1i32, 1 << 12), ReduceOp::Sum);
-            let b = comm
-                .all_reduce(Tensor::full(2i32, 3), ReduceOp::Sum)
+            match comm.all_reduce(Tensor::full(2i32, 3), ReduceOp::Sum) {
+                Err(chorus::Error::WouldBlock { op }) => assert_eq!(op, "all_reduce"),
+                other => panic!("expected WouldBlock, got {other:?}"),
+            }
+            let a = comm
+                .all_reduce_async(Tensor::full(1i32, 4), ReduceOp::Sum)
+                .await
                 .unwrap();
-            assert_eq!(b.to_vec::<i32>(), vec![4; 3]);
-            assert_eq!(a.await.unwrap().as_slice::<i32>()[0], 2);
+            assert_eq!(a.to_vec::<i32>(), vec![2; 4]);
         })
     });
 }

@@ -1,97 +1,100 @@
-//! The executor: runs a communicator's ops, one at a time, in order.
+//! The communicator's core and the turns that run its ops.
 //!
-//! For each op it (1) exchanges consistency headers with the participants and
-//! checks them ([`crate::op`]); (2) sizes outputs that depend on peers (the
-//! list form of all_to_all); (3) runs the transfer on the backend; (4)
-//! post-processes (`Avg`) and completes the [`Work`](crate::Work). Steps 1-3
-//! run under the op's timeout and can be cancelled by an abort.
+//! [`Core`] is everything an op runs against: the backend (and through it
+//! the device stream), the sequence numbers and the heartbeats. Its owner
+//! is the communicator's actor ([`super::CommActor`]); nothing else holds
+//! it. An op is one *turn*: [`Core::turn`] takes `&mut Core` and one
+//! request, and for that op
+//!
+//! 1. stamps its sequence numbers ([`Core::stamp`]);
+//! 2. exchanges consistency headers with the participants and checks them
+//!    ([`crate::op`]);
+//! 3. sizes outputs that depend on peers (the list form of all_to_all);
+//! 4. runs the transfer on the backend;
+//! 5. post-processes (`Avg`) and completes the [`Work`](crate::Work).
+//!
+//! Steps 2–4 run under the op's timeout and end early when the
+//! communicator's [`AbortSignal`] is raised. A turn completes its op itself
+//! unless the outcome is fatal: then it hands the op back
+//! ([`TurnEnd::Fatal`]) so that the actor records the failure in the
+//! communicator's status *before* the op completes, and every caller that
+//! sees the error also sees the communicator aborted.
 //!
 //! Invariants:
-//! - EX-1: every request received completes exactly once.
-//! - EX-2: after a fatal error (timeout, peer failure, desynchronised ranks,
-//!   abort) the backend is aborted (BE-2) and every later request completes
-//!   with `Error::Aborted` carrying the original cause, without touching the
-//!   backend.
-//! - EX-3: a non-fatal mismatch leaves the communicator usable: it is found
-//!   before any payload moves (OP-2).
-//! - EX-4: when a peer failure is known (watchdog notice, AC-5), the op in
-//!   flight and every queued op complete with that `Error::PeerFailed`; a
-//!   peer failure found by this rank's backend is published as a failure
-//!   notice so that every rank learns of it (WD-2).
-//! - EX-5: the watchdog task is stopped before the executor ends (WD-4).
-//! - EX-6: ops run one at a time, in the order they take the core's lock,
-//!   which is also the order of their sequence numbers. A queued op (async
-//!   forms, or a blocking call while others are queued) runs on the executor
-//!   task; a blocking call that finds nothing queued runs its op on the
-//!   calling thread (`ExecHandle::try_run_inline`), saving the two
-//!   cross-thread wake-ups of the queue (caller to task, task back to
-//!   caller), which dominate small ops.
-//! - EX-7: a backend that can fail between ops (BE-3) is polled every
-//!   `IDLE_POLL` (100 ms) while the communicator is idle (no op holds the core).
-//!   An error found so is fatal, like one an op returned: it is published
-//!   (EX-4), recorded as the abort's cause (visible in `health()`), and the
-//!   communicator is aborted (EX-2), without waiting for its next op.
+//!
+//! | tag | rule |
+//! |-----|------|
+//! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
+//! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
+//! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within [`NOTICE_ADOPT`], and never waits longer for it (publishing goes on in the background). |
+//! | EX-5 | the watchdog task is stopped before the backend is closed. |
+//! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
+//! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every [`IDLE_POLL`] while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-use ractor::ActorRef;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{CommInfo, CommMsg, Request};
+use super::status::AbortSignal;
+use super::{CommInfo, Request};
 use crate::backends::{cpu::reduce, Backend, IdleCtx, OpCtx, OpData, SplitArgs};
-use crate::comm::STATE_ABORTED;
 use crate::error::{Error, Result};
 use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
 use crate::tensor::{checked_sum, Tensor};
-use crate::work::Completion;
+use crate::work::{Completer, Completion};
 
-/// EX-7: how often an idle communicator polls its backend for errors the
-/// library found on its own (BE-3). NCCL's own watchdogs poll at this scale;
-/// one `ncclCommGetAsyncError` costs well under a microsecond.
-pub(crate) const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+/// How often an idle communicator polls its backend for errors the library
+/// found on its own (EX-7). NCCL's own watchdogs poll at this scale; one
+/// `ncclCommGetAsyncError` costs well under a microsecond.
+pub(crate) const IDLE_POLL: Duration = Duration::from_millis(100);
 
-/// Messages to the executor task: ops the actor forwards, and finalize.
-pub(crate) enum ExecMsg {
-    Run(Box<Request>),
-    Finalize(Option<crate::work::Completer>),
+/// How long a failing op waits for the store to tell it which failure
+/// notice won (EX-4) before it completes with its own view.
+pub(crate) const NOTICE_ADOPT: Duration = Duration::from_millis(100);
+
+/// How a turn ended.
+pub(crate) enum TurnEnd {
+    /// The op completed (successfully, or with a non-fatal error).
+    Done,
+    /// The op failed fatally: the actor records the cause, completes the
+    /// op, and aborts the communicator.
+    Fatal(Box<Fatal>),
 }
 
-/// What a `Comm` handle needs to run ops: the number of ops submitted and
-/// not yet started, and the core (EX-6).
-#[derive(Clone)]
-pub(crate) struct ExecHandle {
-    /// Ops submitted (in the actor's mailbox or the executor's queue) that
-    /// the executor task has not started yet.
-    pub(crate) queued: Arc<AtomicUsize>,
-    pub(crate) core: Arc<tokio::sync::Mutex<ExecCore>>,
+/// A fatal outcome, for the actor to act on.
+pub(crate) struct Fatal {
+    /// What ends the communicator.
+    pub(crate) cause: Error,
+    /// The error the op itself completes with.
+    pub(crate) error: Error,
+    /// The op's completer (`None` for a fatal error found outside an op).
+    pub(crate) completer: Option<Completer>,
 }
 
-impl ExecHandle {
-    /// EX-6: run `req` on the calling thread if no op is queued and the
-    /// thread is outside any async runtime; otherwise give it back. When it
-    /// runs here, its completer is completed before this returns.
-    ///
-    /// The core's lock orders it: an op queued earlier is counted in
-    /// `queued` until the executor task holds the lock for it, so an op that
-    /// finds `queued == 0` and then takes the lock runs (and takes its
-    /// sequence number) after every op submitted before it. Waiting for the
-    /// lock only ever waits for the op already running.
-    pub(crate) fn try_run_inline(&self, req: Box<Request>) -> Option<Box<Request>> {
-        if self.queued.load(Ordering::Acquire) != 0 || tokio::runtime::Handle::try_current().is_ok()
-        {
-            return Some(req);
-        }
-        let mut core = self.core.blocking_lock();
-        let span = core.span();
-        crate::runtime::handle().block_on(core.run_inline(req).instrument(span));
-        None
+impl Fatal {
+    /// A fatal error found outside an op (a failed split, an idle poll).
+    pub(crate) fn no_op(cause: Error) -> Box<Fatal> {
+        Box::new(Fatal {
+            error: cause.clone(),
+            cause,
+            completer: None,
+        })
     }
 }
 
-/// What a native split gave this rank (BE-4).
+/// The error an op completes with when the abort `cause` revokes it: a
+/// peer failure as itself (every rank then names the same ranks, AC-5),
+/// anything else as `Aborted` carrying the cause.
+pub(crate) fn revoked_error(info: &CommInfo, cause: Option<&Error>) -> Error {
+    match cause {
+        Some(e @ Error::PeerFailed { .. }) => e.clone(),
+        other => super::status::aborted_error(&info.name, info.rank, info.epoch, other),
+    }
+}
+
+/// What a native split gave this rank ([`Backend::split`]).
 pub(crate) enum NativeSplit {
     /// The backend has no native split: connect the child from scratch.
     Unsupported,
@@ -101,61 +104,20 @@ pub(crate) enum NativeSplit {
     NoChild,
 }
 
-impl ExecHandle {
-    /// BE-4: split the backend's communicator, between ops (the split takes
-    /// the core's lock like an op). Errors are fatal for this communicator,
-    /// which is aborted before this returns.
-    pub(crate) async fn native_split(&self, args: SplitArgs) -> Result<NativeSplit> {
-        let mut core = self.core.lock().await;
-        if core.closed {
-            return Err(core.closed_error());
-        }
-        if !core.backend.splits_natively() {
-            return Ok(NativeSplit::Unsupported);
-        }
-        match core.backend.split(args).await {
-            Ok(Some(child)) => Ok(NativeSplit::Child(child)),
-            Ok(None) => Ok(NativeSplit::NoChild),
-            Err(e) => {
-                let e = core.record_fatal(e).await;
-                core.shutdown_aborted().await;
-                Err(e)
-            }
-        }
-    }
-}
-
-/// Everything an op runs against: the backend, the sequence numbers, the
-/// failure state. Owned by the executor task behind a lock, which the
-/// calling thread of a blocking op takes instead when the communicator is
-/// idle (EX-6).
-pub(crate) struct ExecCore {
+/// Everything an op runs against; owned by the communicator's actor.
+pub(crate) struct Core {
     pub(crate) info: CommInfo,
-    pub(crate) backend: Box<dyn Backend>,
-    pub(crate) cancel: CancellationToken,
-    pub(crate) abort_reason: Arc<Mutex<Option<String>>>,
-    pub(crate) state: Arc<AtomicU8>,
-    pub(crate) poison: Arc<Mutex<Option<Error>>>,
-    pub(crate) actor: ActorRef<CommMsg>,
+    backend: Box<dyn Backend>,
     /// Heartbeats of this communicator (EX-5).
-    pub(crate) watchdog: Option<super::watchdog::Watchdog>,
-    /// The error outstanding ops complete with after a peer failure (EX-4).
-    pub(crate) revoke: Arc<Mutex<Option<Error>>>,
-    /// Counts this backend as live until the executor ends.
-    pub(crate) _live: LiveBackend,
+    watchdog: Option<super::watchdog::Watchdog>,
+    /// Counts this backend as live until the core is dropped.
+    _live: LiveBackend,
     /// Next collective sequence number (AC-1).
-    pub(crate) coll_seq: u64,
+    coll_seq: u64,
     /// Next point-to-point sequence number per peer (AC-2).
-    pub(crate) p2p_seq: Vec<u64>,
+    p2p_seq: Vec<u64>,
     /// The backend is finalized or aborted: no op touches it again.
-    pub(crate) closed: bool,
-}
-
-/// The executor task: runs queued ops in order, finalizes, shuts down.
-pub(crate) struct Executor {
-    pub(crate) core: Arc<tokio::sync::Mutex<ExecCore>>,
-    pub(crate) rx: mpsc::UnboundedReceiver<ExecMsg>,
-    pub(crate) queued: Arc<AtomicUsize>,
+    closed: bool,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -174,107 +136,198 @@ impl Drop for LiveBackend {
     }
 }
 
-enum Outcome {
-    Done(Result<Completion>),
-    Cancelled,
-}
-
-impl Executor {
-    pub(crate) async fn run(mut self) {
-        let (span, cancel, poll) = {
-            let core = self.core.lock().await;
-            (
-                core.span(),
-                core.cancel.clone(),
-                core.backend.polls_async_errors(),
-            )
-        };
-        let shared = self.core.clone();
-        async move {
-            // EX-7: only backends that can fail on their own are polled.
-            let mut idle = tokio::time::interval(IDLE_POLL);
-            idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let msg = tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => {
-                        let mut core = shared.lock().await;
-                        core.shutdown_aborted().await;
-                        self.drain(&core, |core| core.revoked_error());
-                        return;
-                    }
-                    msg = self.rx.recv() => msg,
-                    _ = idle.tick(), if poll => {
-                        // An op in flight (inline, EX-6) holds the lock and
-                        // watches the library itself: skip this tick.
-                        let Ok(mut core) = shared.try_lock() else { continue };
-                        if !core.poll_idle().await {
-                            core.shutdown_aborted().await;
-                            self.drain(&core, |core| core.revoked_error());
-                            return;
-                        }
-                        continue;
-                    }
-                };
-                match msg {
-                    Some(ExecMsg::Run(req)) => {
-                        let mut core = shared.lock().await;
-                        // EX-6: from here on, an op run inline goes after this one.
-                        self.queued.fetch_sub(1, Ordering::AcqRel);
-                        if !core.run_queued(req).await {
-                            core.shutdown_aborted().await;
-                            self.drain(&core, |core| core.revoked_error());
-                            return;
-                        }
-                    }
-                    Some(ExecMsg::Finalize(done)) => {
-                        let mut core = shared.lock().await;
-                        core.finalize().await;
-                        self.drain(&core, |core| Error::Finalized {
-                            comm: core.info.name.clone(),
-                            rank: core.info.rank,
-                        });
-                        if let Some(c) = done {
-                            c.complete(Ok(Completion::Unit));
-                        }
-                        // Drain: requests queued behind Finalize complete with Finalized.
-                        let _ = core.actor.drain();
-                        return;
-                    }
-                    None => {
-                        shared.lock().await.finalize().await;
-                        return;
-                    }
-                }
-            }
-        }
-        .instrument(span)
-        .await
-    }
-
-    /// Close the queue and complete everything still in it with `err`.
-    fn drain(&mut self, core: &ExecCore, err: impl Fn(&ExecCore) -> Error) {
-        self.rx.close();
-        while let Ok(msg) = self.rx.try_recv() {
-            match msg {
-                ExecMsg::Run(mut req) => {
-                    self.queued.fetch_sub(1, Ordering::AcqRel);
-                    if let Some(c) = req.completer.take() {
-                        c.complete(Err(err(core)));
-                    }
-                }
-                ExecMsg::Finalize(Some(c)) => c.complete(Ok(Completion::Unit)),
-                ExecMsg::Finalize(None) => {}
-            }
+impl Core {
+    pub(crate) fn new(
+        info: CommInfo,
+        backend: Box<dyn Backend>,
+        watchdog: Option<super::watchdog::Watchdog>,
+    ) -> Core {
+        Core {
+            p2p_seq: vec![0; info.size],
+            info,
+            backend,
+            watchdog,
+            _live: LiveBackend::new(),
+            coll_seq: 0,
+            closed: false,
         }
     }
-}
 
-impl ExecCore {
     /// The communicator's tracing span.
-    fn span(&self) -> tracing::Span {
+    pub(crate) fn span(&self) -> tracing::Span {
         let info = &self.info;
         tracing::info_span!("comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch)
+    }
+
+    /// Whether the backend asks to be polled while idle (EX-7).
+    pub(crate) fn polls_async_errors(&self) -> bool {
+        self.backend.polls_async_errors()
+    }
+
+    /// The error an op completes with when the abort `cause` revokes it.
+    pub(crate) fn revoked_error(&self, cause: Option<&Error>) -> Error {
+        revoked_error(&self.info, cause)
+    }
+
+    /// One turn: run `req` to completion (EX-1). See the module docs.
+    pub(crate) async fn turn(&mut self, mut req: Box<Request>, signal: &AbortSignal) -> TurnEnd {
+        let Some(completer) = req.completer.take() else {
+            return TurnEnd::Done;
+        };
+        self.stamp(&mut req);
+        let ctx = OpCtx {
+            comm: self.info.name.clone(),
+            rank: self.info.rank,
+            size: self.info.size,
+            epoch: self.info.epoch,
+            kind: req.kind,
+            seq: req.seq,
+        };
+        let bytes = req.count * req.dtype.size();
+        let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
+        let timeout = req.timeout;
+        let outcome = {
+            let fut = self.run_inner(&ctx, &mut req).instrument(span);
+            tokio::select! {
+                biased;
+                _ = signal.raised() => None,
+                r = tokio::time::timeout(timeout, fut) => Some(match r {
+                    Ok(r) => r,
+                    Err(_) => Err(Error::Timeout {
+                        comm: ctx.comm.clone(),
+                        rank: ctx.rank,
+                        op: ctx.kind.name(),
+                        seq: ctx.seq,
+                        epoch: ctx.epoch,
+                        after: timeout,
+                    }),
+                }),
+            }
+        };
+        match outcome {
+            None => {
+                let cause = signal
+                    .cause(&self.info.name, self.info.rank, self.info.epoch)
+                    .unwrap_or_else(|| self.revoked_error(None));
+                TurnEnd::Fatal(Box::new(Fatal {
+                    error: self.revoked_error(Some(&cause)),
+                    cause,
+                    completer: Some(completer),
+                }))
+            }
+            Some(Ok(c)) => {
+                completer.complete(Ok(c));
+                TurnEnd::Done
+            }
+            Some(Err(e)) if !e.is_fatal() => {
+                completer.complete(Err(e));
+                TurnEnd::Done
+            }
+            Some(Err(e)) => {
+                let e = self.adopt_notice(e).await;
+                TurnEnd::Fatal(Box::new(Fatal {
+                    cause: e.clone(),
+                    error: e,
+                    completer: Some(completer),
+                }))
+            }
+        }
+    }
+
+    /// EX-4: publish the peer failure `e` names (if any) as the epoch's
+    /// failure notice, and report the notice that won, when the store
+    /// answers within [`NOTICE_ADOPT`]: a rank that only saw a survivor
+    /// close its links (because that survivor aborted after seeing the real
+    /// failure) must not blame the survivor. A store that does not answer in
+    /// time (it may be on the dead rank) delays nothing: publishing goes on
+    /// in the background.
+    pub(crate) async fn adopt_notice(&mut self, mut e: Error) -> Error {
+        tracing::warn!(error = %e, "fatal error; aborting communicator");
+        let (
+            Error::PeerFailed {
+                failed_ranks,
+                detail,
+                ..
+            },
+            Some(w),
+        ) = (&mut e, &self.watchdog)
+        else {
+            return e;
+        };
+        if failed_ranks.is_empty() {
+            return e;
+        }
+        let config = w.config.clone();
+        let (ranks, text) = (failed_ranks.clone(), detail.clone());
+        let publish = tokio::spawn(async move { config.publish(ranks, text).await });
+        if let Ok(Ok(Some(n))) = tokio::time::timeout(NOTICE_ADOPT, publish).await {
+            if n.failed_ranks != *failed_ranks {
+                *detail = format!(
+                    "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                    n.by, n.failed_ranks, n.detail
+                );
+                *failed_ranks = n.failed_ranks;
+            }
+        }
+        e
+    }
+
+    /// EX-7: poll the backend for an error found while no op runs. `Some`
+    /// is fatal.
+    pub(crate) async fn poll_idle(&mut self) -> Option<Error> {
+        if self.closed {
+            return None;
+        }
+        let ctx = IdleCtx {
+            comm: self.info.name.clone(),
+            rank: self.info.rank,
+            size: self.info.size,
+            epoch: self.info.epoch,
+        };
+        match self.backend.poll_async_error(&ctx) {
+            Ok(()) => None,
+            Err(e) => Some(self.adopt_notice(e).await),
+        }
+    }
+
+    /// Split the backend's communicator with the library's own call, as one
+    /// turn ([`Backend::split`]). An error is fatal for this communicator.
+    pub(crate) async fn native_split(&mut self, args: SplitArgs) -> Result<NativeSplit> {
+        if !self.backend.splits_natively() {
+            return Ok(NativeSplit::Unsupported);
+        }
+        match self.backend.split(args).await {
+            Ok(Some(child)) => Ok(NativeSplit::Child(child)),
+            Ok(None) => Ok(NativeSplit::NoChild),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Abort path (EX-2, EX-5): heartbeats stopped, peers told, links
+    /// closed. Runs once.
+    pub(crate) async fn shutdown_aborted(&mut self, cause: Option<&Error>) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if let Some(w) = self.watchdog.take() {
+            w.stop(false).await;
+        }
+        let reason = self.revoked_error(cause).to_string();
+        let failed = cause.map(|e| e.failed_ranks().to_vec()).unwrap_or_default();
+        self.backend.abort(&reason, &failed).await;
+    }
+
+    /// Finalize path (EX-5): heartbeats stopped cleanly, backend closed.
+    pub(crate) async fn finalize(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if let Some(w) = self.watchdog.take() {
+            w.stop(true).await;
+        }
+        self.backend.finalize().await;
     }
 
     /// AC-1, AC-2: stamp `req` with its sequence numbers, in the order ops
@@ -300,241 +353,6 @@ impl ExecCore {
         } else {
             req.seq = self.coll_seq;
             self.coll_seq += 1;
-        }
-    }
-
-    /// The error of an op that reaches a closed core.
-    fn closed_error(&self) -> Error {
-        if self.state.load(Ordering::Acquire) == crate::comm::STATE_FINALIZED {
-            Error::Finalized {
-                comm: self.info.name.clone(),
-                rank: self.info.rank,
-            }
-        } else {
-            self.revoked_error()
-        }
-    }
-
-    /// Run a queued op. Returns false if the communicator must shut down.
-    async fn run_queued(&mut self, mut req: Box<Request>) -> bool {
-        if self.closed {
-            if let Some(c) = req.completer.take() {
-                c.complete(Err(self.closed_error()));
-            }
-            return true;
-        }
-        self.stamp(&mut req);
-        self.run_one(req).await
-    }
-
-    /// EX-6: run an op on the calling thread; shut the communicator down
-    /// here if it failed fatally, and wake the executor task so it ends too.
-    async fn run_inline(&mut self, req: Box<Request>) {
-        if !self.run_queued(req).await {
-            self.shutdown_aborted().await;
-        }
-    }
-
-    /// Finalize path: heartbeats stopped, backend closed.
-    async fn finalize(&mut self) {
-        if self.closed {
-            return;
-        }
-        self.closed = true;
-        if let Some(w) = self.watchdog.take() {
-            w.stop(true).await;
-        }
-        self.backend.finalize().await;
-        self.state
-            .compare_exchange(
-                crate::comm::STATE_ACTIVE,
-                crate::comm::STATE_FINALIZED,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .ok();
-    }
-
-    fn abort_error(&self) -> Error {
-        let reason = self
-            .abort_reason
-            .lock()
-            .ok()
-            .and_then(|r| r.clone())
-            .unwrap_or_else(|| "aborted".into());
-        let cause = self.poison.lock().ok().and_then(|p| p.clone());
-        match cause {
-            Some(e) => Error::Aborted {
-                comm: self.info.name.clone(),
-                rank: self.info.rank,
-                epoch: self.info.epoch,
-                failed_ranks: e.failed_ranks().to_vec(),
-                reason: format!("an earlier operation failed: {e}"),
-            },
-            None => Error::Aborted {
-                comm: self.info.name.clone(),
-                rank: self.info.rank,
-                epoch: self.info.epoch,
-                failed_ranks: vec![],
-                reason,
-            },
-        }
-    }
-
-    /// The error of an op revoked by an abort (EX-4).
-    fn revoked_error(&self) -> Error {
-        self.revoke
-            .lock()
-            .ok()
-            .and_then(|r| r.clone())
-            .unwrap_or_else(|| self.abort_error())
-    }
-
-    /// Abort path: backend aborted, heartbeats stopped, the actor asked to
-    /// stop, the executor task woken to fail every queued request (EX-2).
-    /// Runs once.
-    async fn shutdown_aborted(&mut self) {
-        if self.closed {
-            return;
-        }
-        self.closed = true;
-        if let Some(w) = self.watchdog.take() {
-            w.stop(false).await;
-        }
-        self.state.store(STATE_ABORTED, Ordering::Release);
-        let reason = self.abort_error().to_string();
-        let failed = self
-            .poison
-            .lock()
-            .ok()
-            .and_then(|p| p.as_ref().map(|e| e.failed_ranks().to_vec()))
-            .unwrap_or_default();
-        self.backend.abort(&reason, &failed).await;
-        // The executor task (if this ran inline) drains its queue and ends.
-        self.cancel.cancel();
-        // The actor has nothing left to do: ask it to stop (after any request
-        // already in its mailbox, which it fails with `Aborted`), so no actor
-        // outlives its communicator.
-        let _ = self
-            .actor
-            .send_message(CommMsg::Abort { reason, done: None });
-    }
-
-    /// Run one request. Returns false if the communicator must shut down.
-    async fn run_one(&mut self, mut req: Box<Request>) -> bool {
-        let Some(completer) = req.completer.take() else {
-            return true;
-        };
-        let ctx = OpCtx {
-            comm: self.info.name.clone(),
-            rank: self.info.rank,
-            size: self.info.size,
-            epoch: self.info.epoch,
-            kind: req.kind,
-            seq: req.seq,
-        };
-        let bytes = req.count * req.dtype.size();
-        let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
-        let timeout = req.timeout;
-        let cancel = self.cancel.clone();
-        let outcome = {
-            let fut = self.run_inner(&ctx, &mut req).instrument(span);
-            tokio::select! {
-                biased;
-                _ = cancel.cancelled() => Outcome::Cancelled,
-                r = tokio::time::timeout(timeout, fut) => match r {
-                    Ok(r) => Outcome::Done(r),
-                    Err(_) => Outcome::Done(Err(Error::Timeout {
-                        comm: ctx.comm.clone(),
-                        rank: ctx.rank,
-                        op: ctx.kind.name(),
-                        seq: ctx.seq,
-                        epoch: ctx.epoch,
-                        after: timeout,
-                    })),
-                },
-            }
-        };
-        match outcome {
-            Outcome::Cancelled => {
-                completer.complete(Err(self.revoked_error()));
-                false
-            }
-            Outcome::Done(Ok(c)) => {
-                completer.complete(Ok(c));
-                true
-            }
-            Outcome::Done(Err(e)) if !e.is_fatal() => {
-                completer.complete(Err(e));
-                true
-            }
-            Outcome::Done(Err(e)) => {
-                let e = self.record_fatal(e).await;
-                completer.complete(Err(e));
-                false
-            }
-        }
-    }
-
-    /// EX-2, EX-4: a fatal error ends this communicator. Publish the peer
-    /// failure it names (if any) as the epoch's failure notice, record it as
-    /// the cause of the abort, and mark the communicator aborted. Returns the
-    /// error to report, with the notice's failed ranks when another rank's
-    /// notice came first.
-    async fn record_fatal(&mut self, mut e: Error) -> Error {
-        tracing::warn!(error = %e, "fatal error; aborting communicator");
-        // EX-4: tell every rank, through the store, who failed. The first
-        // notice of the epoch wins, and this rank reports the winner's failed
-        // ranks: a rank that only saw a survivor close its links (because
-        // that survivor aborted after seeing the real failure) must not blame
-        // the survivor.
-        if let (
-            Error::PeerFailed {
-                failed_ranks,
-                detail,
-                ..
-            },
-            Some(w),
-        ) = (&mut e, &self.watchdog)
-        {
-            if !failed_ranks.is_empty() {
-                if let Some(n) = w.config.publish(failed_ranks.clone(), detail.clone()).await {
-                    if n.failed_ranks != *failed_ranks {
-                        *detail = format!(
-                            "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
-                            n.by, n.failed_ranks, n.detail
-                        );
-                        *failed_ranks = n.failed_ranks;
-                    }
-                }
-            }
-        }
-        if let Ok(mut p) = self.poison.lock() {
-            p.get_or_insert(e.clone());
-        }
-        // Later submits must see the abort as soon as this op completes.
-        self.state.store(STATE_ABORTED, Ordering::Release);
-        e
-    }
-
-    /// EX-7: poll the backend for an error found while no op runs (BE-3).
-    /// Returns false if the communicator must shut down.
-    async fn poll_idle(&mut self) -> bool {
-        if self.closed {
-            return true;
-        }
-        let ctx = IdleCtx {
-            comm: self.info.name.clone(),
-            rank: self.info.rank,
-            size: self.info.size,
-            epoch: self.info.epoch,
-        };
-        match self.backend.poll_async_error(&ctx) {
-            Ok(()) => true,
-            Err(e) => {
-                self.record_fatal(e).await;
-                false
-            }
         }
     }
 
@@ -875,9 +693,13 @@ mod tests {
             }),
             parent: None,
         };
-        crate::runtime::block_on(crate::start_with_backend(spec, Box::new(fake)))
-            .expect("runtime")
-            .expect("start")
+        crate::runtime::block_on(
+            "test",
+            &crate::runtime::handle(),
+            crate::start_with_backend(spec, Box::new(fake)),
+        )
+        .expect("runtime")
+        .expect("start")
     }
 
     /// Wait (bounded) until `cond` holds.

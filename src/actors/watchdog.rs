@@ -149,14 +149,26 @@ impl Drop for LiveGuard {
 
 impl Watchdog {
     /// Start a watchdog, unless heartbeats are off or the world has one rank.
-    pub(crate) fn start(config: WatchdogConfig, actor: ActorRef<CommMsg>) -> Option<Watchdog> {
+    /// Its verdict raises `home`'s abort signal (ending the turn in flight)
+    /// and tells `actor`.
+    pub(crate) fn start(
+        config: WatchdogConfig,
+        actor: ActorRef<CommMsg>,
+        home: Arc<super::Home>,
+    ) -> Option<Watchdog> {
         if config.size < 2 || config.interval.is_zero() {
             return None;
         }
         let cancel = CancellationToken::new();
         let clean = Arc::new(AtomicBool::new(false));
         crate::debug::LIVE_WATCHDOGS.fetch_add(1, Ordering::AcqRel);
-        let handle = tokio::spawn(run(config.clone(), actor, cancel.clone(), clean.clone()));
+        let handle = tokio::spawn(run(
+            config.clone(),
+            actor,
+            home,
+            cancel.clone(),
+            clean.clone(),
+        ));
         Some(Watchdog {
             cancel,
             clean,
@@ -176,6 +188,7 @@ impl Watchdog {
 async fn run(
     cfg: WatchdogConfig,
     actor: ActorRef<CommMsg>,
+    home: Arc<super::Home>,
     cancel: CancellationToken,
     clean: Arc<AtomicBool>,
 ) {
@@ -277,6 +290,15 @@ async fn run(
     };
     match verdict {
         Some((failed_ranks, detail)) => {
+            let info = &home.info;
+            home.signal.raise(crate::error::Error::PeerFailed {
+                comm: info.name.clone(),
+                rank: info.rank,
+                epoch: info.epoch,
+                op: "watchdog",
+                failed_ranks: failed_ranks.clone(),
+                detail: detail.clone(),
+            });
             let _ = actor.send_message(CommMsg::PeerFailed {
                 failed_ranks,
                 detail,
