@@ -1,12 +1,12 @@
 //! The communicator's core and the turns that run its ops.
 //!
-//! [`Core`] is everything an op runs against: the backend (and through it
+//! `Core` is everything an op runs against: the backend (and through it
 //! the device stream), the sequence numbers and the heartbeats. Its owner
 //! is the communicator's actor ([`super::CommActor`]); nothing else holds
-//! it. An op is one *turn*: [`Core::turn`] takes `&mut Core` and one
+//! it. An op is one *turn*: `Core::turn` takes `&mut Core` and one
 //! request, and for that op
 //!
-//! 1. stamps its sequence numbers ([`Core::stamp`]);
+//! 1. stamps its sequence numbers (`Core::stamp`);
 //! 2. exchanges consistency headers with the participants and checks them
 //!    ([`crate::op`]);
 //! 3. sizes outputs that depend on peers (the list form of all_to_all);
@@ -14,9 +14,9 @@
 //! 5. post-processes (`Avg`) and completes the [`Work`](crate::Work).
 //!
 //! Steps 2–4 run under the op's timeout and end early when the
-//! communicator's [`AbortSignal`] is raised. A turn completes its op itself
+//! communicator's `AbortSignal` is raised. A turn completes its op itself
 //! unless the outcome is fatal: then it hands the op back
-//! ([`TurnEnd::Fatal`]) so that the actor records the failure in the
+//! (`TurnEnd::Fatal`) so that the actor records the failure in the
 //! communicator's status *before* the op completes, and every caller that
 //! sees the error also sees the communicator aborted.
 //!
@@ -27,10 +27,10 @@
 //! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
 //! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
 //! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
-//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within [`NOTICE_ADOPT`], and never waits longer for it (publishing goes on in the background). |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). |
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
-//! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every [`IDLE_POLL`] while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
+//! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

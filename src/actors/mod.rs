@@ -1,27 +1,27 @@
 //! Actors: one [`CommActor`] per communicator, the single owner of its core.
 //!
-//! The actor owns the communicator's core ([`executor::Core`]: the backend
+//! The actor owns the communicator's core (`executor::Core`: the backend
 //! and through it the device stream, the sequence numbers, the
 //! heartbeats) and is the only writer of its [`status`]. Every op is one
-//! *turn* of the actor ([`executor::Core::turn`]). A [`Comm`] handle asks
+//! *turn* of the actor (`executor::Core::turn`). A [`Comm`] handle asks
 //! for a turn with [`CommMsg::Submit`]; the actor runs it in its handler and
 //! the turn completes the op's [`Work`](crate::Work) directly: one hand-off
 //! from the caller to the owner, one back.
 //!
 //! **Turns on a blocked caller's thread.** Between turns the actor keeps
-//! its core in its [`Home`], where it *offers* it: a caller that is about to
+//! its core in its `Home`, where it *offers* it: a caller that is about to
 //! block on a communicator with nothing queued accepts the offer
-//! ([`Home::lend`]), receives a [`Lease`] and runs that one turn on its own
+//! (`Home::lend`), receives a `Lease` and runs that one turn on its own
 //! thread instead of waking the actor, which is most of the cost of a small
 //! op. The lease is exclusive (the core is moved out of the home, never
 //! shared), limited to one turn, and returns the core when it is dropped; a
 //! fatal outcome goes back with it, for the actor to handle. Which thread
 //! runs a turn is a scheduling choice of the actor's: the same
-//! [`executor::Core::turn`] runs, with the same ordering, timeout, abort and
+//! `executor::Core::turn` runs, with the same ordering, timeout, abort and
 //! error handling, and there is no other path to the backend.
 //!
 //! **Aborts never wait behind an op.** Anyone may ask for an abort through
-//! the communicator's [`status::AbortSignal`] (a user's `abort()`, the
+//! the communicator's `status::AbortSignal` (a user's `abort()`, the
 //! watchdog, the parent): the signal ends the turn in flight at once,
 //! wherever it runs, and the actor then moves the status to `Aborted`,
 //! aborts the backend, fails everything still queued, aborts its children

@@ -2,10 +2,10 @@
 //! why not.
 //!
 //! There is exactly one status per communicator. Its only writer is the
-//! communicator's actor ([`StatusWriter`] is not `Clone` and lives in the
+//! communicator's actor (`StatusWriter` is not `Clone` and lives in the
 //! actor's state); handles, turns and the parent read it through
-//! [`StatusReader`]. Anyone may *ask* for an abort through the
-//! communicator's [`AbortSignal`] (a user's `abort()`, the watchdog, a
+//! `StatusReader`. Anyone may *ask* for an abort through the
+//! communicator's `AbortSignal` (a user's `abort()`, the watchdog, a
 //! parent that is aborting, a turn that hit a fatal error): the signal
 //! interrupts the op in flight at once and carries the first cause given,
 //! and the actor turns it into the status.
@@ -16,7 +16,7 @@
 //! |-----|------|
 //! | ST-1 | the state only moves forward: `Active` → `Finalized` or `Active` → `Aborted`, once. |
 //! | ST-2 | the cause is set together with the move to `Aborted` and never changes afterwards. |
-//! | ST-3 | the first cause raised on an [`AbortSignal`] wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
+//! | ST-3 | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
