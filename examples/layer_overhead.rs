@@ -1,6 +1,8 @@
 //! Overhead of the actor layer: the same all_reduce (f32 sum, 2 ranks in one
-//! process, shared-memory links) through [`Comm`] and through the cpu
-//! backend directly (header exchange + execute, as the executor calls it).
+//! process, shared-memory links) through [`Comm`] (blocking calls from plain
+//! threads, and `_async` forms awaited from tasks of a tokio runtime), and
+//! through the cpu backend directly (header exchange + execute, as a turn
+//! calls it).
 //!
 //! ```text
 //! cargo run --release --example layer_overhead [iters]
@@ -66,6 +68,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 epoch: 0,
                                 kind: OpKind::AllReduce,
                                 seq,
+                                may_block: true,
                             };
                             let start = Instant::now();
                             b.exchange_headers(&ctx, vec![(1 - rank, seq, vec![0u8; 48])])
@@ -110,6 +113,76 @@ fn backend_direct(iters: usize) -> Vec<f64> {
     })
 }
 
+/// Median per size of the per-op max over both ranks.
+fn max_median(res: &[Vec<Vec<f64>>]) -> Vec<f64> {
+    (0..SIZES.len())
+        .map(|s| {
+            median(
+                res[0][s]
+                    .iter()
+                    .zip(&res[1][s])
+                    .map(|(a, b)| a.max(*b))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// Each rank a task of one multi-thread tokio runtime (2 workers), awaiting
+/// `all_reduce_async`; the communicators on Chorus's own runtime, or on the
+/// caller's (`with_runtime`) when `callers` is set.
+fn awaited(iters: usize, callers: bool) -> Vec<f64> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store: Arc<MemoryStore> = Arc::new(MemoryStore::new());
+    let res: Vec<Vec<Vec<f64>>> = rt.block_on(async {
+        let tasks: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let mut opts = CommOptions::default()
+                        .with_rank(rank, 2)
+                        .with_secret(b"layers".to_vec())
+                        .with_rendezvous(Rendezvous::Store(store));
+                    if callers {
+                        opts = opts.with_runtime(tokio::runtime::Handle::current());
+                    }
+                    let comm = chorus::new_comm_async("cpu", Device::Cpu, "layers-async", opts)
+                        .await
+                        .expect("new_comm");
+                    let mut per_size = Vec::new();
+                    for bytes in SIZES {
+                        let mut t = Tensor::zeros(chorus::DType::F32, bytes / 4);
+                        let mut times = Vec::with_capacity(iters);
+                        for i in 0..iters + 10 {
+                            let start = Instant::now();
+                            t = comm
+                                .all_reduce_async(t, ReduceOp::Sum)
+                                .await
+                                .expect("all_reduce");
+                            if i >= 10 {
+                                times.push(start.elapsed().as_secs_f64());
+                            }
+                        }
+                        per_size.push(times);
+                    }
+                    comm.finalize_async().await.expect("finalize");
+                    per_size
+                })
+            })
+            .collect();
+        let mut res = Vec::new();
+        for t in tasks {
+            res.push(t.await.expect("rank task"));
+        }
+        res
+    });
+    max_median(&res)
+}
+
 fn through_comm(iters: usize) -> Vec<f64> {
     let store: Arc<MemoryStore> = Arc::new(MemoryStore::new());
     let threads: Vec<_> = (0..2)
@@ -143,17 +216,7 @@ fn through_comm(iters: usize) -> Vec<f64> {
         .into_iter()
         .map(|t| t.join().expect("rank thread"))
         .collect();
-    (0..SIZES.len())
-        .map(|s| {
-            median(
-                res[0][s]
-                    .iter()
-                    .zip(&res[1][s])
-                    .map(|(a, b)| a.max(*b))
-                    .collect(),
-            )
-        })
-        .collect()
+    max_median(&res)
 }
 
 fn main() {
@@ -161,19 +224,33 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(200);
-    // Interleave the two layers so machine load hits both alike.
-    let (mut direct, mut comm) = (Vec::new(), Vec::new());
+    // Interleave the layers so machine load hits them alike.
+    let (mut direct, mut comm, mut own, mut callers) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
         direct.push(backend_direct(iters));
         comm.push(through_comm(iters));
+        own.push(awaited(iters, false));
+        callers.push(awaited(iters, true));
     }
     println!(
-        "{:>10} {:>14} {:>14} {:>14}",
-        "bytes", "backend (us)", "Comm (us)", "overhead (us)"
+        "{:>10} {:>13} {:>11} {:>13} {:>15} {:>11} {:>11}",
+        "bytes",
+        "backend (us)",
+        "block (us)",
+        "await, own rt",
+        "await, caller's",
+        "own/block",
+        "caller/block"
     );
+    let med = |v: &[Vec<f64>], s: usize| median(v.iter().map(|v| v[s]).collect()) * 1e6;
     for (s, bytes) in SIZES.iter().enumerate() {
-        let d = median(direct.iter().map(|v| v[s]).collect()) * 1e6;
-        let c = median(comm.iter().map(|v| v[s]).collect()) * 1e6;
-        println!("{bytes:>10} {d:>14.2} {c:>14.2} {:>14.2}", c - d);
+        let (d, c) = (med(&direct, s), med(&comm, s));
+        let (a, b) = (med(&own, s), med(&callers, s));
+        println!(
+            "{bytes:>10} {d:>13.2} {c:>11.2} {a:>13.2} {b:>15.2} {:>11.2} {:>11.2}",
+            a / c,
+            b / c
+        );
     }
 }

@@ -470,12 +470,19 @@ impl Comm {
             return work;
         }
         let req = Box::new(req);
-        if inline {
-            // A turn on this (blocked) thread, when the actor offers its core.
-            if let Some(lease) = home.lend() {
-                home.rt.block_on(lease.run(req));
-                return work;
+        if let Some(lease) = home.lend() {
+            if inline {
+                // A turn on this (blocked) thread, which may sleep in the kernel.
+                home.rt.block_on(lease.run(req, true));
+            } else {
+                // A turn as a task next to the caller (the caller's
+                // runtime, else the communicator's): one hand-off, and
+                // none across threads when the caller is a task.
+                crate::runtime::spawn_near(&home.rt, home.own_rt, |may_block| {
+                    lease.run(req, may_block)
+                });
             }
+            return work;
         }
         home.count_pending();
         if let Err(ractor::MessagingErr::SendErr(CommMsg::Submit(mut req))) =

@@ -236,9 +236,14 @@ impl Spec {
     }
 }
 
+/// Held from choosing an actor's name to registering it (spawn), so that
+/// two communicators of one process never pick the same free name.
+static NAMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A free actor name for `info`: `<name>/<epoch>/<rank>`, with `#k`
 /// appended while another communicator of this process holds it (say, one
-/// with the same name still shutting down).
+/// with the same name still shutting down, or the same rank of another
+/// job in this process). Call it holding [`NAMING`].
 fn actor_name(info: &actors::CommInfo) -> String {
     let base = info.actor_name();
     let mut name = base.clone();
@@ -285,6 +290,7 @@ pub(crate) async fn start_with_backend(
         signal,
         status,
         runtime::handle_for(options),
+        runtime::is_own(options),
     ));
     let args = actors::CommArgs {
         backend: backend_impl,
@@ -300,6 +306,7 @@ pub(crate) async fn start_with_backend(
             store: ctx.store.clone(),
         }),
     };
+    let naming = NAMING.lock().await;
     let actor_name = actor_name(&info);
     let spawned = match &parent {
         Some(p) => {
@@ -313,6 +320,7 @@ pub(crate) async fn start_with_backend(
         }
         None => Actor::spawn(Some(actor_name), actors::CommActor, args).await,
     };
+    drop(naming);
     let (actor, _join) = spawned
         .map_err(|e| Error::Internal(format!("cannot start the communicator actor: {e}")))?;
     tracing::info!(comm = %name, rank, size, epoch, "communicator ready");

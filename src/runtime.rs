@@ -57,6 +57,56 @@ pub(crate) fn handle_for(options: &crate::CommOptions) -> Handle {
     options.runtime.clone().unwrap_or_else(handle)
 }
 
+/// Whether `options` leave the communicator on Chorus's own runtime (whose
+/// workers may block), rather than on a runtime the caller gave.
+pub(crate) fn is_own(options: &crate::CommOptions) -> bool {
+    options.runtime.is_none()
+}
+
+/// Run `fut` as a task near its caller: on the caller's multi-thread
+/// runtime when there is one, polled inside `rt`'s context so that the
+/// timers and tasks it creates belong to `rt`; else as a task of `rt`.
+/// `fut(may_block)` builds the future: `may_block` is false on the
+/// caller's runtime (a worker of the caller's must never sleep in the
+/// kernel), else `own_rt` (whether `rt` is Chorus's own runtime).
+///
+/// A task spawned from a worker starts on that worker when the caller next
+/// awaits, and wakes the caller there: no hand-off across threads.
+pub(crate) fn spawn_near<F>(rt: &Handle, own_rt: bool, fut: impl FnOnce(bool) -> F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            h.spawn(InContext {
+                rt: rt.clone(),
+                fut: Box::pin(fut(false)),
+            });
+        }
+        _ => {
+            rt.spawn(fut(own_rt));
+        }
+    }
+}
+
+/// `fut`, polled inside `rt`'s runtime context.
+struct InContext<F> {
+    rt: Handle,
+    fut: std::pin::Pin<Box<F>>,
+}
+
+impl<F: Future> Future for InContext<F> {
+    type Output = F::Output;
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.get_mut();
+        let _enter = this.rt.enter();
+        this.fut.as_mut().poll(cx)
+    }
+}
+
 /// Run `fut` as a task on `rt` and await it from any executor.
 pub(crate) async fn run_on<F>(rt: &Handle, fut: F) -> Result<F::Output>
 where

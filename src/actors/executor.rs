@@ -170,7 +170,12 @@ impl Core {
     }
 
     /// One turn: run `req` to completion (EX-1). See the module docs.
-    pub(crate) async fn turn(&mut self, mut req: Box<Request>, signal: &AbortSignal) -> TurnEnd {
+    pub(crate) async fn turn(
+        &mut self,
+        mut req: Box<Request>,
+        signal: &AbortSignal,
+        may_block: bool,
+    ) -> TurnEnd {
         let Some(completer) = req.completer.take() else {
             return TurnEnd::Done;
         };
@@ -182,6 +187,7 @@ impl Core {
             epoch: self.info.epoch,
             kind: req.kind,
             seq: req.seq,
+            may_block,
         };
         let bytes = req.count * req.dtype.size();
         let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);

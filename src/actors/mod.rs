@@ -244,6 +244,9 @@ pub(crate) struct Home {
     pub(crate) actor: std::sync::OnceLock<ActorRef<CommMsg>>,
     /// The runtime the communicator's tasks and I/O run on.
     pub(crate) rt: tokio::runtime::Handle,
+    /// `rt` is Chorus's own runtime, whose workers may sleep in the kernel
+    /// during a turn; a caller's runtime only ever gets turns that yield.
+    pub(crate) own_rt: bool,
 }
 
 impl Home {
@@ -252,9 +255,11 @@ impl Home {
         signal: Arc<AbortSignal>,
         status: StatusReader,
         rt: tokio::runtime::Handle,
+        own_rt: bool,
     ) -> Home {
         Home {
             rt,
+            own_rt,
             slot: Mutex::new(Slot::default()),
             returned: tokio::sync::Notify::new(),
             signal,
@@ -310,12 +315,18 @@ pub(crate) struct Lease {
 impl Lease {
     /// Run `req` as one turn (the completer is completed before this
     /// returns, unless the outcome is fatal: then the actor completes it).
-    pub(crate) async fn run(mut self, req: Box<Request>) {
+    /// `may_block`: the thread running it may sleep in the kernel (a
+    /// blocked caller's), see [`crate::backends::OpCtx::may_block`].
+    pub(crate) async fn run(mut self, req: Box<Request>, may_block: bool) {
         let Some(core) = self.core.as_mut() else {
             return;
         };
         let span = core.span();
-        if let TurnEnd::Fatal(f) = core.turn(req, &self.home.signal).instrument(span).await {
+        let end = core
+            .turn(req, &self.home.signal, may_block)
+            .instrument(span)
+            .await;
+        if let TurnEnd::Fatal(f) = end {
             self.fatal = Some(f);
         }
     }
@@ -639,7 +650,11 @@ impl Actor for CommActor {
                 None => state.refuse(req),
                 Some(mut core) => {
                     let span = core.span();
-                    let end = core.turn(req, &state.home.signal).instrument(span).await;
+                    let may_block = state.home.own_rt;
+                    let end = core
+                        .turn(req, &state.home.signal, may_block)
+                        .instrument(span)
+                        .await;
                     state.after_turn(&myself, core, end).await;
                 }
             },

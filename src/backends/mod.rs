@@ -169,6 +169,12 @@ pub struct OpCtx {
     /// Sequence number: the collective counter for collectives; for
     /// point-to-point, the per-peer counter is carried in [`P2PTransfer::seq`].
     pub seq: u64,
+    /// Whether the op may sleep in the kernel while it waits (a futex on a
+    /// shared-memory ring). True when the turn runs on a thread that may
+    /// block: a worker of Chorus's own runtime, or a caller blocked in a
+    /// blocking op. False on a worker of the caller's runtime, where a wait
+    /// must yield to the runtime instead.
+    pub may_block: bool,
 }
 
 impl OpCtx {

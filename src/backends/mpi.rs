@@ -644,6 +644,7 @@ mod tests {
             epoch: 0,
             kind: OpKind::AllGather,
             seq: 4,
+            may_block: false,
         };
         let (c, d) = partition(&ctx, &[1, 0, 3], 4).unwrap();
         assert_eq!(c, vec![4, 0, 12]);

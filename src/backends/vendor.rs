@@ -469,6 +469,7 @@ mod tests {
             epoch: 3,
             kind,
             seq,
+            may_block: false,
         }
     }
 

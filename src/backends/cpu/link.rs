@@ -793,6 +793,7 @@ pub(crate) async fn setup_shm(
         epoch: init.epoch,
         kind: crate::op::OpKind::Barrier,
         seq: SHM_SETUP_SEQ,
+        may_block: false,
     };
     let mut nonce = [0u8; 8];
     SystemRandom::new()

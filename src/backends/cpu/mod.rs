@@ -830,11 +830,9 @@ async fn run_links<'a>(
     }
     let shm_idle = shm_sends.is_empty() && shm_recvs.is_empty();
     let tcp_idle = tcp_sends.is_empty() && tcp_recvs.is_empty();
-    // SX-3: sleep in the kernel only on a multi-thread runtime and when no
-    // TCP transfer of this step needs this task to poll it.
-    let may_block = tcp_idle
-        && tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    // SX-3: sleep in the kernel only where the turn may block its thread,
+    // and when no TCP transfer of this step needs this task to poll it.
+    let may_block = tcp_idle && ctx.may_block;
     match (shm_idle, tcp_idle) {
         (true, _) => run_transfers(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs).await,
         (false, true) => {

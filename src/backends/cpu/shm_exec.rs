@@ -81,6 +81,11 @@ fn cpus() -> usize {
 const SLEEP: Duration = Duration::from_micros(50);
 /// Longest time spent blocking before returning to the runtime (SX-2).
 const ROUND: Duration = Duration::from_millis(1);
+/// Without kernel sleeps (a turn on a caller's runtime), how long the
+/// engine polls and yields before it waits on a timer between rounds.
+const STALLED: Duration = Duration::from_millis(10);
+/// The timer wait between rounds of a stalled wait without kernel sleeps.
+const STALLED_SLEEP: Duration = Duration::from_millis(1);
 
 /// Both rings of a same-host peer.
 #[derive(Debug)]
@@ -467,6 +472,7 @@ pub(crate) async fn run_shm(
     }
     // SX-5: more ranks of this communicator on this host than CPUs.
     let oversubscribed = links.iter().flatten().count() + 1 > cpus();
+    let mut last_progress = Instant::now();
     loop {
         let round = Instant::now();
         let mut idle = 0u32;
@@ -499,6 +505,9 @@ pub(crate) async fn run_shm(
             }
             if any {
                 idle = 0;
+                if !may_block {
+                    last_progress = Instant::now();
+                }
                 continue;
             }
             idle += 1;
@@ -557,6 +566,12 @@ pub(crate) async fn run_shm(
                 }
             }
         }
-        tokio::task::yield_now().await;
+        if !may_block && last_progress.elapsed() >= STALLED {
+            // A long wait on a caller's runtime: a timer instead of a
+            // busy yield loop, which would keep a worker spinning.
+            tokio::time::sleep(STALLED_SLEEP).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
     }
 }

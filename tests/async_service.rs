@@ -1,0 +1,386 @@
+//! Chorus driven from an async service: every rank is a task of the test's
+//! own tokio runtime (multi-thread and current-thread), and awaits every
+//! communicating method: ops, split, split_by_color, hierarchy,
+//! pending_joiners, reconfigure after a killed rank, finalize and abort.
+//! The communicators live on Chorus's own runtime, or on the caller's
+//! (`CommOptions::with_runtime`).
+//!
+//! A ticker task shows that no worker of the caller's runtime is blocked:
+//! it must keep ticking while a rank waits two seconds in bootstrap for a
+//! late peer, even on a current-thread runtime, whose only thread would
+//! stop if anything blocked it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chorus::transport::{MemoryStore, Store};
+use chorus::{
+    new_comm_async, Comm, CommOptions, Device, Error, ReconfigureOptions, ReduceOp, Rendezvous,
+    State, Tensor,
+};
+
+/// Every test finishes within this, or fails.
+const DEADLINE: Duration = Duration::from_secs(90);
+
+fn opts(store: &Arc<dyn Store>, rank: usize, size: usize, callers_rt: bool) -> CommOptions {
+    let o = CommOptions::default()
+        .with_rank(rank, size)
+        .with_rendezvous(Rendezvous::Store(store.clone()))
+        .with_secret("async-service")
+        .with_timeout(Duration::from_secs(30))
+        .with_connect_timeout(Duration::from_secs(20))
+        .with_heartbeat(Duration::from_millis(100), Duration::from_secs(2));
+    if callers_rt {
+        o.with_runtime(tokio::runtime::Handle::current())
+    } else {
+        o
+    }
+}
+
+/// Start `size` ranks as tasks of the current runtime, each running `f` on
+/// its communicator `name`; the results by rank.
+async fn ranks<T, F, Fut>(size: usize, name: &str, callers_rt: bool, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Comm) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let f = Arc::new(f);
+    let tasks: Vec<_> = (0..size)
+        .map(|rank| {
+            let (store, f, name) = (store.clone(), f.clone(), name.to_string());
+            tokio::spawn(async move {
+                let comm = new_comm_async(
+                    "cpu",
+                    Device::Cpu,
+                    &name,
+                    opts(&store, rank, size, callers_rt),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("rank {rank}: new_comm_async: {e}"));
+                f(comm).await
+            })
+        })
+        .collect();
+    let all = async {
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("rank task panicked"));
+        }
+        out
+    };
+    tokio::time::timeout(DEADLINE, all)
+        .await
+        .expect("ranks did not finish within the deadline")
+}
+
+/// Every collective and point-to-point op, awaited, checked by value.
+async fn ops(comm: &Comm) {
+    let (r, n) = (comm.rank(), comm.size());
+    let ni = n as i64;
+
+    let s = comm
+        .all_reduce_async(Tensor::full(r as i64 + 1, 33), ReduceOp::Sum)
+        .await
+        .unwrap();
+    assert_eq!(s.to_vec::<i64>(), vec![ni * (ni + 1) / 2; 33]);
+
+    let m = comm
+        .all_reduce_async(Tensor::full(r as f32, 5), ReduceOp::Max)
+        .await
+        .unwrap();
+    assert_eq!(m.to_vec::<f32>(), vec![(n - 1) as f32; 5]);
+
+    let root = n - 1;
+    let b = comm
+        .broadcast_async(Tensor::full(if r == root { 7i32 } else { 0 }, 9), root)
+        .await
+        .unwrap();
+    assert_eq!(b.to_vec::<i32>(), vec![7; 9]);
+
+    let g = comm
+        .all_gather_async(Tensor::full(r as i64, 2))
+        .await
+        .unwrap();
+    let want: Vec<i64> = (0..ni).flat_map(|k| [k, k]).collect();
+    assert_eq!(g.to_vec::<i64>(), want);
+
+    let rs = comm
+        .reduce_scatter_async(Tensor::full(1i64, 3 * n), ReduceOp::Sum)
+        .await
+        .unwrap();
+    assert_eq!(rs.to_vec::<i64>(), vec![ni; 3]);
+
+    let input: Vec<i64> = (0..ni).map(|k| r as i64 * 100 + k).collect();
+    let a2a = comm
+        .all_to_all_single_async(Tensor::from_vec(input))
+        .await
+        .unwrap();
+    let want: Vec<i64> = (0..ni).map(|k| k * 100 + r as i64).collect();
+    assert_eq!(a2a.to_vec::<i64>(), want);
+
+    comm.barrier_async().await.unwrap();
+
+    // A ring: send to the next rank, receive from the previous one. Even
+    // ranks send first, so a two-rank ring cannot deadlock.
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let payload = Tensor::full(r as i64, 4);
+    let got = if n == 1 {
+        payload
+    } else if r % 2 == 0 {
+        comm.send_async(payload, next).await.unwrap();
+        comm.recv_async(Tensor::zeros(chorus::DType::I64, 4), prev)
+            .await
+            .unwrap()
+    } else {
+        let got = comm
+            .recv_async(Tensor::zeros(chorus::DType::I64, 4), prev)
+            .await
+            .unwrap();
+        comm.send_async(payload, next).await.unwrap();
+        got
+    };
+    assert_eq!(got.to_vec::<i64>(), vec![prev as i64; 4]);
+
+    // Several ops in flight at once complete in order, each exactly once.
+    let works: Vec<_> = (0..8)
+        .map(|k| comm.all_reduce_async(Tensor::full(k as i64, 1), ReduceOp::Sum))
+        .collect();
+    for (k, w) in works.into_iter().enumerate() {
+        assert_eq!(w.await.unwrap().to_vec::<i64>(), vec![k as i64 * ni]);
+    }
+}
+
+/// Ops, then every lifecycle method, all awaited.
+async fn service(comm: Comm) -> usize {
+    let (r, n) = (comm.rank(), comm.size());
+    ops(&comm).await;
+
+    // A split of the first two ranks; the others get no communicator.
+    let pair = comm.split_async(&[0, 1], "pair").await.unwrap();
+    assert_eq!(pair.is_some(), r < 2);
+    if let Some(p) = &pair {
+        assert_eq!((p.rank(), p.size()), (r, 2));
+        ops(p).await;
+    }
+
+    // Colours by parity, keyed by rank.
+    let parity = comm
+        .split_by_color_async(Some((r % 2) as u32), r as i64, "parity")
+        .await
+        .unwrap()
+        .expect("every rank has a colour");
+    assert_eq!(
+        parity.size(),
+        n.div_ceil(2) - usize::from(r % 2 == 1 && n % 2 == 1)
+    );
+    ops(&parity).await;
+
+    assert_eq!(comm.pending_joiners_async().await.unwrap(), 0);
+
+    // Abort a child: it ends, its parent keeps working.
+    parity.abort_async().await;
+    assert!(parity.is_aborted());
+    assert!(parity.barrier_async().await.is_err());
+    comm.barrier_async().await.unwrap();
+    if let Some(p) = pair {
+        p.finalize_async().await.unwrap();
+        assert_eq!(p.status().state, State::Finalized);
+        assert!(p.barrier_async().await.is_err());
+    }
+
+    // One host: the local level is the whole world, the cross level one rank.
+    let h = comm.hierarchy_async().await.unwrap();
+    assert_eq!((h.local.size(), h.cross.size()), (n, 1));
+    // Dropping the parent's handle does not end the children the user
+    // still holds: they keep what they need alive.
+    drop(comm);
+    ops(&h.local).await;
+    ops(&h.cross).await;
+    h.cross.finalize_async().await.unwrap();
+    h.local.finalize_async().await.unwrap();
+    assert_eq!(h.local.status().state, State::Finalized);
+    n
+}
+
+/// One rank is killed (aborted by the test, its links cut); every survivor
+/// gets a typed error naming it, then the survivors reconfigure, awaited.
+async fn reconfigure_after_kill(comm: Comm, victim: usize) -> Option<usize> {
+    let (r, n) = (comm.rank(), comm.size());
+    // The victim may leave this barrier and die before a slower survivor
+    // completes it: then the barrier is where that survivor sees it.
+    let first = comm.barrier_async().await;
+    if r == victim {
+        comm.abort_with_reason_async("killed by the test").await;
+        assert!(comm.is_aborted());
+        return None;
+    }
+    let start = Instant::now();
+    let err = loop {
+        if let Err(e) = &first {
+            break e.clone();
+        }
+        match comm
+            .all_reduce_async(Tensor::full(1i64, 16), ReduceOp::Sum)
+            .await
+        {
+            Ok(_) => assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "rank {r} never saw the failure"
+            ),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(err, Error::PeerFailed { .. } | Error::Aborted { .. }),
+        "rank {r}: {err}"
+    );
+    assert_eq!(err.failed_ranks(), &[victim], "rank {r}: {err}");
+    let (next, map) = comm
+        .reconfigure_async(ReconfigureOptions {
+            min_size: Some(n - 1),
+            timeout: Duration::from_secs(20),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("rank {r}: reconfigure: {e}"));
+    assert_eq!(map.old_to_new[victim], None);
+    assert_eq!((next.size(), next.epoch()), (n - 1, 1));
+    let s = next
+        .all_reduce_async(Tensor::full(1i64, 8), ReduceOp::Sum)
+        .await
+        .unwrap();
+    assert_eq!(s.to_vec::<i64>(), vec![(n - 1) as i64; 8]);
+    next.finalize_async().await.unwrap();
+    Some(next.size())
+}
+
+async fn every_method(callers_rt: bool) {
+    for n in [2, 4] {
+        let name = format!("svc{n}-{callers_rt}");
+        assert_eq!(ranks(n, &name, callers_rt, service).await, vec![n; n]);
+    }
+}
+
+async fn kill_then_reconfigure(callers_rt: bool) {
+    for n in [2, 4] {
+        let victim = n - 1;
+        let name = format!("kill{n}-{callers_rt}");
+        let out = ranks(n, &name, callers_rt, move |c| {
+            reconfigure_after_kill(c, victim)
+        })
+        .await;
+        let mut want = vec![Some(n - 1); n];
+        want[victim] = None;
+        assert_eq!(out, want);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_thread_service_awaits_every_method() {
+    every_method(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_thread_service_with_comms_on_its_runtime_awaits_every_method() {
+    every_method(true).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn current_thread_service_awaits_every_method() {
+    every_method(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn current_thread_service_with_comms_on_its_runtime_awaits_every_method() {
+    every_method(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_thread_survivors_reconfigure_after_a_killed_rank() {
+    kill_then_reconfigure(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn current_thread_survivors_reconfigure_after_a_killed_rank() {
+    kill_then_reconfigure(true).await;
+}
+
+/// Ticks every 10 ms until stopped; returns the number of ticks and the
+/// longest gap between two.
+fn ticker(stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<(usize, Duration)> {
+    tokio::spawn(async move {
+        let (mut ticks, mut gap) = (0usize, Duration::ZERO);
+        let mut last = Instant::now();
+        while !stop.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            gap = gap.max(last.elapsed());
+            last = Instant::now();
+            ticks += 1;
+        }
+        (ticks, gap)
+    })
+}
+
+/// Rank 0 waits in bootstrap for rank 1, which starts two seconds late.
+async fn late_peer_keeps_ticker_running(callers_rt: bool) {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let tick = ticker(stop.clone());
+    let name = format!("late-{callers_rt}");
+    let start = Instant::now();
+    let early = {
+        let (store, name) = (store.clone(), name.clone());
+        tokio::spawn(async move {
+            let c = new_comm_async("cpu", Device::Cpu, &name, opts(&store, 0, 2, callers_rt))
+                .await
+                .unwrap();
+            (c, start.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let late = new_comm_async("cpu", Device::Cpu, &name, opts(&store, 1, 2, callers_rt));
+    let (late, early) = tokio::time::timeout(DEADLINE, async {
+        let late = late.await.unwrap();
+        (late, early.await.unwrap())
+    })
+    .await
+    .expect("bootstrap did not finish");
+    let (early, waited) = early;
+    stop.store(true, Ordering::Release);
+    let (ticks, gap) = tick.await.unwrap();
+    assert!(waited >= Duration::from_secs(2), "rank 0 waited {waited:?}");
+    // Blocked for the wait, the ticker would show one gap of two seconds.
+    assert!(
+        gap < Duration::from_millis(1000),
+        "longest tick gap {gap:?}"
+    );
+    assert!(ticks >= 20, "only {ticks} ticks in {waited:?}");
+    let (a, b) = (
+        early.all_reduce_async(Tensor::full(1i64, 4), ReduceOp::Sum),
+        late.all_reduce_async(Tensor::full(2i64, 4), ReduceOp::Sum),
+    );
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    assert_eq!(
+        (a.to_vec::<i64>(), b.to_vec::<i64>()),
+        (vec![3; 4], vec![3; 4])
+    );
+    let (fa, fb) = (early.finalize_async(), late.finalize_async());
+    let (fa, fb) = futures::join!(fa, fb);
+    fa.unwrap();
+    fb.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn bootstrap_wait_never_blocks_a_current_thread_runtime() {
+    late_peer_keeps_ticker_running(false).await;
+    late_peer_keeps_ticker_running(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_wait_never_blocks_a_multi_thread_worker() {
+    late_peer_keeps_ticker_running(false).await;
+    late_peer_keeps_ticker_running(true).await;
+}
