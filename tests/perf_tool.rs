@@ -80,6 +80,9 @@ fn chorus_perf_async_api_prints_checked_rows_on_2_ranks() {
         assert_checked_rows(op, ok, &out, &err);
         assert!(out.contains("api=async"), "{op}:\n{out}");
     }
+    let (ok, out, err) = perf(&["all_reduce", "--async", "--own-runtime"]);
+    assert_checked_rows("all_reduce --own-runtime", ok, &out, &err);
+    assert!(out.contains("api=async(own-runtime)"), "{out}");
 }
 
 #[test]

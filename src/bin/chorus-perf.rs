@@ -13,9 +13,9 @@
 //! For every size it runs a correctness check (rank-dependent input, result
 //! compared with the closed form), a warm-up, then the timed ops. By default
 //! both are time-based, so that a default run is representative: the warm-up
-//! lasts at least 50 ms, and the timed ops at least 200 ms and 1000 ops, cut
-//! short when one size would take more than `--budget` seconds (at least 3
-//! ops). `-w` and `-i` give exact counts instead (`-i` still capped by the
+//! lasts at least 50 ms, and the timed run at least 1000 ops and as many as
+//! the warm-up's per-op time says take 200 ms, cut short when one size would
+//! take more than `--budget` seconds (at least 3 ops). `-w` and `-i` give exact counts instead (`-i` still capped by the
 //! budget). Each op is timed on every rank; per op the maximum over ranks is
 //! kept (the slowest rank finishes the collective), and the table shows the
 //! median. Rooted ops use root 0.
@@ -45,8 +45,11 @@
 //! and uses the allocating forms pays.
 //!
 //! `--async` issues every op through its `_async` form and awaits the `Work`
-//! from a task on a tokio multi-thread runtime, to compare with the blocking
-//! forms (the default), which may run an op on the calling thread.
+//! from a task on a tokio multi-thread runtime (2 workers), to compare with
+//! the blocking forms (the default), which may run an op on the calling
+//! thread. The communicator runs on that same runtime
+//! ([`CommOptions::with_runtime`]), as in an async service that passes its
+//! own handle; `--own-runtime` leaves it on Chorus's own runtime instead.
 
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, UdpSocket};
@@ -58,7 +61,7 @@ use clap::{Parser, ValueEnum};
 
 /// The shortest default warm-up per size and mode.
 const WARMUP_MIN: Duration = Duration::from_millis(50);
-/// The shortest default timed run per size and mode ...
+/// The default timed run per size and mode, as estimated from the warm-up ...
 const TIMED_MIN: Duration = Duration::from_millis(200);
 /// ... and the fewest default timed ops (both must hold, within `--budget`).
 const TIMED_MIN_OPS: usize = 1000;
@@ -186,15 +189,20 @@ struct Args {
     #[arg(short = 'w', long = "warmup")]
     warmup: Option<usize>,
     /// Timed ops per size, fewer where `--budget` would be exceeded (at least 3)
-    /// [default: as many as take 200 ms, at least 1000].
+    /// [default: as many as take about 200 ms, at least 1000].
     #[arg(short = 'i', long = "iters")]
     iters: Option<usize>,
     /// Rough seconds per size and mode: caps the timed ops of slow sizes.
     #[arg(long, default_value = "2")]
     budget: f64,
-    /// Issue ops through their async forms, awaited from a tokio multi-thread runtime.
+    /// Issue ops through their async forms, awaited from a task on a tokio
+    /// multi-thread runtime that also runs the communicator.
     #[arg(long = "async")]
     use_async: bool,
+    /// With `--async`: leave the communicator on Chorus's own runtime, so
+    /// that every completion wakes a task on another runtime.
+    #[arg(long, requires = "use_async")]
+    own_runtime: bool,
     /// Skip the correctness check.
     #[arg(long)]
     no_check: bool,
@@ -372,26 +380,30 @@ struct Timing {
 }
 
 fn run_rank(args: &Args) -> Result<(), String> {
-    let comm = new_comm(
-        &args.backend,
-        Device::Cpu,
-        "perf",
-        CommOptions::default().with_timeout(Duration::from_secs(args.timeout)),
-    )
-    .map_err(|e| format!("new_comm: {e}"))?;
-    if args.op.point_to_point() && comm.size() < 2 {
-        return Err(format!("{} needs at least 2 ranks", args.op.name()));
-    }
-    let all_ok = match args.api() {
-        // The blocking forms never wait inside this executor: each op
-        // returns before its future is first polled to completion.
-        Api::Blocking => futures::executor::block_on(sweep(args.clone(), comm.clone())),
-        Api::Async => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
+    let rt = match args.api() {
+        Api::Blocking => None,
+        Api::Async => Some(
+            tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
-                .map_err(|e| format!("tokio runtime: {e}"))?;
+                .map_err(|e| format!("tokio runtime: {e}"))?,
+        ),
+    };
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(args.timeout));
+    if let Some(rt) = rt.as_ref().filter(|_| !args.own_runtime) {
+        options = options.with_runtime(rt.handle().clone());
+    }
+    let comm = new_comm(&args.backend, Device::Cpu, "perf", options)
+        .map_err(|e| format!("new_comm: {e}"))?;
+    if args.op.point_to_point() && comm.size() < 2 {
+        return Err(format!("{} needs at least 2 ranks", args.op.name()));
+    }
+    let all_ok = match &rt {
+        // The blocking forms never wait inside this executor: each op
+        // returns before its future is first polled to completion.
+        None => futures::executor::block_on(sweep(args.clone(), comm.clone())),
+        Some(rt) => {
             let task = rt.spawn(sweep(args.clone(), comm.clone()));
             rt.block_on(task)
                 .map_err(|e| format!("benchmark task: {e}"))?
@@ -417,7 +429,11 @@ async fn sweep(args: Args, comm: Comm) -> Result<bool, String> {
             "# chorus-perf {} backend={} nranks={n} api={} warmup={} iters={} budget={}s (median over ops of the max over ranks)",
             args.op.name(),
             args.backend,
-            if api == Api::Async { "async" } else { "blocking" },
+            match (api, args.own_runtime) {
+                (Api::Blocking, _) => "blocking",
+                (Api::Async, false) => "async",
+                (Api::Async, true) => "async(own-runtime)",
+            },
             count(args.warmup, "50ms"),
             count(args.iters, "200ms+1000"),
             args.budget,
