@@ -23,7 +23,9 @@ OUT=${OUT:-$PEERS_DIR/run-$(date -u +%Y%m%dT%H%M%S)}
 MAXBYTES=${MAXBYTES:-128M}
 FACTOR=${FACTOR:-4}
 RANKS=${RANKS:-"2 4"}
-OPS=${OPS:-"all_reduce all_gather broadcast reduce_scatter"}
+# Every op chorus-perf has; MPI runs MPI_Alltoall for both all-to-all forms,
+# and gloo has no list all_to_all (logged as failed, the sweep goes on).
+OPS=${OPS:-"all_reduce all_gather broadcast reduce_scatter reduce gather scatter all_to_all all_to_all_single send_recv ping_pong"}
 BUDGET=${BUDGET:-1}
 ITERS=${ITERS:-100}     # timed ops per size (fewer where BUDGET seconds would be exceeded)
 WARMUP=${WARMUP:-10}

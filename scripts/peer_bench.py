@@ -4,7 +4,11 @@ chorus-perf (per-op time on every rank, max over ranks, median over ops;
 nccl-tests algbw/busbw), for MPI (mpi4py, run under mpiexec) and PyTorch's
 gloo backend (this script starts the ranks itself).
 
-Prints one JSON object per size, in chorus-perf's --json schema.
+Prints one JSON object per size, in chorus-perf's --json schema. Rooted
+ops use root 0; ping_pong reports half the round trip, as chorus-perf does.
+MPI has no list form of all-to-all, so all_to_all and all_to_all_single
+both run MPI_Alltoall; gloo has no list all_to_all either (that op exits
+with an error there).
 
   mpiexec -n 2 python peer_bench.py --system mpich --op all_reduce -b 8 -e 128M -f 4
   python peer_bench.py --system gloo --op all_reduce -n 2 -b 8 -e 128M -f 4
@@ -26,9 +30,17 @@ def parse_size(s):
     return int(s[:-1] if mul > 1 else s) * mul
 
 
+BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_all_single")
+OPS = BLOCKED + ("all_reduce", "broadcast", "reduce", "send_recv", "ping_pong")
+
+
 def bus_factor(op, n):
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[op]
+    """nccl-tests' busbw factors (its *GetBw functions)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in BLOCKED:
+        return (n - 1) / n
+    return 1.0
 
 
 def sizes(a):
@@ -40,7 +52,7 @@ def sizes(a):
 
 def counts(op, nbytes, n):
     total = max(nbytes // 4, 1)
-    if op in ("all_gather", "reduce_scatter"):
+    if op in BLOCKED:
         per = max(total // n, 1)
         return per * n, per
     return total, total
@@ -72,6 +84,8 @@ def run(a, rank, n, do_op, barrier, max_over_ranks, make):
             do_op(bufs)
             times.append(time.perf_counter() - t0)
         t = float(np.median(max_over_ranks(times)))
+        if a.op == "ping_pong":
+            t /= 2  # one timed op is a round trip
         algbw = count * 4 / t / 1e9
         if rank == 0:
             print(json.dumps({"system": a.system, "op": a.op, "nranks": n, "size": count * 4,
@@ -85,23 +99,51 @@ def mpi_main(a):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
+    if a.op in ("send_recv", "ping_pong") and n < 2:
+        sys.exit(f"{a.op} needs at least 2 ranks")
 
     def make(count, per):
-        src = np.ones(per if a.op == "all_gather" else count, dtype=np.float32)
-        dst = np.empty(count if a.op == "all_gather" else (per if a.op == "reduce_scatter" else count),
-                       dtype=np.float32)
-        return src, dst
+        src_len = per if a.op in ("all_gather", "gather", "scatter") else count
+        if a.op == "scatter":
+            src_len = count if rank == 0 else 0
+        dst_len = {"reduce_scatter": per, "scatter": per,
+                   "gather": count if rank == 0 else 0}.get(a.op, count)
+        return np.ones(src_len, dtype=np.float32), np.empty(dst_len, dtype=np.float32)
 
     def do_op(b):
         src, dst = b
-        if a.op == "all_reduce":
+        op = a.op
+        if op == "all_reduce":
             comm.Allreduce(MPI.IN_PLACE, src, op=MPI.SUM)
-        elif a.op == "all_gather":
+        elif op == "all_gather":
             comm.Allgather(src, dst)
-        elif a.op == "broadcast":
+        elif op == "broadcast":
             comm.Bcast(src, root=0)
-        elif a.op == "reduce_scatter":
+        elif op == "reduce_scatter":
             comm.Reduce_scatter_block(src, dst, op=MPI.SUM)
+        elif op == "reduce":
+            if rank == 0:
+                comm.Reduce(MPI.IN_PLACE, src, op=MPI.SUM, root=0)
+            else:
+                comm.Reduce(src, None, op=MPI.SUM, root=0)
+        elif op == "gather":
+            comm.Gather(src, dst if rank == 0 else None, root=0)
+        elif op == "scatter":
+            comm.Scatter(src if rank == 0 else None, dst, root=0)
+        elif op in ("all_to_all", "all_to_all_single"):
+            comm.Alltoall(src, dst)
+        elif op == "send_recv":
+            if rank == 0:
+                comm.Send(src, dest=1)
+            elif rank == 1:
+                comm.Recv(src, source=0)
+        elif op == "ping_pong":
+            if rank == 0:
+                comm.Send(src, dest=1)
+                comm.Recv(dst, source=1)
+            elif rank == 1:
+                comm.Recv(dst, source=0)
+                comm.Send(src, dest=0)
 
     def max_over(times):
         t = np.array(times, dtype=np.float64)
@@ -118,11 +160,20 @@ def gloo_rank(a):
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=n)
 
+    if a.op == "all_to_all":
+        sys.exit("gloo has no list all_to_all")
+
     def make(count, per):
         if a.op == "all_gather":
             return torch.ones(per), torch.empty(count)
         if a.op == "reduce_scatter":
             return torch.ones(count), torch.empty(per)
+        if a.op == "gather":
+            return torch.ones(per), [torch.empty(per) for _ in range(n)] if rank == 0 else None
+        if a.op == "scatter":
+            return [torch.ones(per) for _ in range(n)] if rank == 0 else None, torch.empty(per)
+        if a.op in ("all_to_all_single", "ping_pong"):
+            return torch.ones(count), torch.empty(count)
         return torch.ones(count), None
 
     def do_op(b):
@@ -136,6 +187,26 @@ def gloo_rank(a):
         elif a.op == "reduce_scatter":
             # gloo has no native reduce_scatter: PyTorch's fallback is what users get.
             dist.reduce_scatter_tensor(dst, src)
+        elif a.op == "reduce":
+            dist.reduce(src, 0)
+        elif a.op == "gather":
+            dist.gather(src, dst, dst=0)
+        elif a.op == "scatter":
+            dist.scatter(dst, src, src=0)
+        elif a.op == "all_to_all_single":
+            dist.all_to_all_single(dst, src)
+        elif a.op == "send_recv":
+            if rank == 0:
+                dist.send(src, 1)
+            elif rank == 1:
+                dist.recv(src, 0)
+        elif a.op == "ping_pong":
+            if rank == 0:
+                dist.send(src, 1)
+                dist.recv(dst, 1)
+            elif rank == 1:
+                dist.recv(dst, 0)
+                dist.send(src, 0)
 
     def max_over(times):
         t = torch.tensor(times, dtype=torch.float64)
@@ -157,7 +228,7 @@ def free_port():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--system", required=True)
-    p.add_argument("--op", required=True)
+    p.add_argument("--op", required=True, choices=OPS)
     p.add_argument("-b", dest="minbytes", type=parse_size, default=8)
     p.add_argument("-e", dest="maxbytes", type=parse_size, default=128 << 20)
     p.add_argument("-f", dest="stepfactor", type=int, default=2)

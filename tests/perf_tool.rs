@@ -1,5 +1,6 @@
 //! `chorus-perf` end to end, tiny and bounded: 2 local ranks, sizes 8 B..4 KiB,
-//! every op, table and `--json` output, correctness check on.
+//! every op, both APIs, table and `--json` output, correctness check on, and
+//! the time-based defaults.
 
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -9,12 +10,24 @@ const BIN: &str = env!("CARGO_BIN_EXE_chorus-perf");
 /// Upper bound on one chorus-perf run here.
 const BOUND: Duration = Duration::from_secs(60);
 
-fn perf(args: &[&str]) -> (bool, String, String) {
+const OPS: [&str; 11] = [
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send_recv",
+    "ping_pong",
+];
+
+/// Run chorus-perf with `args` (bounded in time): (success, stdout, stderr).
+fn run(args: &[&str]) -> (bool, String, String) {
     let mut cmd = Command::new(BIN);
     cmd.args(args)
-        .args([
-            "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1", "-i", "3",
-        ])
         .args(["--timeout", "50"])
         .stdin(Stdio::null());
     let (tx, rx) = mpsc::channel();
@@ -32,20 +45,74 @@ fn perf(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// 2 ranks, 8 B..4 KiB (4 sizes), 1 warm-up and 3 timed ops.
+fn perf(args: &[&str]) -> (bool, String, String) {
+    let mut all = args.to_vec();
+    all.extend([
+        "-b", "8", "-e", "4K", "-f", "8", "-n", "2", "-w", "1", "-i", "3",
+    ]);
+    run(&all)
+}
+
+fn assert_checked_rows(op: &str, ok: bool, out: &str, err: &str) {
+    assert!(ok, "{op}: chorus-perf failed\n{out}\n{err}");
+    let rows: Vec<&str> = out.lines().filter(|l| !l.starts_with('#')).collect();
+    // 8, 64, 512, 4096 bytes.
+    assert_eq!(rows.len(), 4, "{op}:\n{out}");
+    assert!(
+        rows.iter().all(|r| r.trim_end().ends_with("ok")),
+        "{op}:\n{out}"
+    );
+}
+
 #[test]
 fn chorus_perf_prints_checked_rows_for_every_op_on_2_ranks() {
-    for op in [
-        "all_reduce",
-        "all_gather",
-        "broadcast",
-        "reduce_scatter",
-        "send_recv",
-    ] {
+    for op in OPS {
         let (ok, out, err) = perf(&[op]);
+        assert_checked_rows(op, ok, &out, &err);
+    }
+}
+
+#[test]
+fn chorus_perf_async_api_prints_checked_rows_on_2_ranks() {
+    for op in ["all_reduce", "reduce_scatter", "all_to_all", "ping_pong"] {
+        let (ok, out, err) = perf(&[op, "--async"]);
+        assert_checked_rows(op, ok, &out, &err);
+        assert!(out.contains("api=async"), "{op}:\n{out}");
+    }
+    let (ok, out, err) = perf(&["all_reduce", "--async", "--own-runtime"]);
+    assert_checked_rows("all_reduce --own-runtime", ok, &out, &err);
+    assert!(out.contains("api=async(own-runtime)"), "{out}");
+}
+
+#[test]
+fn chorus_perf_checks_rooted_and_all_to_all_ops_on_3_ranks() {
+    for op in [
+        "reduce",
+        "gather",
+        "scatter",
+        "all_to_all",
+        "all_to_all_single",
+    ] {
+        let (ok, out, err) = run(&[
+            op,
+            "-b",
+            "24",
+            "-e",
+            "1536",
+            "-f",
+            "8",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "-i",
+            "3",
+            "--in-place-only",
+        ]);
         assert!(ok, "{op}: chorus-perf failed\n{out}\n{err}");
         let rows: Vec<&str> = out.lines().filter(|l| !l.starts_with('#')).collect();
-        // 8, 64, 512, 4096 bytes.
-        assert_eq!(rows.len(), 4, "{op}:\n{out}");
+        assert_eq!(rows.len(), 3, "{op}:\n{out}");
         assert!(
             rows.iter().all(|r| r.trim_end().ends_with("ok")),
             "{op}:\n{out}"
@@ -65,5 +132,38 @@ fn chorus_perf_json_has_one_object_per_size_with_busbw() {
             l.contains("\"busbw_gbs\"") && l.contains("\"check\":true"),
             "{l}"
         );
+        // -i 3 times exactly 3 ops in each mode.
+        assert_eq!(l.matches("\"ops\":3}").count(), 2, "{l}");
     }
+}
+
+/// The number after `"ops":` in the `in_place` object of a JSON row.
+fn in_place_ops(line: &str) -> usize {
+    let ip = &line[line.find("\"in_place\"").expect("in_place object")..];
+    let at = ip.find("\"ops\":").expect("ops field") + "\"ops\":".len();
+    ip[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .expect("ops is a number")
+}
+
+#[test]
+fn chorus_perf_default_run_times_at_least_1000_ops() {
+    let (ok, out, err) = run(&[
+        "all_reduce",
+        "-b",
+        "8",
+        "-e",
+        "8",
+        "-n",
+        "2",
+        "--in-place-only",
+        "--json",
+    ]);
+    assert!(ok, "chorus-perf failed\n{out}\n{err}");
+    let line = out.lines().next().expect("one row");
+    assert!(line.contains("\"check\":true"), "{line}");
+    assert!(in_place_ops(line) >= 1000, "{line}");
 }

@@ -11,30 +11,60 @@
 //! the environment names. Rank 0 prints the table.
 //!
 //! For every size it runs a correctness check (rank-dependent input, result
-//! compared with the closed form), `-w` warm-up ops, then `-i` timed ops. Each
-//! op is timed on every rank; per op the maximum over ranks is kept (the
-//! slowest rank finishes the collective), and the table shows the median.
-//! Bandwidths follow nccl-tests (`doc/PERFORMANCE.md` there):
+//! compared with the closed form), a warm-up, then the timed ops. By default
+//! both are time-based, so that a default run is representative: the warm-up
+//! lasts at least 50 ms, and the timed run at least 1000 ops and as many as
+//! the warm-up's per-op time says take 200 ms, cut short when one size would
+//! take more than `--budget` seconds (at least 3 ops). `-w` and `-i` give exact counts instead (`-i` still capped by the
+//! budget). Each op is timed on every rank; per op the maximum over ranks is
+//! kept (the slowest rank finishes the collective), and the table shows the
+//! median. Rooted ops use root 0.
 //!
-//! - `algbw = size / time`, `size` in bytes as nccl-tests counts it (for
-//!   all_gather the gathered output, for reduce_scatter the input);
-//! - `busbw = algbw × factor`: all_reduce `2(n-1)/n`, all_gather and
-//!   reduce_scatter `(n-1)/n`, broadcast and send_recv `1`.
+//! Bandwidths follow nccl-tests (`doc/PERFORMANCE.md` and the `*GetBw`
+//! functions there):
+//!
+//! - `algbw = size / time`, `size` in bytes as nccl-tests counts it: for
+//!   all_gather, gather, scatter, all_to_all and all_to_all_single the whole
+//!   gathered / scattered / exchanged buffer (`n` blocks), for reduce_scatter
+//!   the input, otherwise the buffer;
+//! - `busbw = algbw × factor`: all_reduce `2(n-1)/n`; all_gather,
+//!   reduce_scatter, gather, scatter and both all_to_all forms `(n-1)/n`;
+//!   broadcast, reduce, send_recv and ping_pong `1`.
+//!
+//! `send_recv` times rank 0 sending to rank 1 (one way, as each rank sees
+//! its own call return). `ping_pong` times rank 0 → 1 → 0 and reports half
+//! the round trip, like MPI latency benchmarks.
 //!
 //! Chorus ops move their buffers in and out, so they are in place by nature;
 //! the in-place columns reuse the same buffers op after op (all_gather and
 //! reduce_scatter through their `_into` forms, which take the output buffer
-//! too). The out-of-place columns time an op on a fresh copy of the input
-//! (the copy included) with a fresh output, which is what a caller who keeps
-//! the input and uses the allocating forms pays.
+//! too). gather, scatter and all_to_all consume what they are given, so their
+//! in-place columns hand them a copy made outside the timed region. The
+//! out-of-place columns time an op on a fresh copy of its arguments (the copy
+//! included) with a fresh output, which is what a caller who keeps the input
+//! and uses the allocating forms pays.
+//!
+//! `--async` issues every op through its `_async` form and awaits the `Work`
+//! from a task on a tokio multi-thread runtime (2 workers), to compare with
+//! the blocking forms (the default), which may run an op on the calling
+//! thread. The communicator runs on that same runtime
+//! ([`CommOptions::with_runtime`]), as in an async service that passes its
+//! own handle; `--own-runtime` leaves it on Chorus's own runtime instead.
 
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, UdpSocket};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use chorus::{new_comm, Comm, CommOptions, Device, ReduceOp, Tensor};
+use chorus::{new_comm, Comm, CommOptions, DType, Device, ReduceOp, Tensor};
 use clap::{Parser, ValueEnum};
+
+/// The shortest default warm-up per size and mode.
+const WARMUP_MIN: Duration = Duration::from_millis(50);
+/// The default timed run per size and mode, as estimated from the warm-up ...
+const TIMED_MIN: Duration = Duration::from_millis(200);
+/// ... and the fewest default timed ops (both must hold, within `--budget`).
+const TIMED_MIN_OPS: usize = 1000;
 
 /// Which collective to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -46,14 +76,32 @@ enum Op {
     #[value(name = "all_gather", alias = "all-gather")]
     AllGather,
     /// Broadcast from rank 0.
-    #[value(name = "broadcast", alias = "broadcast")]
+    #[value(name = "broadcast")]
     Broadcast,
     /// Sum, then keep one block per rank.
     #[value(name = "reduce_scatter", alias = "reduce-scatter")]
     ReduceScatter,
+    /// Sum onto rank 0.
+    #[value(name = "reduce")]
+    Reduce,
+    /// Every rank's block onto rank 0.
+    #[value(name = "gather")]
+    Gather,
+    /// One block from rank 0 to every rank.
+    #[value(name = "scatter")]
+    Scatter,
+    /// One tensor per peer (the list form).
+    #[value(name = "all_to_all", alias = "all-to-all")]
+    AllToAll,
+    /// One tensor split into one block per peer.
+    #[value(name = "all_to_all_single", alias = "all-to-all-single")]
+    AllToAllSingle,
     /// Rank 0 sends to rank 1 (others idle).
     #[value(name = "send_recv", alias = "send-recv")]
     SendRecv,
+    /// Rank 0 sends to rank 1, which sends back (others idle); half the round trip.
+    #[value(name = "ping_pong", alias = "ping-pong")]
+    PingPong,
 }
 
 impl Op {
@@ -63,7 +111,13 @@ impl Op {
             Op::AllGather => "all_gather",
             Op::Broadcast => "broadcast",
             Op::ReduceScatter => "reduce_scatter",
+            Op::Reduce => "reduce",
+            Op::Gather => "gather",
+            Op::Scatter => "scatter",
+            Op::AllToAll => "all_to_all",
+            Op::AllToAllSingle => "all_to_all_single",
             Op::SendRecv => "send_recv",
+            Op::PingPong => "ping_pong",
         }
     }
 
@@ -72,10 +126,41 @@ impl Op {
         let n = n as f64;
         match self {
             Op::AllReduce => 2.0 * (n - 1.0) / n,
-            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
-            Op::Broadcast | Op::SendRecv => 1.0,
+            Op::AllGather
+            | Op::ReduceScatter
+            | Op::Gather
+            | Op::Scatter
+            | Op::AllToAll
+            | Op::AllToAllSingle => (n - 1.0) / n,
+            Op::Broadcast | Op::Reduce | Op::SendRecv | Op::PingPong => 1.0,
         }
     }
+
+    /// Whether nccl-tests' size counts `n` blocks of one per-rank block.
+    fn blocked(self) -> bool {
+        matches!(
+            self,
+            Op::AllGather
+                | Op::ReduceScatter
+                | Op::Gather
+                | Op::Scatter
+                | Op::AllToAll
+                | Op::AllToAllSingle
+        )
+    }
+
+    fn point_to_point(self) -> bool {
+        matches!(self, Op::SendRecv | Op::PingPong)
+    }
+}
+
+/// How ops are issued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    /// The blocking forms, from a plain thread.
+    Blocking,
+    /// The `_async` forms, awaited from a tokio multi-thread runtime.
+    Async,
 }
 
 /// nccl-tests-style benchmark of Chorus collectives.
@@ -100,15 +185,24 @@ struct Args {
     /// Backend name.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Warm-up ops per size.
-    #[arg(short = 'w', long = "warmup", default_value = "5")]
-    warmup: usize,
-    /// Timed ops per size (fewer for large sizes when `--budget` would be exceeded, at least 3).
-    #[arg(short = 'i', long = "iters", default_value = "20")]
-    iters: usize,
+    /// Warm-up ops per size [default: as many as take 50 ms].
+    #[arg(short = 'w', long = "warmup")]
+    warmup: Option<usize>,
+    /// Timed ops per size, fewer where `--budget` would be exceeded (at least 3)
+    /// [default: as many as take about 200 ms, at least 1000].
+    #[arg(short = 'i', long = "iters")]
+    iters: Option<usize>,
     /// Rough seconds per size and mode: caps the timed ops of slow sizes.
     #[arg(long, default_value = "2")]
     budget: f64,
+    /// Issue ops through their async forms, awaited from a task on a tokio
+    /// multi-thread runtime that also runs the communicator.
+    #[arg(long = "async")]
+    use_async: bool,
+    /// With `--async`: leave the communicator on Chorus's own runtime, so
+    /// that every completion wakes a task on another runtime.
+    #[arg(long, requires = "use_async")]
+    own_runtime: bool,
     /// Skip the correctness check.
     #[arg(long)]
     no_check: bool,
@@ -121,6 +215,16 @@ struct Args {
     /// Kill the ranks after this many seconds.
     #[arg(long, default_value = "600")]
     timeout: u64,
+}
+
+impl Args {
+    fn api(&self) -> Api {
+        if self.use_async {
+            Api::Async
+        } else {
+            Api::Blocking
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<usize, String> {
@@ -140,6 +244,10 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if args.factor < 2 || args.min_bytes == 0 || args.min_bytes > args.max_bytes {
         eprintln!("chorus-perf: need -f >= 2 and 0 < -b <= -e");
+        return ExitCode::from(2);
+    }
+    if args.budget.is_nan() || args.budget <= 0.0 {
+        eprintln!("chorus-perf: need --budget > 0");
         return ExitCode::from(2);
     }
     let under_launcher = chorus::bootstrap::env_rank_size().ok().flatten().is_some();
@@ -267,28 +375,68 @@ struct Timing {
     us: f64,
     algbw: f64,
     busbw: f64,
+    /// Timed ops.
+    ops: usize,
 }
 
 fn run_rank(args: &Args) -> Result<(), String> {
-    let comm = new_comm(
-        &args.backend,
-        Device::Cpu,
-        "perf",
-        CommOptions::default().with_timeout(Duration::from_secs(args.timeout)),
-    )
-    .map_err(|e| format!("new_comm: {e}"))?;
-    let (rank, n) = (comm.rank(), comm.size());
-    if args.op == Op::SendRecv && n < 2 {
-        return Err("send_recv needs at least 2 ranks".into());
+    let rt = match args.api() {
+        Api::Blocking => None,
+        Api::Async => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .map_err(|e| format!("tokio runtime: {e}"))?,
+        ),
+    };
+    let mut options = CommOptions::default().with_timeout(Duration::from_secs(args.timeout));
+    if let Some(rt) = rt.as_ref().filter(|_| !args.own_runtime) {
+        options = options.with_runtime(rt.handle().clone());
     }
-    settle(&comm).map_err(|e| format!("warm-up: {e}"))?;
+    let comm = new_comm(&args.backend, Device::Cpu, "perf", options)
+        .map_err(|e| format!("new_comm: {e}"))?;
+    if args.op.point_to_point() && comm.size() < 2 {
+        return Err(format!("{} needs at least 2 ranks", args.op.name()));
+    }
+    let all_ok = match &rt {
+        // The blocking forms never wait inside this executor: each op
+        // returns before its future is first polled to completion.
+        None => futures::executor::block_on(sweep(args.clone(), comm.clone())),
+        Some(rt) => {
+            let task = rt.spawn(sweep(args.clone(), comm.clone()));
+            rt.block_on(task)
+                .map_err(|e| format!("benchmark task: {e}"))?
+        }
+    }?;
+    comm.finalize().map_err(|e| format!("finalize: {e}"))?;
+    if all_ok {
+        Ok(())
+    } else {
+        Err(format!("rank {}: correctness check failed", comm.rank()))
+    }
+}
+
+/// Every size, in order; `Ok(false)` if a correctness check failed.
+async fn sweep(args: Args, comm: Comm) -> Result<bool, String> {
+    let (rank, n, api) = (comm.rank(), comm.size(), args.api());
+    settle(&comm, api)
+        .await
+        .map_err(|e| format!("warm-up: {e}"))?;
     if rank == 0 && !args.json {
+        let count = |c: Option<usize>, auto: &str| c.map_or(auto.to_string(), |c| c.to_string());
         println!(
-            "# chorus-perf {} backend={} nranks={n} warmup={} iters={} (median over ops of the max over ranks)",
+            "# chorus-perf {} backend={} nranks={n} api={} warmup={} iters={} budget={}s (median over ops of the max over ranks)",
             args.op.name(),
             args.backend,
-            args.warmup,
-            args.iters
+            match (api, args.own_runtime) {
+                (Api::Blocking, _) => "blocking",
+                (Api::Async, false) => "async",
+                (Api::Async, true) => "async(own-runtime)",
+            },
+            count(args.warmup, "50ms"),
+            count(args.iters, "200ms+1000"),
+            args.budget,
         );
         println!(
             "# {:>12} {:>12} {:>6} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>6}",
@@ -307,22 +455,19 @@ fn run_rank(args: &Args) -> Result<(), String> {
     let mut bytes = args.min_bytes;
     let mut all_ok = true;
     while bytes <= args.max_bytes {
-        let row = measure(args, &comm, bytes).map_err(|e| format!("{bytes} bytes: {e}"))?;
+        let row = measure(&args, &comm, bytes)
+            .await
+            .map_err(|e| format!("{bytes} bytes: {e}"))?;
         all_ok &= row.check_ok;
         if rank == 0 {
-            print_row(args, n, &row);
+            print_row(&args, n, &row);
         }
         match bytes.checked_mul(args.factor) {
             Some(b) => bytes = b,
             None => break,
         }
     }
-    comm.finalize().map_err(|e| format!("finalize: {e}"))?;
-    if all_ok {
-        Ok(())
-    } else {
-        Err(format!("rank {rank}: correctness check failed"))
-    }
+    Ok(all_ok)
 }
 
 fn print_row(args: &Args, n: usize, row: &Row) {
@@ -331,20 +476,22 @@ fn print_row(args: &Args, n: usize, row: &Row) {
             .out_of_place
             .map(|t| {
                 format!(
-                    "{{\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4}}}",
-                    t.us, t.algbw, t.busbw
+                    "{{\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4},\"ops\":{}}}",
+                    t.us, t.algbw, t.busbw, t.ops
                 )
             })
             .unwrap_or_else(|| "null".into());
         println!(
-            "{{\"system\":\"chorus\",\"backend\":\"{}\",\"op\":\"{}\",\"nranks\":{n},\"size\":{},\"count\":{},\"type\":\"float\",\"in_place\":{{\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4}}},\"out_of_place\":{oop},\"check\":{}}}",
+            "{{\"system\":\"chorus\",\"backend\":\"{}\",\"api\":\"{}\",\"op\":\"{}\",\"nranks\":{n},\"size\":{},\"count\":{},\"type\":\"float\",\"in_place\":{{\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4},\"ops\":{}}},\"out_of_place\":{oop},\"check\":{}}}",
             args.backend,
+            if args.use_async { "async" } else { "blocking" },
             args.op.name(),
             row.bytes,
             row.count,
             row.in_place.us,
             row.in_place.algbw,
             row.in_place.busbw,
+            row.in_place.ops,
             row.check_ok
         );
     } else {
@@ -374,70 +521,271 @@ fn print_row(args: &Args, n: usize, row: &Row) {
     }
 }
 
-/// Elements per rank's input for `bytes` as nccl-tests counts them.
+/// `(count, per)`: the elements nccl-tests counts for `bytes` (the whole
+/// buffer of `n` blocks for blocked ops), and one rank's block.
 fn counts(op: Op, bytes: usize, n: usize) -> (usize, usize) {
     let total = (bytes / 4).max(1);
-    match op {
-        // count = elements of the gathered output / reduce_scatter input, in nccl-tests terms.
-        Op::AllGather | Op::ReduceScatter => {
-            let per = (total / n).max(1);
-            (per * n, per)
-        }
-        _ => (total, total),
+    if op.blocked() {
+        let per = (total / n).max(1);
+        (per * n, per)
+    } else {
+        (total, total)
     }
 }
 
-/// Run one op on `t` (the rank's input) and return the output.
-fn run_op(comm: &Comm, op: Op, t: Tensor) -> chorus::Result<Tensor> {
-    match op {
-        Op::AllReduce => comm.all_reduce(t, ReduceOp::Sum),
-        Op::AllGather => comm.all_gather(t),
-        Op::Broadcast => comm.broadcast(t, 0),
-        Op::ReduceScatter => comm.reduce_scatter(t, ReduceOp::Sum),
-        Op::SendRecv => match comm.rank() {
-            0 => comm.send(t, 1),
-            1 => comm.recv(t, 0),
-            _ => Ok(t),
+/// Issue `$comm.$sync(args)` or, with [`Api::Async`], await
+/// `$comm.$asy(args)`; `?` on the result.
+macro_rules! go {
+    ($api:expr, $comm:ident . $sync:ident / $asy:ident ( $($a:expr),* $(,)? )) => {
+        match $api {
+            Api::Blocking => $comm.$sync($($a),*)?,
+            Api::Async => $comm.$asy($($a),*).await?,
+        }
+    };
+}
+
+/// The arguments of one op.
+enum Call {
+    One(Tensor),
+    /// `(input, output)` of the `_into` forms; `(send, recv)` of ping_pong.
+    Two(Tensor, Tensor),
+    List(Vec<Tensor>),
+    Scatter(Tensor, Option<Vec<Tensor>>),
+}
+
+/// What one op hands back.
+enum Back {
+    One(Tensor),
+    /// `(output, input)` of the `_into` forms; `(send, recv)` of ping_pong.
+    Two(Tensor, Tensor),
+    List(Vec<Tensor>),
+}
+
+/// Run one op.
+async fn issue(comm: &Comm, op: Op, api: Api, call: Call) -> chorus::Result<Back> {
+    let sum = ReduceOp::Sum;
+    Ok(match (op, call) {
+        (Op::AllReduce, Call::One(t)) => {
+            Back::One(go!(api, comm.all_reduce / all_reduce_async(t, sum)))
+        }
+        (Op::Reduce, Call::One(t)) => Back::One(go!(api, comm.reduce / reduce_async(t, sum, 0))),
+        (Op::Broadcast, Call::One(t)) => {
+            Back::One(go!(api, comm.broadcast / broadcast_async(t, 0)))
+        }
+        (Op::AllGather, Call::One(t)) => Back::One(go!(api, comm.all_gather / all_gather_async(t))),
+        (Op::AllGather, Call::Two(i, o)) => {
+            let (o, i) = go!(api, comm.all_gather_into / all_gather_into_async(i, o));
+            Back::Two(o, i)
+        }
+        (Op::ReduceScatter, Call::One(t)) => {
+            Back::One(go!(api, comm.reduce_scatter / reduce_scatter_async(t, sum)))
+        }
+        (Op::ReduceScatter, Call::Two(i, o)) => {
+            let (o, i) = go!(
+                api,
+                comm.reduce_scatter_into / reduce_scatter_into_async(i, o, sum)
+            );
+            Back::Two(o, i)
+        }
+        (Op::Gather, Call::One(t)) => Back::List(go!(api, comm.gather / gather_async(t, 0))),
+        (Op::Scatter, Call::Scatter(out, inputs)) => {
+            Back::One(go!(api, comm.scatter / scatter_async(out, inputs, 0)))
+        }
+        (Op::AllToAll, Call::List(v)) => {
+            Back::List(go!(api, comm.all_to_all / all_to_all_async(v)))
+        }
+        (Op::AllToAllSingle, Call::One(t)) => Back::One(go!(
+            api,
+            comm.all_to_all_single / all_to_all_single_async(t)
+        )),
+        (Op::SendRecv, Call::One(t)) => Back::One(match comm.rank() {
+            0 => go!(api, comm.send / send_async(t, 1)),
+            1 => go!(api, comm.recv / recv_async(t, 0)),
+            _ => t,
+        }),
+        (Op::PingPong, Call::Two(s, r)) => match comm.rank() {
+            0 => {
+                let s = go!(api, comm.send / send_async(s, 1));
+                Back::Two(s, go!(api, comm.recv / recv_async(r, 1)))
+            }
+            1 => {
+                let r = go!(api, comm.recv / recv_async(r, 0));
+                Back::Two(go!(api, comm.send / send_async(s, 0)), r)
+            }
+            _ => Back::Two(s, r),
         },
+        (op, _) => {
+            return Err(chorus::Error::Internal(format!(
+                "chorus-perf: no call shape for {}",
+                op.name()
+            )))
+        }
+    })
+}
+
+/// The check's input: rank `r`'s element `i` for the reducing and gathering ops.
+fn val(r: usize, i: usize) -> f32 {
+    (r + 1 + i % 7) as f32
+}
+
+/// The check's input: element `i` of the block that rank `src` sends to `dst`.
+fn pair(n: usize, src: usize, dst: usize, i: usize) -> f32 {
+    (src * n + dst + 1 + i % 7) as f32
+}
+
+/// One rank's buffers for `op`, reused op after op in the in-place columns
+/// (no allocation, no first-touch page faults inside the timed region).
+struct Buffers {
+    op: Op,
+    rank: usize,
+    /// The input (all_gather, reduce_scatter, gather), the buffer (the
+    /// in-place ops), the output (scatter), the send buffer (ping_pong).
+    a: Tensor,
+    /// The output (all_gather, reduce_scatter), the receive buffer (ping_pong).
+    b: Tensor,
+    /// all_to_all's inputs; scatter's inputs on the root.
+    list: Vec<Tensor>,
+}
+
+fn empty() -> Tensor {
+    Tensor::zeros(DType::F32, 0)
+}
+
+impl Buffers {
+    /// Buffers of `op` for `count` elements (`per` per block); with
+    /// `pattern`, filled with the check's input, else zeros (whose sums stay
+    /// finite however often they are reused).
+    fn new(op: Op, rank: usize, n: usize, count: usize, per: usize, pattern: bool) -> Buffers {
+        let fill = |len: usize, f: &dyn Fn(usize) -> f32| {
+            if pattern {
+                Tensor::from_vec((0..len).map(f).collect::<Vec<f32>>())
+            } else {
+                Tensor::zeros(DType::F32, len)
+            }
+        };
+        let (a, b, list) = match op {
+            Op::AllGather => (fill(per, &|i| val(rank, i)), fill(count, &|_| 0.0), vec![]),
+            Op::ReduceScatter => (fill(count, &|i| val(rank, i)), fill(per, &|_| 0.0), vec![]),
+            Op::Gather => (fill(per, &|i| val(rank, i)), empty(), vec![]),
+            Op::Scatter => {
+                let inputs = if rank == 0 {
+                    (0..n).map(|d| fill(per, &|i| pair(n, 0, d, i))).collect()
+                } else {
+                    vec![]
+                };
+                (fill(per, &|_| 0.0), empty(), inputs)
+            }
+            Op::AllToAll => {
+                let inputs = (0..n).map(|d| fill(per, &|i| pair(n, rank, d, i)));
+                (empty(), empty(), inputs.collect())
+            }
+            Op::AllToAllSingle => (
+                fill(count, &|i| pair(n, rank, i / per, i % per)),
+                empty(),
+                vec![],
+            ),
+            Op::PingPong => (
+                fill(count, &|i| val(rank, i)),
+                fill(count, &|_| 0.0),
+                vec![],
+            ),
+            Op::AllReduce | Op::Reduce | Op::Broadcast | Op::SendRecv => {
+                (fill(count, &|i| val(rank, i)), empty(), vec![])
+            }
+        };
+        Buffers {
+            op,
+            rank,
+            a,
+            b,
+            list,
+        }
+    }
+
+    /// The next op's arguments: the buffers themselves (`fresh == false`,
+    /// given back by [`Buffers::keep`]) or fresh copies of them.
+    fn call(&mut self, fresh: bool) -> Call {
+        let take = |t: &mut Tensor| {
+            if fresh {
+                t.clone()
+            } else {
+                std::mem::replace(t, empty())
+            }
+        };
+        match self.op {
+            Op::AllGather | Op::ReduceScatter if fresh => Call::One(self.a.clone()),
+            Op::AllGather | Op::ReduceScatter | Op::PingPong => {
+                let a = take(&mut self.a);
+                Call::Two(a, take(&mut self.b))
+            }
+            // gather consumes its input, scatter its inputs, all_to_all its list.
+            Op::Gather => Call::One(self.a.clone()),
+            Op::Scatter => Call::Scatter(
+                take(&mut self.a),
+                (self.rank == 0).then(|| self.list.clone()),
+            ),
+            Op::AllToAll if fresh => Call::List(self.list.clone()),
+            Op::AllToAll => Call::List(std::mem::take(&mut self.list)),
+            Op::AllReduce | Op::Reduce | Op::Broadcast | Op::AllToAllSingle | Op::SendRecv => {
+                Call::One(take(&mut self.a))
+            }
+        }
+    }
+
+    /// Take the buffers back from an op that [`Buffers::call`] fed them to.
+    fn keep(&mut self, back: Back) {
+        match (self.op, back) {
+            (Op::Gather, _) => {}
+            (Op::AllToAll, Back::List(v)) => self.list = v,
+            (Op::PingPong, Back::Two(s, r)) => (self.a, self.b) = (s, r),
+            (_, Back::Two(o, i)) => (self.b, self.a) = (o, i),
+            (_, Back::One(t)) => self.a = t,
+            (_, Back::List(_)) => {}
+        }
     }
 }
 
-fn input_len(op: Op, count: usize, per: usize) -> usize {
-    match op {
-        Op::AllGather => per,
-        _ => count,
-    }
-}
-
-/// Correctness: inputs `rank + 1 + i % 7`, compared with the closed form.
-fn check(comm: &Comm, op: Op, count: usize, per: usize) -> chorus::Result<bool> {
+/// Correctness: one op on the check's input, compared with the closed form.
+async fn check(comm: &Comm, op: Op, api: Api, count: usize, per: usize) -> chorus::Result<bool> {
     let (rank, n) = (comm.rank(), comm.size());
-    let len = input_len(op, count, per);
-    let val = |r: usize, i: usize| (r + 1 + i % 7) as f32;
-    let input: Vec<f32> = (0..len).map(|i| val(rank, i)).collect();
-    let out = run_op(comm, op, Tensor::from_vec(input))?;
-    let got = out.as_slice::<f32>();
+    let mut bufs = Buffers::new(op, rank, n, count, per, true);
+    let call = bufs.call(false);
+    let back = issue(comm, op, api, call).await?;
     let sum_over = |i: usize| (0..n).map(|r| val(r, i)).sum::<f32>();
-    let ok = match op {
-        Op::AllReduce => {
-            got.len() == count && got.iter().enumerate().all(|(i, &v)| v == sum_over(i))
-        }
-        Op::ReduceScatter => {
-            got.len() == per
-                && got
-                    .iter()
+    let is = |t: &Tensor, len: usize, f: &dyn Fn(usize) -> f32| {
+        t.len() == len
+            && t.as_slice::<f32>()
+                .iter()
+                .enumerate()
+                .all(|(i, &v)| v == f(i))
+    };
+    let ok = match (op, &back) {
+        (Op::AllReduce, Back::One(t)) => is(t, count, &sum_over),
+        (Op::Reduce, Back::One(t)) if rank == 0 => is(t, count, &sum_over),
+        (Op::Reduce, Back::One(t)) => is(t, count, &|i| val(rank, i)),
+        (Op::Broadcast, Back::One(t)) => is(t, count, &|i| val(0, i)),
+        (Op::AllGather, Back::Two(out, _)) => is(out, count, &|i| val(i / per, i % per)),
+        (Op::ReduceScatter, Back::Two(out, _)) => is(out, per, &|i| sum_over(rank * per + i)),
+        (Op::Gather, Back::List(v)) if rank == 0 => {
+            v.len() == n
+                && v.iter()
                     .enumerate()
-                    .all(|(i, &v)| v == sum_over(rank * per + i))
+                    .all(|(r, t)| is(t, per, &|i| val(r, i)))
         }
-        Op::AllGather => {
-            got.len() == per * n
-                && got
-                    .iter()
+        (Op::Gather, Back::List(v)) => v.is_empty(),
+        (Op::Scatter, Back::One(t)) => is(t, per, &|i| pair(n, 0, rank, i)),
+        (Op::AllToAll, Back::List(v)) => {
+            v.len() == n
+                && v.iter()
                     .enumerate()
-                    .all(|(i, &v)| v == val(i / per, i % per))
+                    .all(|(s, t)| is(t, per, &|i| pair(n, s, rank, i)))
         }
-        Op::Broadcast => got.len() == count && got.iter().enumerate().all(|(i, &v)| v == val(0, i)),
-        Op::SendRecv => rank != 1 || got.iter().enumerate().all(|(i, &v)| v == val(0, i)),
+        (Op::AllToAllSingle, Back::One(t)) => is(t, count, &|i| pair(n, i / per, rank, i % per)),
+        (Op::SendRecv, Back::One(t)) if rank == 1 => is(t, count, &|i| val(0, i)),
+        (Op::SendRecv, Back::One(_)) => true,
+        (Op::PingPong, Back::Two(_, r)) if rank < 2 => is(r, count, &|i| val(1 - rank, i)),
+        (Op::PingPong, Back::Two(..)) => true,
+        _ => false,
     };
     Ok(ok)
 }
@@ -455,119 +803,134 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Time `iters` ops (after `warmup`); returns the per-op times (seconds) of this rank.
-fn time_ops(
+/// Elementwise max over ranks.
+async fn max_over_ranks(comm: &Comm, api: Api, v: Vec<f64>) -> chorus::Result<Vec<f64>> {
+    let t = go!(
+        api,
+        comm.all_reduce / all_reduce_async(Tensor::from_vec(v), ReduceOp::Max)
+    );
+    Ok(t.to_vec::<f64>())
+}
+
+/// How many ops to time after a warm-up whose ops took `est` seconds each
+/// (the max over ranks), so that one size and mode takes about `budget`
+/// seconds at most.
+fn timed_ops(iters: Option<usize>, budget: f64, est: f64) -> usize {
+    let est = est.max(1e-7);
+    let cap = budget / est;
+    match iters {
+        Some(i) => (cap as usize).clamp(3.min(i), i.max(1)),
+        None => {
+            let want = (TIMED_MIN.as_secs_f64() / est).max(TIMED_MIN_OPS as f64);
+            (want.min(cap) as usize).max(3)
+        }
+    }
+}
+
+/// Warm up, then time ops; returns the per-op times (seconds) of this rank.
+async fn time_ops(
+    args: &Args,
     comm: &Comm,
-    op: Op,
-    len: usize,
-    warmup: usize,
-    iters: usize,
+    count: usize,
+    per: usize,
     out_of_place: bool,
 ) -> chorus::Result<Vec<f64>> {
-    let mut bufs = Buffers::new(comm, op, len);
+    let (op, api) = (args.op, args.api());
+    let mut bufs = Buffers::new(op, comm.rank(), comm.size(), count, per, false);
+    // Warm up in batches, each followed by one agreement (rank 0's clock
+    // decides, so that every rank runs the same ops); the last batch gives
+    // the per-op estimate for the timed count. `-w 0` still runs one op.
+    let start = Instant::now();
+    let mut batch = args.warmup.unwrap_or(1).max(1);
+    let est = loop {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            let call = bufs.call(out_of_place);
+            let back = issue(comm, op, api, call).await?;
+            if !out_of_place {
+                bufs.keep(back);
+            }
+        }
+        let per_op = t0.elapsed().as_secs_f64() / batch as f64;
+        let more = args.warmup.is_none() && comm.rank() == 0 && start.elapsed() < WARMUP_MIN;
+        let v = max_over_ranks(comm, api, vec![f64::from(u8::from(more)), per_op]).await?;
+        if v.first() != Some(&1.0) {
+            break v.get(1).copied().unwrap_or(per_op);
+        }
+        batch *= 2;
+    };
+    let iters = timed_ops(args.iters, args.budget, est);
     let mut times = Vec::with_capacity(iters);
-    for i in 0..warmup + iters {
-        let start = Instant::now();
+    for _ in 0..iters {
         if out_of_place {
-            run_op(comm, op, bufs.input.clone())?;
-        } else {
-            bufs.run_in_place(comm, op)?;
-        }
-        if i >= warmup {
+            let start = Instant::now();
+            let call = bufs.call(true);
+            issue(comm, op, api, call).await?;
             times.push(start.elapsed().as_secs_f64());
+        } else {
+            let call = bufs.call(false);
+            let start = Instant::now();
+            let back = issue(comm, op, api, call).await?;
+            times.push(start.elapsed().as_secs_f64());
+            bufs.keep(back);
         }
+    }
+    if op == Op::PingPong {
+        // One timed op is a round trip; report one way.
+        times.iter_mut().for_each(|t| *t /= 2.0);
     }
     Ok(times)
-}
-
-/// The buffers of the in-place runs, reused op after op (no allocation, no
-/// first-touch page faults inside the timed region).
-struct Buffers {
-    input: Tensor,
-    /// all_gather and reduce_scatter: the caller-provided output.
-    output: Tensor,
-}
-
-impl Buffers {
-    fn new(comm: &Comm, op: Op, len: usize) -> Buffers {
-        let out_len = match op {
-            Op::AllGather => len * comm.size(),
-            Op::ReduceScatter => len / comm.size().max(1),
-            _ => 0,
-        };
-        Buffers {
-            input: Tensor::zeros(chorus::DType::F32, len),
-            output: Tensor::zeros(chorus::DType::F32, out_len),
-        }
-    }
-
-    fn run_in_place(&mut self, comm: &Comm, op: Op) -> chorus::Result<()> {
-        let input = std::mem::replace(&mut self.input, Tensor::zeros(chorus::DType::F32, 0));
-        let output = std::mem::replace(&mut self.output, Tensor::zeros(chorus::DType::F32, 0));
-        (self.output, self.input) = match op {
-            Op::AllGather => comm.all_gather_into(input, output)?,
-            Op::ReduceScatter => comm.reduce_scatter_into(input, output, ReduceOp::Sum)?,
-            _ => (output, run_op(comm, op, input)?),
-        };
-        Ok(())
-    }
 }
 
 /// Small all-reduces for a fixed time before the first size: just-started
 /// rank processes often share one core until the scheduler spreads them,
 /// which made the first size measured (only) up to 10x slower.
-fn settle(comm: &Comm) -> chorus::Result<()> {
+async fn settle(comm: &Comm, api: Api) -> chorus::Result<()> {
     let start = Instant::now();
     loop {
         // Every rank leaves after the same op: rank 0's clock decides.
-        let go_on = u8::from(comm.rank() != 0 || start.elapsed() < Duration::from_millis(200));
-        let t = comm.all_reduce(Tensor::full(go_on, 1), ReduceOp::Min)?;
-        if t.as_slice::<u8>().first() != Some(&1) {
+        let go_on = comm.rank() == 0 && start.elapsed() < Duration::from_millis(200);
+        let v = max_over_ranks(comm, api, vec![f64::from(u8::from(go_on))]).await?;
+        if v.first() != Some(&1.0) {
             return Ok(());
         }
     }
 }
 
 /// Max over ranks per op, then the median.
-fn reduce_times(comm: &Comm, times: Vec<f64>) -> chorus::Result<f64> {
-    let t = comm.all_reduce(Tensor::from_vec(times), ReduceOp::Max)?;
-    let mut v = t.to_vec::<f64>();
+async fn reduce_times(comm: &Comm, api: Api, times: Vec<f64>) -> chorus::Result<f64> {
+    let mut v = max_over_ranks(comm, api, times).await?;
     Ok(median(&mut v))
 }
 
-fn measure(args: &Args, comm: &Comm, bytes: usize) -> chorus::Result<Row> {
-    let n = comm.size();
+async fn measure(args: &Args, comm: &Comm, bytes: usize) -> chorus::Result<Row> {
+    let (n, api) = (comm.size(), args.api());
     let (count, per) = counts(args.op, bytes, n);
-    let len = input_len(args.op, count, per);
     let size_bytes = count * 4;
     let check_ok = if args.no_check {
         true
     } else {
-        let ok = check(comm, args.op, count, per)?;
+        let ok = check(comm, args.op, api, count, per).await?;
         // Every rank learns whether any rank failed.
-        let v = comm.all_reduce(Tensor::from_vec(vec![u32::from(!ok)]), ReduceOp::Max)?;
-        v.as_slice::<u32>().first().copied() == Some(0)
+        let v = max_over_ranks(comm, api, vec![f64::from(u8::from(!ok))]).await?;
+        v.first() == Some(&0.0)
     };
-    // Estimate one op to cap the iterations of slow sizes.
-    let probe = time_ops(comm, args.op, len, 1, 1, false)?;
-    let est = reduce_times(comm, probe)?.max(1e-7);
-    let iters = ((args.budget / est) as usize).clamp(3.min(args.iters), args.iters.max(1));
-    let warmup = args.warmup.min(iters);
-    let timing = |secs: f64| {
+    let timing = |ops: usize, secs: f64| {
         let algbw = size_bytes as f64 / secs / 1e9;
         Timing {
             us: secs * 1e6,
             algbw,
             busbw: algbw * args.op.bus_factor(n),
+            ops,
         }
     };
-    let ip = time_ops(comm, args.op, len, warmup, iters, false)?;
-    let in_place = timing(reduce_times(comm, ip)?);
+    let ip = time_ops(args, comm, count, per, false).await?;
+    let in_place = timing(ip.len(), reduce_times(comm, api, ip).await?);
     let out_of_place = if args.in_place_only {
         None
     } else {
-        let oop = time_ops(comm, args.op, len, warmup, iters, true)?;
-        Some(timing(reduce_times(comm, oop)?))
+        let oop = time_ops(args, comm, count, per, true).await?;
+        Some(timing(oop.len(), reduce_times(comm, api, oop).await?))
     };
     Ok(Row {
         bytes: size_bytes,
