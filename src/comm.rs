@@ -257,6 +257,8 @@ pub(crate) struct Shared {
     pub(crate) epoch: u64,
     pub(crate) device: Device,
     pub(crate) backend: &'static str,
+    /// What the backend can do beyond the ops, asked when it started.
+    pub(crate) caps: crate::backends::Capabilities,
     pub(crate) actor: ActorRef<CommMsg>,
     /// The actor's home: its offer of the core to blocked callers, its abort
     /// signal and status, its runtime.
@@ -344,6 +346,11 @@ impl Comm {
     /// The device its buffers live on.
     pub fn device(&self) -> Device {
         self.shared.device
+    }
+    /// What its backend can do beyond the ops: how a split's child is
+    /// formed, and whether `reconfigure` can change the world.
+    pub fn capabilities(&self) -> crate::backends::Capabilities {
+        self.shared.caps
     }
     /// The backend's name.
     pub fn backend(&self) -> &'static str {

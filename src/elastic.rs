@@ -336,6 +336,16 @@ impl Comm {
             .await
     }
 
+    fn not_supported(&self, op: &'static str, detail: &str) -> Error {
+        Error::NotSupported {
+            comm: self.shared.name.clone(),
+            rank: self.rank(),
+            backend: self.backend(),
+            op,
+            detail: detail.to_string(),
+        }
+    }
+
     async fn split_inner(
         &self,
         color: Option<u32>,
@@ -343,6 +353,14 @@ impl Comm {
         check: i64,
         name: &str,
     ) -> Result<Option<Comm>> {
+        // Every rank has the same backend, so every rank refuses here,
+        // before the agreement step, and the parent stays usable.
+        if self.capabilities().split == crate::backends::SplitMode::Unsupported {
+            return Err(self.not_supported(
+                "split",
+                "its communicators always span the whole launched job; create a new communicator on another backend for subgroups",
+            ));
+        }
         if name.is_empty() || name.contains('/') {
             return Err(
                 self.invalid_split("a communicator name must be non-empty and contain no '/'")
@@ -588,6 +606,12 @@ impl Comm {
     /// # Errors
     /// As [`Comm::reconfigure`].
     pub async fn reconfigure_async(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
+        if !self.capabilities().elastic {
+            return Err(self.not_supported(
+                "reconfigure",
+                "its world is fixed by the launcher; restart the job to change its size",
+            ));
+        }
         self.on_runtime(move |c| async move {
             let r = c.reconfigure_inner(opts).await;
             // Whatever the outcome, this epoch is over on this rank.

@@ -157,6 +157,25 @@ pub enum Error {
         dtype: DType,
     },
 
+    /// The communicator's backend cannot do this (see
+    /// [`Comm::capabilities`](crate::Comm::capabilities)): refused on every
+    /// rank before any exchange; the communicator stays usable.
+    #[error(
+        "communicator {comm:?} (rank {rank}): backend {backend} does not support {op}: {detail}"
+    )]
+    NotSupported {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// The backend.
+        backend: &'static str,
+        /// The method (`split`, `reconfigure`).
+        op: &'static str,
+        /// Why, and what to do instead.
+        detail: String,
+    },
+
     /// `reconfigure` could not form the next epoch: too few of the old ranks
     /// survived (a minority partition never forms its own epoch).
     #[error(

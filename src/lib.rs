@@ -87,6 +87,7 @@ pub mod transport;
 mod work;
 
 pub use actors::status::{ChildFailure, State, Status};
+pub use backends::{Capabilities, SplitMode};
 pub use comm::{Comm, CommOptions, Device, P2POp, Rendezvous};
 pub use elastic::{join_comm, join_comm_async, Health, Hierarchy, RankMap, ReconfigureOptions};
 pub use error::{Error, Result};
@@ -274,6 +275,7 @@ pub(crate) async fn start_with_backend(
     let name = ctx.name.clone();
     let options = &ctx.options;
     let backend_name = backend_impl.name();
+    let caps = backend_impl.capabilities();
     let info = actors::CommInfo {
         name: name.clone(),
         rank,
@@ -331,6 +333,7 @@ pub(crate) async fn start_with_backend(
         epoch,
         device,
         backend: backend_name,
+        caps,
         actor,
         home,
         _server: ctx.server.clone(),

@@ -293,6 +293,67 @@ fn rooted_and_gathering_ops(n: usize) {
     });
 }
 
+/// A split and a reconfigure do what the backend's capabilities say: they
+/// work, or every rank gets `NotSupported` at once and the communicator
+/// stays usable.
+fn split_and_reconfigure_follow_capabilities(n: usize) {
+    run_ranks(n, "caps", move |comm| {
+        let (r, caps) = (comm.rank(), comm.capabilities());
+        match comm.backend() {
+            "mpi" => assert_eq!(
+                caps,
+                chorus::Capabilities {
+                    split: chorus::SplitMode::Unsupported,
+                    elastic: false
+                }
+            ),
+            "cpu" | "gloo" => assert_eq!(caps, chorus::Capabilities::default()),
+            _ => {}
+        }
+        let half = comm.split_by_color(Some((r % 2) as u32), r as i64, "half");
+        if caps.split == chorus::SplitMode::Unsupported {
+            match half {
+                Err(chorus::Error::NotSupported { op: "split", .. }) => {}
+                other => panic!("rank {r}: expected NotSupported, got {other:?}"),
+            }
+        } else {
+            let half = half.unwrap().expect("every rank has a colour");
+            assert_eq!(half.size(), (n + 1 - r % 2) / 2);
+            let s = half
+                .all_reduce(Tensor::full(1i64, 3), ReduceOp::Sum)
+                .unwrap();
+            assert_eq!(s.to_vec::<i64>(), vec![half.size() as i64; 3]);
+            half.finalize().unwrap();
+        }
+        if !caps.elastic {
+            match comm.reconfigure(chorus::ReconfigureOptions::default()) {
+                Err(chorus::Error::NotSupported {
+                    op: "reconfigure", ..
+                }) => {}
+                other => panic!(
+                    "rank {r}: expected NotSupported, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        // Refusals consumed nothing: the parent still works, in step.
+        let s = comm
+            .all_reduce(Tensor::full(1i64, 2), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(s.to_vec::<i64>(), vec![n as i64; 2]);
+        comm.finalize().unwrap();
+    });
+}
+
+#[test]
+fn split_and_reconfigure_follow_capabilities_world_2() {
+    split_and_reconfigure_follow_capabilities(2);
+}
+#[test]
+fn split_and_reconfigure_follow_capabilities_world_3() {
+    split_and_reconfigure_follow_capabilities(3);
+}
+
 #[test]
 fn every_collective_matches_reference_world_1() {
     rooted_and_gathering_ops(1);

@@ -299,7 +299,7 @@ impl Core {
     /// Split the backend's communicator with the library's own call, as one
     /// turn ([`Backend::split`]). An error is fatal for this communicator.
     pub(crate) async fn native_split(&mut self, args: SplitArgs) -> Result<NativeSplit> {
-        if !self.backend.splits_natively() {
+        if self.backend.capabilities().split != crate::backends::SplitMode::Native {
             return Ok(NativeSplit::Unsupported);
         }
         match self.backend.split(args).await {
@@ -658,8 +658,15 @@ mod tests {
                 None => Ok(()),
             }
         }
-        fn splits_natively(&self) -> bool {
-            self.native_split
+        fn capabilities(&self) -> crate::backends::Capabilities {
+            crate::backends::Capabilities {
+                split: if self.native_split {
+                    crate::backends::SplitMode::Native
+                } else {
+                    crate::backends::SplitMode::Reconnect
+                },
+                elastic: true,
+            }
         }
         async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
             self.seen.splits.lock().expect("lock").push(

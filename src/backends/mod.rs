@@ -44,12 +44,15 @@
 //!   communicator is idle, never during an op, and treats an error as fatal
 //!   exactly as if an op had returned it (BE-2 applies).
 //! - BE-4: a backend whose library splits communicators itself
-//!   (`ncclCommSplit`) says so with [`Backend::splits_natively`]; a split
+//!   (`ncclCommSplit`) says so in [`Backend::capabilities`]; a split
 //!   of its communicator then calls [`Backend::split`] on every parent
 //!   rank, between ops, after the ranks agreed on the split, and the child
 //!   runs on the backend it returns. An error is fatal for the parent.
 //!   Other backends' children connect from scratch, like a new
-//!   communicator.
+//!   communicator, or, where [`Capabilities::split`] is
+//!   [`SplitMode::Unsupported`], a split fails with `NotSupported` on every
+//!   rank before the agreement step. A backend that is not
+//!   [`Capabilities::elastic`] refuses `reconfigure` the same way.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -234,6 +237,41 @@ impl IdleCtx {
     }
 }
 
+/// How a backend forms the child communicator of a split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitMode {
+    /// The library splits its own communicator ([`Backend::split`], e.g.
+    /// `ncclCommSplit`).
+    Native,
+    /// The child connects from scratch through the store, like a new
+    /// communicator.
+    Reconnect,
+    /// The backend cannot split: `split` fails with
+    /// [`Error::NotSupported`] on every rank, before any exchange.
+    Unsupported,
+}
+
+/// What a backend can do beyond the ops ([`Backend::capabilities`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// How a split's child is formed.
+    pub split: SplitMode,
+    /// Whether `reconfigure` (a new epoch after a rank died or joined) and
+    /// `join_comm` can form a communicator of a different size; if not,
+    /// `reconfigure` fails with [`Error::NotSupported`] on every rank.
+    pub elastic: bool,
+}
+
+impl Default for Capabilities {
+    /// Children reconnect through the store; elastic.
+    fn default() -> Self {
+        Capabilities {
+            split: SplitMode::Reconnect,
+            elastic: true,
+        }
+    }
+}
+
 /// A native split as one parent rank sees it (BE-4).
 #[derive(Debug, Clone)]
 pub struct SplitArgs {
@@ -407,16 +445,16 @@ pub trait Backend: Send {
         Ok(())
     }
 
-    /// Whether a split of this communicator goes through [`Backend::split`]
-    /// (BE-4). Asked at every split, on every parent rank; must give the
-    /// same answer on every rank of a communicator.
-    fn splits_natively(&self) -> bool {
-        false
+    /// What this backend can do beyond the ops (BE-4). Asked once, when the
+    /// communicator starts; must give the same answer on every rank of a
+    /// communicator.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
     }
 
     /// Split this communicator with the library's own call (BE-4). Called on
     /// every parent rank, in the same order relative to the parent's ops,
-    /// only when [`Backend::splits_natively`]. Returns the child's backend,
+    /// only when [`Capabilities::split`] is [`SplitMode::Native`]. Returns the child's backend,
     /// connected, on a rank with [`SplitArgs::child`], `None` on the others.
     ///
     /// # Errors

@@ -386,6 +386,12 @@ fn duplicate(calls: Calls, world: &SimpleCommunicator) -> SimpleCommunicator {
 
 impl VendorComm for MpiComm {
     const NAME: &'static str = "mpi";
+    // MP-1: a communicator spans MPI_COMM_WORLD, so a child of another
+    // size, or a new epoch without the dead rank, cannot be formed.
+    const CAPABILITIES: super::Capabilities = super::Capabilities {
+        split: super::SplitMode::Unsupported,
+        elastic: false,
+    };
 
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         let Some(comm) = &self.comm else {

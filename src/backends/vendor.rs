@@ -57,6 +57,8 @@ pub(crate) fn live_workers() -> usize {
 pub(crate) trait VendorComm: 'static {
     /// Backend name, as given to `new_comm`.
     const NAME: &'static str;
+    /// What the backend can do beyond the ops.
+    const CAPABILITIES: super::Capabilities;
 
     /// Run one op, blocking until the library returns. Errors carry `ctx`'s
     /// context; a fatal one stops the backend (VW-3).
@@ -380,6 +382,10 @@ impl<C: VendorComm> Backend for VendorBackend<C> {
         C::NAME
     }
 
+    fn capabilities(&self) -> super::Capabilities {
+        C::CAPABILITIES
+    }
+
     async fn exchange_headers(
         &mut self,
         ctx: &OpCtx,
@@ -435,6 +441,10 @@ mod tests {
 
     impl VendorComm for Fake {
         const NAME: &'static str = "fake";
+        const CAPABILITIES: super::super::Capabilities = super::super::Capabilities {
+            split: super::super::SplitMode::Reconnect,
+            elastic: true,
+        };
 
         fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
             match data {

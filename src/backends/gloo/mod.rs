@@ -491,6 +491,12 @@ impl GlooComm {
 
 impl VendorComm for GlooComm {
     const NAME: &'static str = "gloo";
+    // Gloo contexts rendezvous through Chorus's store: a child or a new
+    // epoch is a new context of its own size.
+    const CAPABILITIES: super::Capabilities = super::Capabilities {
+        split: super::SplitMode::Reconnect,
+        elastic: true,
+    };
 
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         self.run_op(ctx, data)

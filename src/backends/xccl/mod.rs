@@ -974,8 +974,17 @@ impl Backend for XcclBackend {
         true
     }
 
-    fn splits_natively(&self) -> bool {
-        self.api.nccl.comm_split.is_some()
+    fn capabilities(&self) -> super::Capabilities {
+        super::Capabilities {
+            // Without ncclCommSplit (NCCL < 2.18) a child gets its own
+            // unique id and ncclCommInitRank, like a new communicator.
+            split: if self.api.nccl.comm_split.is_some() {
+                super::SplitMode::Native
+            } else {
+                super::SplitMode::Reconnect
+            },
+            elastic: true,
+        }
     }
 
     async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
