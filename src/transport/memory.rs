@@ -1,12 +1,20 @@
 //! An in-process [`Store`]: the state behind the QUIC rendezvous server, also
 //! usable directly by ranks that live in one process (and by single-rank
 //! communicators, which need no network at all).
+//!
+//! The values sit in one map behind a lock (every operation, `compare_set`
+//! and `add` included, is one critical section). A waiter registers on the
+//! key it still misses, in a per-key table of wake-ups (`dashmap`), so a
+//! write wakes only the waiters of its own key, not every waiter of the
+//! job: a bootstrap of n ranks waiting on n keys each costs O(n) wake-ups
+//! per write less than a store-wide notification.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dashmap::DashMap;
 use tokio::sync::Notify;
 
 use super::{CompareSet, Store, TransportError};
@@ -25,7 +33,9 @@ use super::{CompareSet, Store, TransportError};
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     map: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Notify,
+    /// Wake-ups of the tasks waiting for a key, by key; an entry lives
+    /// while someone waits on it.
+    waiters: DashMap<String, Arc<Notify>>,
 }
 
 impl MemoryStore {
@@ -49,13 +59,59 @@ impl MemoryStore {
     pub fn is_empty(&self) -> bool {
         self.lock().is_empty()
     }
+
+    /// Wake the tasks waiting for `key`.
+    fn changed(&self, key: &str) {
+        if let Some(n) = self.waiters.get(key) {
+            n.notify_waiters();
+        }
+    }
+
+    /// Number of keys someone waits on (for tests).
+    #[cfg(test)]
+    fn waited_keys(&self) -> usize {
+        self.waiters.len()
+    }
+}
+
+/// A registration on one key's wake-ups; the key's entry goes when its
+/// last waiter does.
+struct Waiting<'a> {
+    store: &'a MemoryStore,
+    key: String,
+    notify: Arc<Notify>,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(store: &'a MemoryStore, key: &str) -> Waiting<'a> {
+        let notify = store
+            .waiters
+            .entry(key.to_string())
+            .or_insert_with(|| Arc::new(Notify::new()))
+            .clone();
+        Waiting {
+            store,
+            key: key.to_string(),
+            notify,
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        // Clones are made under the entry's shard lock, which remove_if
+        // also holds: a count of 2 (the map's and ours) means no one else.
+        self.store
+            .waiters
+            .remove_if(&self.key, |_, n| Arc::strong_count(n) <= 2);
+    }
 }
 
 #[async_trait]
 impl Store for MemoryStore {
     async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), TransportError> {
         self.lock().insert(key.to_string(), value);
-        self.changed.notify_waiters();
+        self.changed(key);
         Ok(())
     }
 
@@ -69,13 +125,17 @@ impl Store for MemoryStore {
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>, TransportError> {
         let deadline = tokio::time::Instant::now() + timeout;
+        // The key this task is registered on: the first one found missing.
+        let mut waiting: Option<Waiting<'_>> = None;
         loop {
-            // Register for a wake-up before looking, so a set() between the
-            // look and the await is not missed.
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
+            let first_missing = {
+                let map = self.lock();
+                match keys.iter().find(|k| !map.contains_key(k.as_str())) {
+                    None => return Ok(keys.iter().map(|k| map[k.as_str()].clone()).collect()),
+                    Some(k) => k.clone(),
+                }
+            };
+            if tokio::time::Instant::now() >= deadline {
                 let map = self.lock();
                 let missing: Vec<String> = keys
                     .iter()
@@ -85,12 +145,24 @@ impl Store for MemoryStore {
                 if missing.is_empty() {
                     return Ok(keys.iter().map(|k| map[k.as_str()].clone()).collect());
                 }
-                if tokio::time::Instant::now() >= deadline {
-                    return Err(TransportError::WaitTimeout {
-                        keys: missing,
-                        after: timeout,
-                    });
-                }
+                return Err(TransportError::WaitTimeout {
+                    keys: missing,
+                    after: timeout,
+                });
+            }
+            if waiting.as_ref().is_none_or(|w| w.key != first_missing) {
+                waiting = Some(Waiting::new(self, &first_missing));
+            }
+            let Some(w) = waiting.as_ref() else {
+                continue;
+            };
+            // Register for the wake-up, then look again, so a set() between
+            // the first look and the await is not missed.
+            let notified = w.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.lock().contains_key(first_missing.as_str()) {
+                continue;
             }
             let _ = tokio::time::timeout_at(deadline, notified).await;
         }
@@ -116,7 +188,7 @@ impl Store for MemoryStore {
             map.insert(key.to_string(), new.to_string().into_bytes());
             new
         };
-        self.changed.notify_waiters();
+        self.changed(key);
         Ok(new)
     }
 
@@ -137,7 +209,7 @@ impl Store for MemoryStore {
             }
         };
         if result == CompareSet::Swapped {
-            self.changed.notify_waiters();
+            self.changed(key);
         }
         Ok(result)
     }
@@ -150,7 +222,6 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     #[tokio::test]
     async fn wait_returns_once_every_key_is_set() {
@@ -180,6 +251,27 @@ mod tests {
             TransportError::WaitTimeout { keys, .. } => assert_eq!(keys, vec!["zz".to_string()]),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_write_wakes_only_its_keys_waiters_and_entries_go_with_them() {
+        let store = Arc::new(MemoryStore::new());
+        let (s1, s2) = (store.clone(), store.clone());
+        let on_a =
+            tokio::spawn(async move { s1.wait(&["a".into()], Duration::from_secs(10)).await });
+        let on_b =
+            tokio::spawn(async move { s2.wait(&["b".into()], Duration::from_secs(10)).await });
+        // Both registered (each waiter's entry exists before it sleeps).
+        while store.waited_keys() < 2 {
+            tokio::task::yield_now().await;
+        }
+        store.set("a", b"1".to_vec()).await.unwrap();
+        assert_eq!(on_a.await.unwrap().unwrap(), vec![b"1".to_vec()]);
+        assert!(!on_b.is_finished());
+        assert_eq!(store.waited_keys(), 1);
+        store.set("b", b"2".to_vec()).await.unwrap();
+        assert_eq!(on_b.await.unwrap().unwrap(), vec![b"2".to_vec()]);
+        assert_eq!(store.waited_keys(), 0);
     }
 
     #[tokio::test]
