@@ -6,8 +6,8 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use chorus::backends::cpu::reduce::reduce_into;
 use chorus::backends::cpu::schedule::{all_reduce, all_reduce_auto};
+use chorus::kernels::reduce_into;
 use chorus::{DType, ReduceOp};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 

@@ -1380,6 +1380,6 @@ fn first_tensor(c: Completion) -> Result<Tensor> {
 
 fn premul(t: &mut Tensor, op: ReduceOp) {
     if let ReduceOp::PremulSum(s) = op {
-        crate::backends::cpu::reduce::scale(t.dtype(), t.as_bytes_mut(), s);
+        crate::kernels::scale(t.dtype(), t.as_bytes_mut(), s);
     }
 }

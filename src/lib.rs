@@ -80,6 +80,7 @@ mod comm;
 pub mod debug;
 mod elastic;
 pub mod error;
+pub mod kernels;
 pub mod op;
 mod runtime;
 pub mod tensor;

@@ -39,8 +39,9 @@ use tracing::Instrument;
 
 use super::status::AbortSignal;
 use super::{CommInfo, Request};
-use crate::backends::{cpu::reduce, Backend, IdleCtx, OpCtx, OpData, SplitArgs};
+use crate::backends::{Backend, IdleCtx, OpCtx, OpData, SplitArgs};
 use crate::error::{Error, Result};
+use crate::kernels;
 use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
 use crate::tensor::{checked_sum, Tensor};
 use crate::work::{Completer, Completion};
@@ -499,7 +500,7 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
     let n = ctx.size;
     let avg = |t: &mut Tensor| {
         if req.user_op == Some(ReduceOp::Avg) {
-            reduce::divide(t.dtype(), t.as_bytes_mut(), n);
+            kernels::divide(t.dtype(), t.as_bytes_mut(), n);
         }
     };
     let data = std::mem::replace(&mut req.data, OpData::Barrier);

@@ -431,7 +431,7 @@ impl LinkReader {
                     .read_exact(&mut tmp)
                     .await
                     .map_err(|e| self.io_error(ctx, e))?;
-                crate::backends::cpu::reduce::reduce_into(dtype, op, buf, &tmp)?;
+                crate::kernels::reduce_into(dtype, op, buf, &tmp)?;
             }
             RecvInto::Bounded(buf, max) => {
                 if len > max {

@@ -10,7 +10,7 @@
 //! schedules: per step, every send and every receive runs concurrently (each
 //! link is split into a read and a write half, so a rank can write to one peer
 //! while reading from another, or from the same one), then the received blocks
-//! are applied in order (copy, or [`reduce::reduce_into`]) together with local
+//! are applied in order (copy, or [`kernels::reduce_into`]) together with local
 //! copies. Point-to-point batches run every transfer concurrently across
 //! peers, in order per (peer, direction).
 //!
@@ -43,11 +43,11 @@ use tracing::Instrument;
 
 use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
 use crate::error::{Error, Result};
+use crate::kernels;
 use crate::op::{OpKind, ReduceOp};
 use crate::tensor::Tensor;
 
 mod link;
-pub mod reduce;
 pub mod schedule;
 mod shm;
 mod shm_exec;
@@ -370,7 +370,7 @@ impl CpuBackend {
                         match action {
                             RecvAction::Copy => target.copy_from_slice(data),
                             RecvAction::Reduce => {
-                                reduce::reduce_into(dtype, combine, target, data)?
+                                kernels::reduce_into(dtype, combine, target, data)?
                             }
                         }
                     }

@@ -51,10 +51,10 @@
 use std::time::{Duration, Instant};
 
 use super::link::{FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
-use super::reduce;
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
+use crate::kernels;
 
 /// Bytes of the prefix in front of every message.
 const PREFIX: usize = 24;
@@ -266,7 +266,7 @@ impl RecvJob<'_> {
                     let step = (self.len - off).min(CMA_REDUCE_STEP / es * es);
                     c.scratch.resize(step, 0);
                     shm::cma_read(c.pid, addr, &mut c.scratch).map_err(failed)?;
-                    reduce::reduce_into(dtype, op, &mut dst[off..off + step], &c.scratch)?;
+                    kernels::reduce_into(dtype, op, &mut dst[off..off + step], &c.scratch)?;
                     step
                 }
             };
@@ -336,7 +336,8 @@ impl RecvJob<'_> {
                         let mut res = Ok(());
                         let n = self.ring.consume_with(want, |b| {
                             let k = b.len() / es * es;
-                            res = reduce::reduce_into(*dtype, *op, &mut buf[off..off + k], &b[..k]);
+                            res =
+                                kernels::reduce_into(*dtype, *op, &mut buf[off..off + k], &b[..k]);
                             k
                         });
                         res?;

@@ -1,9 +1,10 @@
-//! Reduction kernels on raw little-endian bytes.
-//!
-//! The cpu backend receives payloads as bytes and combines them into the
-//! op's buffer with [`reduce_into`]; `Avg` and `PremulSum` add a local
-//! post-step ([`divide`]) or pre-step ([`scale`]) around a `Sum`
-//! (see [`ReduceOp::combine_op`]).
+//! Reduction kernels on raw little-endian bytes, shared by every layer
+//! that combines data on the host: the cpu backend (and any backend that
+//! reduces in software) combines received payloads into the op's buffer
+//! with [`reduce_into`]; the communicator adds `Avg`'s local post-step
+//! ([`divide`]) and `PremulSum`'s pre-step ([`scale`]) around a `Sum`
+//! (see [`ReduceOp::combine_op`]). Depends only on tensors' dtypes and
+//! reduce ops, so every backend may use it.
 //!
 //! Invariants:
 //! - RK-1: no kernel panics or invokes undefined behaviour on any input. A
@@ -23,7 +24,7 @@
 //!     precision, so double rounding is innocuous).
 //!
 //! ```
-//! use chorus::backends::cpu::reduce::reduce_into;
+//! use chorus::kernels::reduce_into;
 //! use chorus::{DType, ReduceOp};
 //! let mut dst: Vec<u8> = [1i32, 2, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
 //! let src: Vec<u8> = [10i32, 20, 30].iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -334,5 +335,4 @@ fn unary_bf16(data: &mut [u8], f: impl Fn(f32) -> f32 + Copy) {
 }
 
 #[cfg(test)]
-#[path = "reduce_tests.rs"]
 mod tests;
