@@ -436,6 +436,18 @@ impl XcclBackend {
         peer_failed: impl FnOnce(String) -> Error,
     ) -> Error {
         let name = self.flavor.name();
+        let mut e = e;
+        if let (true, Some(last)) = (e.nccl && !self.comm.is_null(), self.api.nccl.get_last_error) {
+            // SAFETY: live communicator; NCCL returns a NUL-terminated string.
+            let p = unsafe { last(self.comm) };
+            if !p.is_null() {
+                // SAFETY: as above, copied at once.
+                let detail = unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy();
+                if !detail.is_empty() {
+                    e.message = format!("{}; last error: {detail}", e.message);
+                }
+            }
+        }
         let err = if e.nccl && plan::is_peer_failure(e.code) {
             peer_failed(format!("{name} ({site}): {e}"))
         } else {
@@ -1214,5 +1226,9 @@ mod tests {
         assert_eq!(c.magic, 0xcafe_beef);
         assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
         assert_eq!(c.min_ctas, c_int::MIN);
+        // NCCL 2.26 reads trafficClass at offset 44: a field, not padding.
+        assert_eq!(std::mem::offset_of!(sys::ncclConfig_t, traffic_class), 44);
+        assert_eq!(c.traffic_class, c_int::MIN);
+        assert_eq!(std::mem::size_of::<sys::ncclConfig_t>(), 48);
     }
 }
