@@ -100,7 +100,12 @@ impl Flavor {
     pub fn runtime_libs(self) -> &'static [&'static str] {
         match self {
             Flavor::Nccl => &["libcudart.so.12", "libcudart.so.13", "libcudart.so"],
-            Flavor::Rccl => &["libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"],
+            Flavor::Rccl => &[
+                "libamdhip64.so.7",
+                "libamdhip64.so.6",
+                "libamdhip64.so.5",
+                "libamdhip64.so",
+            ],
         }
     }
 
@@ -494,6 +499,10 @@ impl XcclBackend {
         loop {
             // SAFETY: live stream and communicator.
             if unsafe { result::stream_done(&self.api.rt, self.stream)? } {
+                // A stream can drain because NCCL gave up on a failed peer:
+                // the async error decides whether the op succeeded.
+                // SAFETY: live communicator.
+                unsafe { result::async_error(&self.api.nccl, self.comm)? };
                 return Ok(());
             }
             // SAFETY: as above.

@@ -222,6 +222,8 @@ pub fn search_dirs() -> Vec<PathBuf> {
                 for sub in ["nccl", "cuda_runtime"] {
                     dirs.push(nv.join(sub).join("lib"));
                 }
+                // CUDA 13 wheels put everything under nvidia/cu13/lib.
+                dirs.push(nv.join("cu13").join("lib"));
             }
         }
     }
