@@ -1,57 +1,98 @@
 #!/usr/bin/env bash
-# Run the GPU suite and an all-reduce bandwidth report on a machine with an
-# NVIDIA GPU, in one go (sized for < 5 minutes on one GPU; most of it is the
-# build). Works on a bare Debian/Ubuntu GPU box with a driver: if NCCL or the
-# CUDA runtime are not found, they are installed from pip wheels
-# (nvidia-nccl-cu12 ships only libnccl.so.2, which our loader searches for)
-# and the loader is pointed at them.
+# The GPU check: run the nccl (or rccl) backend on a real device, within
+# 8 minutes, on a machine with a driver and NCCL/cudart but no Rust and no
+# network. Run it from a bundle made by scripts/gpu-bundle.sh (preferred):
+#   gpu-bundle/gpu-check.sh
+# or from a checkout with cargo (it then builds the release tests first).
 #
-#   ./scripts/gpu-check.sh            # nccl
-#   CHORUS_GPU_FEATURES=rccl ./scripts/gpu-check.sh   # ROCm box
+# It prints the GPUs, the NCCL version and the library paths; sets
+# NCCL_DEBUG=WARN and NCCL_CHECK_POINTERS=1; runs the GPU suite (every
+# collective against a host reference on as many ranks as devices, split,
+# an all-reduce bandwidth report), the xccl unit tests, and two ranks on
+# GPU 0 as separate processes (distinct NCCL_HOSTIDs, and
+# NCCL_MULTI_RANK_GPU_ENABLE=1 for NCCL >= 2.30).
+# CHORUS_REQUIRE_GPU=1: fail, never skip, when no GPU or library is found.
+#   CHORUS_GPU_FLAVOR=rccl gpu-check.sh     # a ROCm box
 set -euo pipefail
-cd "$(dirname "$0")/.."
-features=${CHORUS_GPU_FEATURES:-nccl}
+here=$(cd "$(dirname "$0")" && pwd)
+flavor=${CHORUS_GPU_FLAVOR:-nccl}
+require=${CHORUS_REQUIRE_GPU:-0}
+start=$(date +%s)
+fail() { echo "gpu-check: FAIL: $*" >&2; exit 1; }
+skip_or_fail() {
+  if [ "$require" = 1 ]; then fail "$*"; fi
+  echo "gpu-check: SKIP: $*" >&2
+  exit 0
+}
 
-if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$features" = nccl ]; then
-  echo "gpu-check: nvidia-smi not found; the tests will skip (no GPU)" >&2
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export NCCL_CHECK_POINTERS=${NCCL_CHECK_POINTERS:-1}
+export RUST_LOG=${RUST_LOG:-warn,chorus::backends::xccl=info}
+
+if [ "$flavor" = nccl ]; then
+  command -v nvidia-smi >/dev/null 2>&1 || skip_or_fail "nvidia-smi not found (no NVIDIA driver)"
+  nvidia-smi -L || skip_or_fail "nvidia-smi sees no GPU"
+  libs="libnccl.so libcudart.so"
 else
-  nvidia-smi -L || true
+  command -v rocm-smi >/dev/null 2>&1 && rocm-smi --showproductname || true
+  libs="librccl.so libamdhip64.so"
 fi
 
-if [ "$features" = nccl ]; then
-  have_lib() { ldconfig -p 2>/dev/null | grep -q "$1"; }
-  py=$(command -v python3 || true)
-  if ! have_lib libnccl.so || ! have_lib libcudart.so; then
+# Library paths: the loader's cache, then pip wheels of the running Python.
+py=$(command -v python3 || true)
+if [ -n "$py" ]; then
+  for site in $("$py" -c 'import site,sys; print(" ".join(site.getsitepackages()+[site.getusersitepackages(), sys.prefix+"/lib"]))' 2>/dev/null); do
+    for sub in nccl cuda_runtime; do
+      for cu in "" cu13/; do
+        d="$site/nvidia/$cu$sub/lib"
+        [ -d "$d" ] && CHORUS_LIB_DIRS="$d${CHORUS_LIB_DIRS:+:$CHORUS_LIB_DIRS}"
+      done
+    done
+  done
+fi
+export CHORUS_LIB_DIRS=${CHORUS_LIB_DIRS:-}
+export LD_LIBRARY_PATH="$CHORUS_LIB_DIRS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "gpu-check: CHORUS_LIB_DIRS=$CHORUS_LIB_DIRS"
+for l in $libs; do
+  found=$(ldconfig -p 2>/dev/null | grep -o "/[^ ]*$l[.0-9]*" | head -1 || true)
+  for d in ${CHORUS_LIB_DIRS//:/ }; do
+    [ -z "$found" ] && found=$(ls "$d"/$l* 2>/dev/null | head -1 || true)
+  done
+  echo "gpu-check: $l -> ${found:-not found}"
+  [ -n "$found" ] || skip_or_fail "$l not found (pip install nvidia-nccl-cu12 nvidia-cuda-runtime-cu12, or set CHORUS_LIB_DIRS)"
+  if [ "$l" = libnccl.so ] || [ "$l" = librccl.so ]; then
     if [ -n "$py" ]; then
-      site=$("$py" -c 'import site,sys; print(site.getsitepackages()[0])' 2>/dev/null || true)
-      if [ -z "$site" ] || ! ls "$site"/nvidia/nccl/lib/libnccl.so* >/dev/null 2>&1; then
-        "$py" -m pip install -q nvidia-nccl-cu12 nvidia-cuda-runtime-cu12 \
-          || "$py" -m pip install -q --break-system-packages nvidia-nccl-cu12 nvidia-cuda-runtime-cu12 \
-          || echo "gpu-check: pip install of NCCL wheels failed" >&2
-        site=$("$py" -c 'import site; print(site.getsitepackages()[0])')
-      fi
-      export CHORUS_LIB_DIRS="$site/nvidia/nccl/lib:$site/nvidia/cuda_runtime/lib${CHORUS_LIB_DIRS:+:$CHORUS_LIB_DIRS}"
-      export LD_LIBRARY_PATH="$CHORUS_LIB_DIRS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      "$py" -c "import ctypes,sys; l=ctypes.CDLL(sys.argv[1]); v=ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v)); print('gpu-check: ncclGetVersion =', v.value)" "$found" || true
     fi
   fi
+done
+
+# The binaries: from the bundle, else built here.
+if [ -x "$here/gpu-tests" ]; then
+  gpu="$here/gpu-tests"; lib="$here/lib-tests"; run="$here/chorus-run"; ex="$here/examples"
+  cat "$here/COMMIT" 2>/dev/null | sed 's/^/gpu-check: commit /' || true
+else
+  cd "$here/.."
+  command -v cargo >/dev/null 2>&1 || fail "no bundle next to this script and no cargo: run scripts/gpu-bundle.sh elsewhere and copy it here"
+  "$here/gpu-bundle.sh" target/gpu-bundle >/dev/null
+  exec target/gpu-bundle/gpu-check.sh
 fi
 
-if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
-  export PATH="$HOME/.cargo/bin:$PATH"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+echo "== GPU suite ($flavor)"
+timeout 240 "$gpu" --nocapture --test-threads 1 2>&1 | tee "$log"
+if grep -q "SKIP $flavor" "$log"; then
+  [ "$require" = 1 ] && fail "the GPU suite skipped $flavor"
 fi
-if ! command -v cargo >/dev/null 2>&1; then
-  if command -v curl >/dev/null 2>&1; then
-    echo "gpu-check: installing Rust with rustup" >&2
-    curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
-    export PATH="$HOME/.cargo/bin:$PATH"
-  else
-    echo "gpu-check: cargo not found and no curl to install it; install Rust first" >&2
-    exit 1
-  fi
-fi
+echo "== xccl unit tests"
+timeout 60 "$lib" backends::xccl --nocapture
 
-export RUST_LOG=${RUST_LOG:-warn}
-start=$(date +%s)
-timeout 240 cargo test --release --features "$features" --test gpu -- --nocapture --test-threads 1
-timeout 60 cargo test --release --features "$features" --lib -- xccl --nocapture
+echo "== 2 ranks on GPU 0, separate processes"
+# Distinct host ids make NCCL accept two ranks on one device (over its
+# network transport); NCCL >= 2.30 also accepts NCCL_MULTI_RANK_GPU_ENABLE=1.
+CHORUS_BACKEND=$flavor CHORUS_DEVICE=cuda:0 NCCL_MULTI_RANK_GPU_ENABLE=1 \
+  timeout 120 "$run" -n 2 --timeout 100 -- \
+  sh -c 'NCCL_HOSTID=chorus-gpu-check-$CHORUS_RANK exec "$0"' "$ex/all_reduce" \
+  || fail "2 ranks on one GPU"
 echo "gpu-check: done in $(( $(date +%s) - start )) s"

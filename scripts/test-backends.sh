@@ -9,7 +9,11 @@
 #   5. the same suite on mpi under mpirun -n 2 and 3 (MPI_RANKS overrides;
 #      each process is a rank; tests written for another world size skip),
 #      and on 3 ranks once more with MPI calls serialized (MP-6);
-#   6. tests/gpu.rs, which without a GPU checks BackendUnavailable and skips.
+#   6. tests/gpu.rs, which without a GPU checks BackendUnavailable and skips;
+#   7. nccl and rccl on the fake vendor libraries (tests/fakes/xccl.rs, a
+#      cdylib): tests/xccl_fake.rs, then the shared suite and the subgroup
+#      tests with CHORUS_TEST_BACKEND=nccl/rccl and CHORUS_LIB_DIRS pointing
+#      at the fake (bitwise reductions skipped: NCCL has none).
 # Set CHORUS_SKIP_CLIPPY=1 to skip step 1 (local runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +32,10 @@ RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --features "$features"
 
 step "build tests --features $features"
 build_log=$(mktemp)
-cargo test --features "$features" --lib --test collectives --test gpu --no-run 2>&1 | tee "$build_log"
+cargo build --example fake_xccl
+cargo test --features "$features" --lib --test collectives --test subgroups --test gpu --test xccl_fake --no-run 2>&1 | tee "$build_log"
 coll=$(grep -o 'target/[^ )]*/collectives-[0-9a-f]*' "$build_log" | tail -1)
+subg=$(grep -o 'target/[^ )]*/subgroups-[0-9a-f]*' "$build_log" | tail -1)
 rm -f "$build_log"
 if [ -z "$coll" ] || [ ! -x "$coll" ]; then
   echo "cannot find the collectives test binary" >&2
@@ -72,5 +78,18 @@ mpi_suite 3 30350 -x CHORUS_MPI_SERIALIZE=1
 
 step "gpu tests (skip without a GPU)"
 timeout 300 cargo test --features "$features" --test gpu -- --nocapture
+
+step "nccl/rccl on the fake vendor libraries"
+timeout 300 cargo test --features "$features" --test xccl_fake
+fake_dir=$(mktemp -d)
+trap 'rm -rf "$fake_dir"' EXIT
+for n in libnccl.so.2 libcudart.so.12 librccl.so.1 libamdhip64.so.6; do
+  ln -s "$PWD/target/debug/examples/libfake_xccl.so" "$fake_dir/$n"
+done
+for b in nccl rccl; do
+  step "shared suite and subgroups on $b (fake libraries)"
+  CHORUS_TEST_BACKEND=$b CHORUS_LIB_DIRS=$fake_dir timeout 600 "$coll" --skip every_dtype_and_op
+  CHORUS_TEST_BACKEND=$b CHORUS_LIB_DIRS=$fake_dir timeout 300 "$subg"
+done
 
 step "done"

@@ -100,7 +100,12 @@ impl Flavor {
     pub fn runtime_libs(self) -> &'static [&'static str] {
         match self {
             Flavor::Nccl => &["libcudart.so.12", "libcudart.so.13", "libcudart.so"],
-            Flavor::Rccl => &["libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"],
+            Flavor::Rccl => &[
+                "libamdhip64.so.7",
+                "libamdhip64.so.6",
+                "libamdhip64.so.5",
+                "libamdhip64.so",
+            ],
         }
     }
 
@@ -179,13 +184,96 @@ impl Vendor {
     }
 }
 
+impl Vendor {
+    /// The libraries of `flavor`, loaded once per process and never
+    /// unloaded: NCCL keeps threads (RAS, bootstrap) alive for the life of
+    /// the process, so a `dlclose` would pull code from under them. A failed
+    /// load is not remembered (a later call tries again).
+    ///
+    /// # Errors
+    /// As [`Vendor::load`].
+    pub fn shared(flavor: Flavor) -> Result<Arc<Vendor>> {
+        static LOADED: std::sync::Mutex<[Option<Arc<Vendor>>; 2]> =
+            std::sync::Mutex::new([None, None]);
+        let i = match flavor {
+            Flavor::Nccl => 0,
+            Flavor::Rccl => 1,
+        };
+        let mut slots = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = &slots[i] {
+            return Ok(v.clone());
+        }
+        let v = Arc::new(Vendor::load(flavor)?);
+        slots[i] = Some(v.clone());
+        Ok(v)
+    }
+}
+
+/// Sets a thread's current device for a scope and restores the caller's
+/// device when dropped (each sync section of a turn; never held across an
+/// await, which may move to another thread).
+struct DeviceGuard<'a> {
+    rt: &'a sys::RtApi,
+    saved: Option<c_int>,
+}
+
+impl<'a> DeviceGuard<'a> {
+    fn set(rt: &'a sys::RtApi, device: c_int) -> std::result::Result<DeviceGuard<'a>, CallError> {
+        let mut cur: c_int = -1;
+        // SAFETY: out-parameter call.
+        let saved = (unsafe { (rt.get_device)(&mut cur) } == 0).then_some(cur);
+        // SAFETY: plain runtime call.
+        result::rt(rt, "SetDevice", unsafe { (rt.set_device)(device) })?;
+        Ok(DeviceGuard { rt, saved })
+    }
+}
+
+impl Drop for DeviceGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(d) = self.saved {
+            // SAFETY: restores a device the runtime reported.
+            let _ = unsafe { (self.rt.set_device)(d) };
+        }
+    }
+}
+
+/// An open `ncclGroupStart`; dropping it always ends the group (group
+/// state is per OS thread, so an early return must not leave it open).
+struct GroupGuard<'a> {
+    api: &'a sys::NcclApi,
+    open: bool,
+}
+
+impl<'a> GroupGuard<'a> {
+    fn start(api: &'a sys::NcclApi) -> std::result::Result<GroupGuard<'a>, CallError> {
+        // SAFETY: plain call.
+        result::nccl(api, "ncclGroupStart", unsafe { (api.group_start)() })?;
+        Ok(GroupGuard { api, open: true })
+    }
+
+    fn end(mut self) -> std::result::Result<(), CallError> {
+        self.open = false;
+        // SAFETY: ends the group this guard started.
+        result::nccl(self.api, "ncclGroupEnd", unsafe { (self.api.group_end)() })
+    }
+}
+
+impl Drop for GroupGuard<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // SAFETY: ends the group this guard started.
+            let _ = unsafe { (self.api.group_end)() };
+        }
+    }
+}
+
 /// Whether `flavor` can run here: its libraries load and a device exists.
 /// Returns the device count. Tests call this to skip with a printed reason.
 ///
 /// # Errors
 /// `BackendUnavailable` saying what is missing.
 pub fn probe(flavor: Flavor) -> Result<usize> {
-    let v = Vendor::load(flavor)?;
+    let v = Vendor::shared(flavor)?;
     v.device_count(flavor)
 }
 
@@ -214,6 +302,8 @@ pub struct XcclBackend {
     bufs: [DevBuf; 2],
     ctrl: CpuBackend,
     broken: Option<Error>,
+    /// Bound of `ncclCommFinalize` (the connect timeout).
+    finalize_timeout: Duration,
 }
 
 // SAFETY: the raw communicator, stream and device pointers are only used by
@@ -256,7 +346,7 @@ impl XcclBackend {
                 })
             }
         };
-        let api = Arc::new(Vendor::load(flavor)?);
+        let api = Vendor::shared(flavor)?;
         let count = api.device_count(flavor)?;
         if ordinal >= count {
             return Err(Error::BackendUnavailable {
@@ -314,9 +404,9 @@ impl XcclBackend {
         {
             let mut config = sys::ncclConfig_t::new(false);
             let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            let _dev = DeviceGuard::set(&api.rt, device).map_err(ctx_err)?;
             // SAFETY: device set first; out-parameter and config live across the call.
             let r = unsafe {
-                (api.rt.set_device)(device);
                 (api.nccl.comm_init_rank_config)(
                     &mut comm,
                     init.size as c_int,
@@ -351,6 +441,18 @@ impl XcclBackend {
         peer_failed: impl FnOnce(String) -> Error,
     ) -> Error {
         let name = self.flavor.name();
+        let mut e = e;
+        if let (true, Some(last)) = (e.nccl && !self.comm.is_null(), self.api.nccl.get_last_error) {
+            // SAFETY: live communicator; NCCL returns a NUL-terminated string.
+            let p = unsafe { last(self.comm) };
+            if !p.is_null() {
+                // SAFETY: as above, copied at once.
+                let detail = unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy();
+                if !detail.is_empty() {
+                    e.message = format!("{}; last error: {detail}", e.message);
+                }
+            }
+        }
         let err = if e.nccl && plan::is_peer_failure(e.code) {
             peer_failed(format!("{name} ({site}): {e}"))
         } else {
@@ -371,6 +473,10 @@ impl XcclBackend {
         let need = bytes.max(256);
         let b = &mut self.bufs[which];
         if b.cap < need {
+            // Grow geometrically: cudaFree synchronises the whole device,
+            // so it must stay off the hot path.
+            let need = need.next_power_of_two().max(b.cap.saturating_mul(2));
+            let _dev = DeviceGuard::set(&self.api.rt, self.device)?;
             if !b.ptr.is_null() {
                 // SAFETY: allocated by `malloc` below, no op in flight.
                 let _ = unsafe { (self.api.rt.free)(b.ptr) };
@@ -393,6 +499,10 @@ impl XcclBackend {
         loop {
             // SAFETY: live stream and communicator.
             if unsafe { result::stream_done(&self.api.rt, self.stream)? } {
+                // A stream can drain because NCCL gave up on a failed peer:
+                // the async error decides whether the op succeeded.
+                // SAFETY: live communicator.
+                unsafe { result::async_error(&self.api.nccl, self.comm)? };
                 return Ok(());
             }
             // SAFETY: as above.
@@ -432,9 +542,11 @@ impl XcclBackend {
             };
             base.cast::<u8>().add(off * esize).cast()
         };
-        if p.grouped {
-            result::nccl(n, "ncclGroupStart", (n.group_start)())?;
-        }
+        let group = if p.grouped {
+            Some(GroupGuard::start(n)?)
+        } else {
+            None
+        };
         for c in &p.calls {
             match c {
                 Call::AllReduce(r) => result::nccl(
@@ -524,10 +636,10 @@ impl XcclBackend {
                 )?,
             }
         }
-        if p.grouped {
-            result::nccl(n, "ncclGroupEnd", (n.group_end)())?;
+        match group {
+            Some(g) => g.end(),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Stage, run and unstage one op (XC-4).
@@ -586,7 +698,7 @@ impl XcclBackend {
         // SAFETY: device set, buffers sized by the plan (XP-1); H2D from
         // pageable memory returns once the host bytes were staged.
         unsafe {
-            result::rt(rt, "SetDevice", (rt.set_device)(self.device))?;
+            let _dev = DeviceGuard::set(rt, self.device)?;
             let mut off = 0;
             for t in inputs(data) {
                 let b = t.as_bytes();
@@ -615,6 +727,7 @@ impl XcclBackend {
         // SAFETY: the stream drained (XC-4); D2H into live host buffers,
         // then synchronise before returning.
         unsafe {
+            let _dev = DeviceGuard::set(rt, self.device)?;
             let mut off = 0;
             for t in outputs(data, self.rank) {
                 let b = t.as_bytes_mut();
@@ -756,13 +869,16 @@ impl XcclBackend {
             ],
             ctrl,
             broken: None,
+            finalize_timeout: init.connect_timeout,
         };
         let rt = &me.api.rt;
         let mut stream: sys::Stream = std::ptr::null_mut();
         // SAFETY: plain runtime calls with out-parameters.
-        unsafe {
-            result::rt(rt, "SetDevice", (rt.set_device)(device))?;
-            result::rt(rt, "StreamCreate", (rt.stream_create)(&mut stream))?;
+        {
+            let _dev = DeviceGuard::set(rt, device)?;
+            // SAFETY: out-parameter call on the communicator's device.
+            let r = unsafe { (rt.stream_create_with_flags)(&mut stream, sys::STREAM_NON_BLOCKING) };
+            result::rt(rt, "StreamCreateWithFlags", r)?;
         }
         me.stream = stream;
         Ok(me)
@@ -798,23 +914,29 @@ impl XcclBackend {
             ),
             None => (sys::NCCL_SPLIT_NOCOLOR, 0),
         };
-        let child = match self.start_split(color, key) {
-            Ok(child) => child,
+        let out = match self.start_split(color, key) {
+            Ok(out) => out,
             Err(e) => return Err(self.split_failed(None, unusable(e))),
         };
         let deadline = Instant::now() + args.timeout;
-        // The parent is busy until the split settled on it.
-        match settle_new(&self.api, SendPtr(self.comm), deadline).await {
-            Ok(true) => {}
-            Ok(false) => {
-                let e = unusable(format!(
-                    "the parent did not settle within {:?}",
-                    args.timeout
-                ));
-                return Err(self.split_failed(child, e));
-            }
-            Err(e) => return Err(self.split_failed(child, unusable(e.to_string()))),
+        // The parent is busy until the split settled on it; NCCL may write
+        // `*newcomm` from its own thread until then, so the out-pointer
+        // lives in `out` (owned, boxed) and is only read after that.
+        let settled = settle_new(&self.api, SendPtr(self.comm), deadline).await;
+        let failed = match settled {
+            Ok(true) => None,
+            Ok(false) => Some(unusable(format!(
+                "the parent did not settle within {:?}",
+                args.timeout
+            ))),
+            Err(e) => Some(unusable(e.to_string())),
+        };
+        if let Some(e) = failed {
+            // NCCL may still write into the box: never free it.
+            let _ = Box::leak(out);
+            return Err(self.split_failed(None, e));
         }
+        let child = (!out.0.is_null()).then_some(SendPtr(out.0));
         let (Some(ctrl), Some(c)) = (ctrl, args.child) else {
             // NCCL_SPLIT_NOCOLOR: no child communicator.
             if let Some(child) = child {
@@ -851,7 +973,7 @@ impl XcclBackend {
         &mut self,
         color: c_int,
         key: c_int,
-    ) -> std::result::Result<Option<SendPtr>, String> {
+    ) -> std::result::Result<Box<SendPtr>, String> {
         let split = self
             .api
             .nccl
@@ -861,20 +983,19 @@ impl XcclBackend {
             return Err("the parent has no NCCL communicator (aborted)".into());
         }
         let mut config = sys::ncclConfig_t::new(false);
-        let mut child: sys::ncclComm_t = std::ptr::null_mut();
+        let mut out = Box::new(SendPtr(std::ptr::null_mut()));
+        let _dev = DeviceGuard::set(&self.api.rt, self.device).map_err(|e| e.to_string())?;
         // SAFETY: live parent communicator, no op in flight (BE-4); device
-        // set first; out-parameter and config live across the call.
-        let r = unsafe {
-            (self.api.rt.set_device)(self.device);
-            split(self.comm, color, key, &mut child, &mut config)
-        };
-        let child = (!child.is_null()).then_some(SendPtr(child));
+        // set first; the config is read during the call, and the boxed
+        // out-parameter outlives any late write (the caller keeps it until
+        // the parent settled, or leaks it).
+        let r = unsafe { split(self.comm, color, key, &mut out.0, &mut config) };
         match result::nccl(&self.api.nccl, "ncclCommSplit", r) {
-            Ok(()) => Ok(child),
+            Ok(()) => Ok(out),
             Err(e) => {
-                if let Some(c) = child {
+                if !out.0.is_null() {
                     // SAFETY: returned by the failed split; never used again.
-                    let _ = unsafe { (self.api.nccl.comm_abort)(c.0) };
+                    let _ = unsafe { (self.api.nccl.comm_abort)(out.0) };
                 }
                 Err(e.to_string())
             }
@@ -892,8 +1013,69 @@ impl XcclBackend {
         err
     }
 
+    /// Free the staging buffers and the stream (at finalize, abort and
+    /// drop), after the stream drained.
+    fn release(&mut self) {
+        let rt = &self.api.rt;
+        if self.stream.is_null() && self.bufs.iter().all(|b| b.ptr.is_null()) {
+            return;
+        }
+        let _dev = DeviceGuard::set(rt, self.device);
+        // SAFETY: the communicator is finalized or aborted, so the stream
+        // drains; the pointers were allocated by this runtime.
+        unsafe {
+            if !self.stream.is_null() {
+                let _ = (rt.stream_synchronize)(self.stream);
+            }
+            for b in &mut self.bufs {
+                if !b.ptr.is_null() {
+                    let _ = (rt.free)(b.ptr);
+                    b.ptr = std::ptr::null_mut();
+                    b.cap = 0;
+                }
+            }
+            if !self.stream.is_null() {
+                let _ = (rt.stream_destroy)(self.stream);
+                self.stream = std::ptr::null_mut();
+            }
+        }
+    }
+
+    /// `ncclCommFinalize`, bounded by `finalize_timeout`: `true` when it
+    /// settled (destroy is then safe), `false` when it failed or timed out
+    /// (the caller aborts instead).
+    async fn finalize_comm(&mut self) -> bool {
+        let Some(fin) = self.api.nccl.comm_finalize else {
+            return true;
+        };
+        let r = {
+            let Ok(_dev) = DeviceGuard::set(&self.api.rt, self.device) else {
+                return false;
+            };
+            // SAFETY: live communicator, no op in flight.
+            unsafe { fin(self.comm) }
+        };
+        if let Err(e) = result::nccl(&self.api.nccl, "ncclCommFinalize", r) {
+            tracing::warn!(comm = %self.comm_name, rank = self.rank, "{e}");
+            return false;
+        }
+        let deadline = Instant::now() + self.finalize_timeout;
+        match settle_new(&self.api, SendPtr(self.comm), deadline).await {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(comm = %self.comm_name, rank = self.rank, timeout = ?self.finalize_timeout, "ncclCommFinalize did not finish in time; aborting");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(comm = %self.comm_name, rank = self.rank, "{e}");
+                false
+            }
+        }
+    }
+
     fn abort_comm(&mut self) {
         if !self.comm.is_null() {
+            let _dev = DeviceGuard::set(&self.api.rt, self.device);
             // SAFETY: live communicator; abort is allowed at any time.
             let r = unsafe { (self.api.nccl.comm_abort)(self.comm) };
             if let Err(e) = result::nccl(&self.api.nccl, "ncclCommAbort", r) {
@@ -950,6 +1132,7 @@ impl Backend for XcclBackend {
 
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
         self.abort_comm();
+        self.release();
         self.broken = Some(Error::Internal(format!(
             "{} communicator {:?} was aborted: {reason}",
             self.flavor.name(),
@@ -959,14 +1142,21 @@ impl Backend for XcclBackend {
     }
 
     async fn finalize(&mut self) {
-        if !self.comm.is_null() {
-            // SAFETY: no op in flight (the executor finalizes between ops).
-            let r = unsafe { (self.api.nccl.comm_destroy)(self.comm) };
-            if let Err(e) = result::nccl(&self.api.nccl, "ncclCommDestroy", r) {
-                tracing::warn!(comm = %self.comm_name, rank = self.rank, "{e}");
+        // Finalize (bounded), then destroy; abort when either fails, so a
+        // communicator is never leaked nor waited on forever.
+        if !self.comm.is_null() && self.broken.is_none() && self.finalize_comm().await {
+            let r = {
+                let _dev = DeviceGuard::set(&self.api.rt, self.device);
+                // SAFETY: finalized, no op in flight.
+                unsafe { (self.api.nccl.comm_destroy)(self.comm) }
+            };
+            match result::nccl(&self.api.nccl, "ncclCommDestroy", r) {
+                Ok(()) => self.comm = std::ptr::null_mut(),
+                Err(e) => tracing::warn!(comm = %self.comm_name, rank = self.rank, "{e}"),
             }
-            self.comm = std::ptr::null_mut();
         }
+        self.abort_comm();
+        self.release();
         self.ctrl.finalize().await;
     }
 
@@ -1011,21 +1201,7 @@ impl Drop for XcclBackend {
     fn drop(&mut self) {
         // XC-5: abort, never destroy (which may block); errors are logged.
         self.abort_comm();
-        let rt = &self.api.rt;
-        // SAFETY: no op can be in flight once the backend is dropped; the
-        // pointers were allocated by this runtime.
-        unsafe {
-            let _ = (rt.set_device)(self.device);
-            for b in &mut self.bufs {
-                if !b.ptr.is_null() {
-                    let _ = (rt.free)(b.ptr);
-                    b.ptr = std::ptr::null_mut();
-                }
-            }
-            if !self.stream.is_null() {
-                let _ = (rt.stream_destroy)(self.stream);
-            }
-        }
+        self.release();
     }
 }
 
@@ -1068,5 +1244,9 @@ mod tests {
         assert_eq!(c.magic, 0xcafe_beef);
         assert_eq!(c.size, std::mem::size_of::<sys::ncclConfig_t>());
         assert_eq!(c.min_ctas, c_int::MIN);
+        // NCCL 2.26 reads trafficClass at offset 44: a field, not padding.
+        assert_eq!(std::mem::offset_of!(sys::ncclConfig_t, traffic_class), 44);
+        assert_eq!(c.traffic_class, c_int::MIN);
+        assert_eq!(std::mem::size_of::<sys::ncclConfig_t>(), 48);
     }
 }

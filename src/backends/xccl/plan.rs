@@ -65,6 +65,7 @@ pub fn result_name(r: ncclResult_t) -> &'static str {
         5 => "ncclInvalidUsage",
         6 => "ncclRemoteError",
         7 => "ncclInProgress",
+        8 => "ncclTimeout",
         _ => "unknown ncclResult_t",
     }
 }

@@ -34,6 +34,10 @@ pub type RtError = c_int;
 pub const NCCL_SUCCESS: ncclResult_t = 0;
 /// `ncclInProgress`: a non-blocking communicator is still working.
 pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
+/// `ncclTimeout` (NCCL >= 2.30).
+pub const NCCL_TIMEOUT: ncclResult_t = 8;
+/// `cudaStreamNonBlocking` / `hipStreamNonBlocking`.
+pub const STREAM_NON_BLOCKING: c_uint = 1;
 /// `cudaErrorNotReady` / `hipErrorNotReady`.
 pub const RT_NOT_READY: RtError = 600;
 /// `cudaMemcpyHostToDevice` / `hipMemcpyHostToDevice`.
@@ -77,6 +81,9 @@ pub struct ncclConfig_t {
     pub net_name: *const c_char,
     /// Unset (`INT_MIN`).
     pub split_share: c_int,
+    /// Unset (`INT_MIN`); NCCL >= 2.26 reads it at offset 44, so it must
+    /// never be left as uninitialised padding.
+    pub traffic_class: c_int,
 }
 
 impl ncclConfig_t {
@@ -92,6 +99,7 @@ impl ncclConfig_t {
             max_ctas: c_int::MIN,
             net_name: std::ptr::null(),
             split_share: c_int::MIN,
+            traffic_class: c_int::MIN,
         }
     }
 }
@@ -160,6 +168,9 @@ fn_table! {
     } optional {
         // NCCL >= 2.18, RCCL from ROCm 6.0.
         comm_split: "CommSplit" => fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut ncclConfig_t) -> ncclResult_t;
+        // NCCL >= 2.13.
+        comm_finalize: "CommFinalize" => fn(ncclComm_t) -> ncclResult_t;
+        get_last_error: "GetLastError" => fn(ncclComm_t) -> *const c_char;
     }
 }
 
@@ -168,10 +179,11 @@ fn_table! {
     RtApi {
         get_device_count: "GetDeviceCount" => fn(*mut c_int) -> RtError;
         set_device: "SetDevice" => fn(c_int) -> RtError;
+        get_device: "GetDevice" => fn(*mut c_int) -> RtError;
         malloc: "Malloc" => fn(*mut *mut c_void, usize) -> RtError;
         free: "Free" => fn(*mut c_void) -> RtError;
         memcpy_async: "MemcpyAsync" => fn(*mut c_void, *const c_void, usize, c_int, Stream) -> RtError;
-        stream_create: "StreamCreate" => fn(*mut Stream) -> RtError;
+        stream_create_with_flags: "StreamCreateWithFlags" => fn(*mut Stream, c_uint) -> RtError;
         stream_query: "StreamQuery" => fn(Stream) -> RtError;
         stream_synchronize: "StreamSynchronize" => fn(Stream) -> RtError;
         stream_destroy: "StreamDestroy" => fn(Stream) -> RtError;
@@ -210,6 +222,8 @@ pub fn search_dirs() -> Vec<PathBuf> {
                 for sub in ["nccl", "cuda_runtime"] {
                     dirs.push(nv.join(sub).join("lib"));
                 }
+                // CUDA 13 wheels put everything under nvidia/cu13/lib.
+                dirs.push(nv.join("cu13").join("lib"));
             }
         }
     }

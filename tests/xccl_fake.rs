@@ -1,0 +1,668 @@
+//! The `nccl` and `rccl` backends, end to end, on the fake vendor libraries
+//! of `tests/fakes/xccl.rs` (a cdylib built by `cargo build --example
+//! fake_xccl`), loaded through `CHORUS_LIB_DIRS` like the real ones. The
+//! fake models per-thread devices, checked device pointers, streams that
+//! only drain when peers meet, non-blocking communicators, per-thread NCCL
+//! groups, late split out-pointers, aborts and injected errors, so these
+//! tests catch what a first GPU run would otherwise find.
+//!
+//! Tests share the fake's process-wide state (counters, injections), so
+//! they run one at a time (`SERIAL`).
+#![cfg(any(feature = "nccl", feature = "rccl"))]
+
+mod common;
+
+use std::ffi::{c_int, c_uint};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use chorus::backends::xccl::{probe, Flavor};
+use chorus::{DType, Error, P2POp, ReduceOp, Tensor};
+use common::{assert_close, input, run_ranks_on, value};
+
+/// `FakeCounters` of the fake (same layout).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct Counters {
+    mallocs: u64,
+    frees: u64,
+    live_allocs: u64,
+    streams_created: u64,
+    blocking_streams: u64,
+    live_streams: u64,
+    live_comms: u64,
+    destroy_unfinalized: u64,
+    finalizes: u64,
+    aborts: u64,
+    bad_pointer: u64,
+    in_progress_misuse: u64,
+    last_traffic_class: i64,
+}
+
+struct Fake {
+    lib: libloading::Library,
+}
+
+impl Fake {
+    fn counters(&self) -> Counters {
+        let mut c = Counters::default();
+        // SAFETY: the fake's control symbol with this signature.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(*mut Counters)>(b"fake_xccl_counters\0")
+                .expect("fake_xccl_counters");
+            f(&mut c);
+        }
+        c
+    }
+
+    fn call_i(&self, name: &[u8], a: c_int, b: c_int) -> c_int {
+        // SAFETY: control symbols taking two ints.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(c_int, c_int) -> c_int>(name)
+                .expect("fake symbol");
+            f(a, b)
+        }
+    }
+
+    fn set_device(&self, d: c_int) {
+        // SAFETY: `cudaSetDevice(int)`.
+        let r = unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn(c_int) -> c_int>(b"cudaSetDevice\0")
+                .expect("cudaSetDevice"))(d)
+        };
+        assert_eq!(r, 0);
+    }
+
+    fn device(&self) -> c_int {
+        let mut d = -1;
+        // SAFETY: `cudaGetDevice(int*)`.
+        unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn(*mut c_int) -> c_int>(b"cudaGetDevice\0")
+                .expect("cudaGetDevice"))(&mut d)
+        };
+        d
+    }
+
+    fn group_depth(&self) -> c_int {
+        // SAFETY: control symbol.
+        unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn() -> c_int>(b"fake_xccl_group_depth\0")
+                .expect("fake_xccl_group_depth"))()
+        }
+    }
+
+    fn fail_call(&self, device: c_int, skip: c_uint, code: c_int) {
+        // SAFETY: control symbol.
+        unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn(c_int, c_uint, c_int)>(b"fake_xccl_fail_call\0")
+                .expect("fake_xccl_fail_call"))(device, skip, code)
+        }
+    }
+
+    fn reset(&self) {
+        // SAFETY: control symbol.
+        unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn()>(b"fake_xccl_reset\0")
+                .expect("fake_xccl_reset"))()
+        }
+    }
+}
+
+static FAKE: OnceLock<Fake> = OnceLock::new();
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// The fake, found next to this test binary (`target/<profile>/examples`)
+/// and exposed under the vendor file names in a private folder that
+/// `CHORUS_LIB_DIRS` points at.
+fn fake() -> &'static Fake {
+    FAKE.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current_exe");
+        let so = exe
+            .parent()
+            .and_then(|d| d.parent())
+            .map(|d| d.join("examples/libfake_xccl.so"))
+            .expect("target dir");
+        assert!(
+            so.exists(),
+            "{} missing: build it with `cargo build --example fake_xccl` \
+             (scripts/test-backends.sh does)",
+            so.display()
+        );
+        let dir = std::env::temp_dir().join(format!("chorus-fake-xccl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("fake lib dir");
+        for name in [
+            "libnccl.so.2",
+            "libcudart.so.12",
+            "librccl.so.1",
+            "libamdhip64.so.6",
+        ] {
+            let link: PathBuf = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&so, &link).expect("symlink");
+        }
+        std::env::set_var("CHORUS_LIB_DIRS", &dir);
+        // SAFETY: the fake's initialisers only set up empty state.
+        let lib = unsafe { libloading::Library::new(dir.join("libnccl.so.2")) }.expect("load fake");
+        Fake { lib }
+    })
+}
+
+/// Serialise the tests and start each from a clean fake.
+fn setup() -> (MutexGuard<'static, ()>, &'static Fake) {
+    let g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let f = fake();
+    f.reset();
+    // Communicators of the previous test are dropped by their actors on
+    // their own threads: let that finish, so leak checks start from zero.
+    eventually(Duration::from_secs(10), || {
+        let c = f.counters();
+        (c.live_allocs, c.live_streams, c.live_comms) == (0, 0, 0)
+    });
+    (g, f)
+}
+
+fn flavors() -> Vec<Flavor> {
+    let mut v = Vec::new();
+    if cfg!(feature = "nccl") {
+        v.push(Flavor::Nccl);
+    }
+    if cfg!(feature = "rccl") {
+        v.push(Flavor::Rccl);
+    }
+    v
+}
+
+/// A one-shot signal between rank threads, waited on with a bound.
+#[derive(Clone, Default)]
+struct Signal(Arc<(Mutex<bool>, Condvar)>);
+
+impl Signal {
+    fn raise(&self) {
+        *self.0 .0.lock().unwrap() = true;
+        self.0 .1.notify_all();
+    }
+    fn wait(&self, bound: Duration) -> bool {
+        let g = self.0 .0.lock().unwrap();
+        let (g, _) = self.0 .1.wait_timeout_while(g, bound, |s| !*s).unwrap();
+        *g
+    }
+}
+
+/// Wait (bounded) until `cond` holds; the fake and the actor work on their
+/// own threads, so the test can only observe their results.
+fn eventually(bound: Duration, cond: impl Fn() -> bool) -> bool {
+    let end = Instant::now() + bound;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    cond()
+}
+
+fn sum_ref(n: usize, i: usize) -> f64 {
+    (0..n).map(|r| value(r, i)).sum()
+}
+
+#[test]
+fn the_fake_is_what_the_backends_load() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let n = probe(flavor).unwrap_or_else(|e| panic!("{}: {e}", flavor.name()));
+        assert_eq!(n, 8, "the fake reports 8 devices");
+    }
+    let before = f.counters();
+    run_ranks_on(
+        flavors()[0].name(),
+        2,
+        "xf-load",
+        |_, o| o,
+        |comm| {
+            comm.finalize().unwrap();
+        },
+    );
+    let after = f.counters();
+    assert_eq!(after.finalizes - before.finalizes, 2, "{after:?}");
+}
+
+#[test]
+fn every_collective_matches_the_reference_world_2_to_4() {
+    let (_g, _f) = setup();
+    for flavor in flavors() {
+        for n in 2..=4 {
+            run_ranks_on(
+                flavor.name(),
+                n,
+                &format!("xf-coll-{n}"),
+                |_, o| o,
+                move |comm| {
+                    let r = comm.rank();
+                    let what = |s: &str| format!("{} world {n}: {s}", comm.backend());
+                    for dtype in [
+                        DType::F32,
+                        DType::I32,
+                        DType::F16,
+                        DType::BF16,
+                        DType::F64,
+                        DType::I8,
+                    ] {
+                        for op in [
+                            ReduceOp::Sum,
+                            ReduceOp::Max,
+                            ReduceOp::Avg,
+                            ReduceOp::PremulSum(2.0),
+                        ] {
+                            for count in [0usize, 4, 1 << 10] {
+                                let out = comm.all_reduce(input(dtype, r, count), op).unwrap();
+                                let want: Vec<f64> = (0..count)
+                                    .map(|i| {
+                                        let v: Vec<f64> = (0..n).map(|p| value(p, i)).collect();
+                                        match op {
+                                            ReduceOp::Sum => v.iter().sum(),
+                                            ReduceOp::Max => {
+                                                v.iter().cloned().fold(f64::MIN, f64::max)
+                                            }
+                                            ReduceOp::Avg if dtype.is_float() => {
+                                                v.iter().sum::<f64>() / n as f64
+                                            }
+                                            ReduceOp::Avg => {
+                                                (v.iter().sum::<f64>() as i64 / n as i64) as f64
+                                            }
+                                            _ => v.iter().map(|x| x * 2.0).sum(),
+                                        }
+                                    })
+                                    .map(|x| {
+                                        if dtype == DType::I8 {
+                                            x as i64 as i8 as f64
+                                        } else {
+                                            x
+                                        }
+                                    })
+                                    .collect();
+                                assert_close(
+                                    dtype,
+                                    &out,
+                                    &want,
+                                    &what(&format!("all_reduce {dtype} {op} {count}")),
+                                );
+                            }
+                        }
+                    }
+                    let dtype = DType::F32;
+                    let count = 33;
+                    for root in 0..n {
+                        let out = comm
+                            .reduce(input(dtype, r, count), ReduceOp::Sum, root)
+                            .unwrap();
+                        let want: Vec<f64> = (0..count)
+                            .map(|i| {
+                                if r == root {
+                                    sum_ref(n, i)
+                                } else {
+                                    value(r, i)
+                                }
+                            })
+                            .collect();
+                        assert_close(dtype, &out, &want, &what("reduce"));
+                        let t = if r == root {
+                            input(dtype, root, count)
+                        } else {
+                            Tensor::zeros(dtype, count)
+                        };
+                        let out = comm.broadcast(t, root).unwrap();
+                        let want: Vec<f64> = (0..count).map(|i| value(root, i)).collect();
+                        assert_close(dtype, &out, &want, &what("broadcast"));
+                    }
+                    let out = comm.all_gather(input(dtype, r, count)).unwrap();
+                    let want: Vec<f64> = (0..n)
+                        .flat_map(|p| (0..count).map(move |i| value(p, i)))
+                        .collect();
+                    assert_close(dtype, &out, &want, &what("all_gather"));
+                    // Uneven blocks: grouped broadcasts.
+                    let counts: Vec<usize> = (0..n).map(|p| count + p).collect();
+                    let out = comm
+                        .all_gather_v(input(dtype, r, count + r), &counts)
+                        .unwrap();
+                    let want: Vec<f64> = (0..n)
+                        .flat_map(|p| (0..count + p).map(move |i| value(p, i)))
+                        .collect();
+                    assert_close(dtype, &out, &want, &what("all_gather_v"));
+                    let out = comm
+                        .reduce_scatter(input(dtype, r, count * n), ReduceOp::Sum)
+                        .unwrap();
+                    let want: Vec<f64> = (0..count).map(|i| sum_ref(n, r * count + i)).collect();
+                    assert_close(dtype, &out, &want, &what("reduce_scatter"));
+                    // all_to_all_single: block j of rank p is value(p, j * count + i).
+                    let out = comm.all_to_all_single(input(dtype, r, count * n)).unwrap();
+                    let want: Vec<f64> = (0..n)
+                        .flat_map(|p| (0..count).map(move |i| value(p, r * count + i)))
+                        .collect();
+                    assert_close(dtype, &out, &want, &what("all_to_all_single"));
+                    // A ring of sends and receives in one batch.
+                    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                    let got = comm
+                        .batch_p2p(vec![
+                            P2POp::send(input(dtype, r, count), next),
+                            P2POp::recv(Tensor::zeros(dtype, count), prev),
+                        ])
+                        .unwrap();
+                    let want: Vec<f64> = (0..count).map(|i| value(prev, i)).collect();
+                    assert_close(dtype, got.last().expect("recv"), &want, &what("p2p ring"));
+                    comm.barrier().unwrap();
+                    comm.finalize().unwrap();
+                },
+            );
+        }
+    }
+}
+
+/// Bug 1: with a non-blocking parent NCCL writes the child into
+/// `*newcomm` later, from its own thread; members must get it.
+#[test]
+fn split_gives_members_their_child_and_nocolor_ranks_none() {
+    let (_g, _f) = setup();
+    for flavor in flavors() {
+        let out = run_ranks_on(
+            flavor.name(),
+            4,
+            "xf-split",
+            |_, o| o,
+            |comm| {
+                let r = comm.rank();
+                let color = (r != 3).then_some((r % 2) as u32);
+                let child = comm.split_by_color(color, r as i64, "parity").unwrap();
+                let res = child.as_ref().map(|c| {
+                    let s = c
+                        .all_reduce(Tensor::full(r as f32, 4), ReduceOp::Sum)
+                        .unwrap();
+                    (c.size(), s.as_slice::<f32>()[0])
+                });
+                // The parent still works after the split.
+                let p = comm
+                    .all_reduce(Tensor::full(1i32, 2), ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(p.to_vec::<i32>(), vec![4, 4]);
+                comm.finalize().unwrap();
+                res
+            },
+        );
+        assert_eq!(
+            out,
+            vec![Some((2, 2.0)), Some((1, 1.0)), Some((2, 2.0)), None],
+            "{}",
+            flavor.name()
+        );
+    }
+}
+
+/// Bug 2: a call that fails inside `ncclGroupStart/End` must still end
+/// the group, or every later NCCL call on that thread is queued forever.
+#[test]
+fn a_call_failing_inside_a_group_still_ends_the_group() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-group",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                let t = Tensor::full(r as f32, 4);
+                comm.all_reduce(t.clone(), ReduceOp::Sum).unwrap();
+                if r == 0 {
+                    // The second broadcast of the grouped all_gather_v fails.
+                    f.fail_call(0, 1, 4);
+                }
+                let got = comm.all_gather_v(Tensor::full(1.0f32, 3 + r), &[3, 4]);
+                let e = got.expect_err("the op fails on every rank");
+                if r == 0 {
+                    // ncclGetLastError's detail is part of the error.
+                    assert!(e.to_string().contains("injected failure"), "{e}");
+                }
+                // The blocking op ran its turn on this thread (idle communicator).
+                assert_eq!(
+                    f.group_depth(),
+                    0,
+                    "rank {r}: NCCL group left open on the caller's thread"
+                );
+            },
+        );
+    }
+}
+
+/// Bug 3: buffers are allocated on the communicator's device, and the
+/// caller's thread keeps its own current device.
+#[test]
+fn ops_keep_the_callers_device_and_allocate_on_the_comms_device() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-dev",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                f.set_device(7);
+                for count in [16usize, 1 << 12] {
+                    let out = comm.all_reduce(input(DType::F32, r, count), ReduceOp::Sum);
+                    let out = out.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+                    let want: Vec<f64> = (0..count).map(|i| sum_ref(2, i)).collect();
+                    assert_close(DType::F32, &out, &want, "all_reduce");
+                    assert_eq!(
+                        f.device(),
+                        7,
+                        "rank {r}: the op switched the caller's device"
+                    );
+                }
+                comm.finalize().unwrap();
+            },
+        );
+        let after = f.counters();
+        assert_eq!(after.bad_pointer, before.bad_pointer, "{after:?}");
+    }
+}
+
+/// Bug 7: finalize is `ncclCommFinalize` then destroy, bounded: a peer
+/// that never finalizes makes it fall back to `ncclCommAbort` in time.
+#[test]
+fn finalize_is_bounded_when_a_peer_never_finalizes() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        let done = Signal::default();
+        let tweak = |_, o: chorus::CommOptions| o.with_connect_timeout(Duration::from_secs(2));
+        run_ranks_on(flavor.name(), 2, "xf-fin-hung", tweak, move |comm| {
+            comm.all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                .unwrap();
+            if comm.rank() == 0 {
+                let t0 = Instant::now();
+                let _ = comm.finalize();
+                let took = t0.elapsed();
+                done.raise();
+                assert!(took < Duration::from_secs(15), "finalize took {took:?}");
+            } else {
+                assert!(
+                    done.wait(Duration::from_secs(40)),
+                    "rank 0 never finished finalize"
+                );
+                let _ = comm.finalize();
+            }
+        });
+        let after = f.counters();
+        assert_eq!(
+            after.destroy_unfinalized, before.destroy_unfinalized,
+            "{after:?}"
+        );
+        assert!(
+            after.aborts > before.aborts,
+            "the hung finalize fell back to abort: {after:?}"
+        );
+    }
+}
+
+/// Bug 7 and leak checks: a clean finalize finalizes before destroying, and
+/// frees every communicator, stream and device buffer.
+#[test]
+fn clean_finalize_leaks_nothing_and_uses_nonblocking_streams() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        run_ranks_on(
+            flavor.name(),
+            3,
+            "xf-leak",
+            |_, o| o,
+            |comm| {
+                let r = comm.rank();
+                // Growing sizes: buffers grow geometrically, not one cudaFree per op.
+                for k in 1..=64usize {
+                    comm.all_reduce(input(DType::F32, r, 64 * k), ReduceOp::Sum)
+                        .unwrap();
+                }
+                comm.finalize().unwrap();
+            },
+        );
+        let after = f.counters();
+        assert_eq!(
+            after.destroy_unfinalized, before.destroy_unfinalized,
+            "{after:?}"
+        );
+        assert_eq!(after.finalizes - before.finalizes, 3, "{after:?}");
+        assert_eq!(after.blocking_streams, before.blocking_streams, "{after:?}");
+        assert_eq!(after.last_traffic_class, i64::from(c_int::MIN), "{after:?}");
+        assert!(
+            after.frees - before.frees <= 3 * 2 * 8,
+            "cudaFree on the hot path: {} frees",
+            after.frees - before.frees
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms)
+                    == (before.live_allocs, before.live_streams, before.live_comms)
+            }),
+            "leaked: {:?} (before {before:?})",
+            f.counters()
+        );
+    }
+}
+
+/// Abort while an op waits for a peer that never joins it.
+#[test]
+fn abort_mid_op_fails_the_op_and_frees_everything() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        let done = Signal::default();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-abort",
+            |_, o| o,
+            move |comm| {
+                comm.all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                    .unwrap();
+                if comm.rank() == 0 {
+                    let w = comm.all_reduce_async(Tensor::full(1.0f32, 4), ReduceOp::Sum);
+                    comm.abort();
+                    let e = w.wait().expect_err("aborted op");
+                    assert!(matches!(e, Error::Aborted { .. }), "{e:?}");
+                    done.raise();
+                } else {
+                    assert!(done.wait(Duration::from_secs(40)));
+                    comm.abort();
+                }
+            },
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms)
+                    == (before.live_allocs, before.live_streams, before.live_comms)
+            }),
+            "leaked after abort: {:?} (before {before:?})",
+            f.counters()
+        );
+    }
+}
+
+/// An error NCCL finds while no op runs aborts the communicator without
+/// waiting for the next op (the idle poll).
+#[test]
+fn an_idle_async_error_aborts_the_communicator() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-idle",
+            |_, o| o,
+            move |comm| {
+                comm.all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                    .unwrap();
+                if comm.rank() == 0 {
+                    assert_eq!(f.call_i(b"fake_xccl_inject_async_error\0", 0, 6), 1);
+                }
+                assert!(
+                    eventually(Duration::from_secs(20), || !comm.is_active()),
+                    "rank {}: still active",
+                    comm.rank()
+                );
+                if comm.rank() == 0 {
+                    let cause = comm.status().cause.expect("a cause");
+                    assert!(matches!(cause, Error::PeerFailed { .. }), "{cause:?}");
+                }
+            },
+        );
+    }
+}
+
+/// A peer that aborts while the others wait in a collective: they fail
+/// with an error instead of hanging.
+#[test]
+fn a_peer_failure_fails_the_waiting_ranks() {
+    let (_g, _f) = setup();
+    for flavor in flavors() {
+        run_ranks_on(
+            flavor.name(),
+            3,
+            "xf-peer",
+            |_, o| o,
+            |comm| {
+                comm.all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                    .unwrap();
+                if comm.rank() == 2 {
+                    comm.abort();
+                    return;
+                }
+                let e = comm
+                    .all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                    .expect_err("the peer is gone");
+                assert!(
+                    matches!(e, Error::PeerFailed { .. } | Error::Aborted { .. }),
+                    "{e:?}"
+                );
+                assert!(eventually(Duration::from_secs(20), || !comm.is_active()));
+            },
+        );
+    }
+}
