@@ -25,8 +25,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use crate::comm::{CommOptions, Rendezvous};
 use crate::error::{Error, Result};
+use crate::options::{CommOptions, Rendezvous};
 use crate::transport::{MemoryStore, RendezvousServer, Store, StoreClient};
 
 const RANK_VARS: [(&str, &str); 4] = [

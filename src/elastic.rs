@@ -37,8 +37,9 @@ use crate::actors::executor::NativeSplit;
 use crate::actors::watchdog::{notice_key, Notice};
 use crate::actors::CommMsg;
 use crate::backends::{SplitArgs, SplitChild};
-use crate::comm::{Comm, CommOptions, Device};
+use crate::comm::Comm;
 use crate::error::{Error, Result};
+use crate::options::{CommOptions, Device};
 use crate::tensor::Tensor;
 use crate::transport::{CompareSet, Store};
 

@@ -82,6 +82,7 @@ mod elastic;
 pub mod error;
 pub mod kernels;
 pub mod op;
+mod options;
 mod runtime;
 pub mod tensor;
 pub mod transport;
@@ -89,10 +90,11 @@ mod work;
 
 pub use actors::status::{ChildFailure, State, Status};
 pub use backends::{Capabilities, SplitMode};
-pub use comm::{Comm, CommOptions, Device, P2POp, Rendezvous};
+pub use comm::{Comm, P2POp};
 pub use elastic::{join_comm, join_comm_async, Health, Hierarchy, RankMap, ReconfigureOptions};
 pub use error::{Error, Result};
 pub use op::{OpKind, ReduceOp};
+pub use options::{CommOptions, Device, Rendezvous};
 pub use tensor::{DType, Element, Tensor};
 pub use work::Work;
 

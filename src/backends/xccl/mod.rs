@@ -53,8 +53,8 @@ use async_trait::async_trait;
 
 use super::cpu::CpuBackend;
 use super::{Backend, BackendInit, IdleCtx, OpCtx, OpData, SplitArgs};
-use crate::comm::Device;
 use crate::error::{Error, Result};
+use crate::options::Device;
 use crate::tensor::{DType, Tensor};
 
 pub mod plan;
