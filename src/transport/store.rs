@@ -19,6 +19,8 @@
 //!   requests with `ConnectionLost` instead of hanging them.
 //! - ST-4: the server stops on [`RendezvousServer::shutdown`] and on drop;
 //!   dropping never panics.
+//! - ST-5: binding a port that a just-dropped server still holds is retried
+//!   for at most [`BIND_RETRY`], so a communicator re-created at once works.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -101,9 +103,7 @@ impl RendezvousServer {
             ));
         }
         let config = quic::server_config()?;
-        let endpoint = quinn::Endpoint::server(config, addr).map_err(|e| {
-            TransportError::Io(format!("binding the rendezvous server to {addr}: {e}"))
-        })?;
+        let endpoint = bind_server(config, addr).await?;
         let local = endpoint
             .local_addr()
             .map_err(|e| TransportError::Io(format!("rendezvous server address: {e}")))?;
@@ -155,6 +155,41 @@ impl RendezvousServer {
 impl Drop for RendezvousServer {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// How long binding the rendezvous server retries a port that is still in use.
+pub const BIND_RETRY: Duration = Duration::from_secs(3);
+
+/// Bind the server's endpoint, retrying (10 ms, growing to 100 ms, for at
+/// most [`BIND_RETRY`]) while the port is in use: the socket of a server
+/// this process just dropped stays open until its connections drained, and
+/// a communicator re-created at once must not fail on that (ST-5). No
+/// `SO_REUSEADDR`: on UDP it would let two live servers share the port.
+async fn bind_server(
+    config: quinn::ServerConfig,
+    addr: SocketAddr,
+) -> Result<quinn::Endpoint, TransportError> {
+    let until = Instant::now() + BIND_RETRY;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match quinn::Endpoint::server(config.clone(), addr) {
+            Ok(ep) => return Ok(ep),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && addr.port() != 0
+                    && Instant::now() + pause < until =>
+            {
+                tracing::debug!(%addr, ?pause, "rendezvous port still in use; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            Err(e) => {
+                return Err(TransportError::Io(format!(
+                    "binding the rendezvous server to {addr}: {e}"
+                )))
+            }
+        }
     }
 }
 
