@@ -143,3 +143,39 @@ fn unauthenticated_flood_does_not_delay_a_four_rank_bootstrap() {
     drop(held);
     drop(server);
 }
+
+/// A rank that reaches a loopback store before it is bound connects soon
+/// after the bind (short attempts and backoff, small initial RTT), instead
+/// of waiting out a whole 1 s attempt.
+#[test]
+fn client_reaching_the_store_before_it_is_bound_connects_within_tens_of_ms_of_the_bind() {
+    use chorus::transport::{RendezvousServer, StoreClient};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    rt.block_on(async {
+        let client = tokio::spawn(async move {
+            let r = StoreClient::connect(addr, b"late-store", Duration::from_secs(20)).await;
+            (r.is_ok(), Instant::now())
+        });
+        // The scenario itself: the store comes up after the client started.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _server = RendezvousServer::bind(addr, b"late-store")
+            .await
+            .expect("bind store");
+        let bound = Instant::now();
+        let (ok, at) = tokio::time::timeout(DEADLINE, client)
+            .await
+            .expect("client finishes in time")
+            .expect("client task");
+        assert!(ok, "client connects");
+        let after = at.saturating_duration_since(bound);
+        assert!(
+            after < Duration::from_millis(500),
+            "connected {after:?} after the bind"
+        );
+    });
+}

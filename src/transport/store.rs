@@ -518,12 +518,19 @@ impl StoreClient {
             };
             let mut endpoint = quinn::Endpoint::client(bind)
                 .map_err(|e| TransportError::Io(format!("binding a QUIC client socket: {e}")))?;
-            endpoint.set_default_client_config(quic::client_config()?);
+            endpoint.set_default_client_config(quic::client_config_for(addr.ip())?);
 
             let start = Instant::now();
             let deadline = start + timeout;
-            let mut attempt_timeout = Duration::from_secs(1);
-            let mut backoff = Duration::from_millis(20);
+            // A store that is not bound yet loses the first packet: on
+            // loopback, give up on an attempt soon and retry after 10 ms
+            // (both growing), so the first rank in waits tens of ms, not 1 s.
+            let mut attempt_timeout = if addr.ip().is_loopback() {
+                Duration::from_millis(100)
+            } else {
+                Duration::from_secs(1)
+            };
+            let mut backoff = Duration::from_millis(10);
             let mut last = String::from("no attempt made");
             let mut attempts = 0u32;
             loop {
