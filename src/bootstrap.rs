@@ -16,7 +16,7 @@
 //! that rank 0 hosts.
 //!
 //! Store keys are scoped by communicator name, instance and epoch
-//! (`chorus/<name>/<instance>/epoch/<epoch>/…`), where `instance` counts the
+//! (`chorus/<job>/<name>/<instance>/epoch/<epoch>/…`), where `instance` counts the
 //! communicators of that name this rank created — never a process-wide
 //! counter, so ranks that create different subgroups stay in step.
 
@@ -216,6 +216,38 @@ pub async fn connect_store(
             })
         }
     }
+}
+
+/// The job id that scopes every store key of this process's communicators:
+/// `CHORUS_JOB_ID` (set by `chorus-run`, fresh for each launch),
+/// else one derived from the job secret, else `local`. Two jobs with
+/// different ids, or different secrets, never read each other's keys on a
+/// shared store.
+///
+/// # Errors
+/// [`Error::Config`] for an empty `CHORUS_JOB_ID` or one containing `/`.
+pub fn job_id(secret: &[u8]) -> Result<String> {
+    if let Some(v) = std::env::var_os("CHORUS_JOB_ID") {
+        let v = v.to_string_lossy().into_owned();
+        if v.is_empty() || v.contains('/') {
+            return Err(Error::Config(format!(
+                "CHORUS_JOB_ID={v:?} must be non-empty and contain no '/'"
+            )));
+        }
+        return Ok(v);
+    }
+    if secret.is_empty() {
+        return Ok("local".into());
+    }
+    let digest = ring::digest::digest(
+        &ring::digest::SHA256,
+        &[b"chorus-job-id-v1:".as_slice(), secret].concat(),
+    );
+    let hex: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok(format!("s{hex}"))
 }
 
 /// The instance number of the next communicator called `name` on this rank.

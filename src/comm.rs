@@ -791,8 +791,9 @@ impl Comm {
                         ),
                     ));
                 }
-                Tensor::concat(output.dtype(), &inputs)
-                    .ok_or_else(|| Error::Internal("scatter concat".into()))?
+                Tensor::concat(output.dtype(), &inputs).ok_or_else(|| {
+                    self.invalid("scatter", "no memory for the concatenated inputs")
+                })?
             } else {
                 Tensor::zeros(output.dtype(), 0)
             };
@@ -876,8 +877,12 @@ impl Comm {
             }
             let dtype = inputs[0].dtype();
             let send_counts: Vec<usize> = inputs.iter().map(Tensor::len).collect();
-            let input = Tensor::concat(dtype, &inputs)
-                .ok_or_else(|| self.invalid("all_to_all", "inputs have mixed dtypes"))?;
+            if inputs.iter().any(|t| t.dtype() != dtype) {
+                return Err(self.invalid("all_to_all", "inputs have mixed dtypes"));
+            }
+            let input = Tensor::concat(dtype, &inputs).ok_or_else(|| {
+                self.invalid("all_to_all", "no memory for the concatenated inputs")
+            })?;
             Ok(Request::collective(
                 OpKind::AllToAll,
                 None,

@@ -9,7 +9,7 @@
 //! store and backend as the parent; its actor is linked under the parent's.
 //!
 //! **Reconfigure** forms epoch `N+1` of a communicator. Under
-//! `chorus/<name>/<instance>/epoch/<N+1>/`, survivors register as `member/<old
+//! `chorus/<job>/<name>/<instance>/epoch/<N+1>/`, survivors register as `member/<old
 //! rank>` and joiners take a ticket from the `joiners` counter. The first
 //! rank that sees every expected survivor registered (or whose deadline
 //! passes) closes the membership with `compare_set` on `closed`; the first
@@ -46,7 +46,7 @@ use crate::transport::{CompareSet, Store};
 /// What split and reconfigure need to build related communicators.
 pub(crate) struct CommCtx {
     pub(crate) name: String,
-    /// `chorus/<name>/<instance>` (or a split's prefix): epochs live under it.
+    /// `chorus/<job>/<name>/<instance>` (or a split's prefix): epochs live under it.
     pub(crate) base: String,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) secret: Arc<[u8]>,
@@ -172,8 +172,8 @@ fn epoch_prefix(base: &str, epoch: u64) -> String {
     format!("{base}/epoch/{epoch}")
 }
 
-fn latest_key(name: &str) -> String {
-    format!("chorus/{name}/latest")
+fn latest_key(job: &str, name: &str) -> String {
+    format!("chorus/{job}/{name}/latest")
 }
 
 fn transport(e: crate::transport::TransportError) -> Error {
@@ -184,7 +184,10 @@ fn transport(e: crate::transport::TransportError) -> Error {
 pub(crate) async fn publish_latest(comm: &Comm) {
     let ctx = &comm.shared.ctx;
     let value = format!("{} {}", ctx.base, comm.epoch()).into_bytes();
-    if let Err(e) = ctx.store.set(&latest_key(&ctx.name), value).await {
+    let Ok(job) = crate::bootstrap::job_id(&ctx.secret) else {
+        return;
+    };
+    if let Err(e) = ctx.store.set(&latest_key(&job, &ctx.name), value).await {
         tracing::warn!(comm = %ctx.name, error = %e, "cannot publish the latest epoch for joiners");
     }
 }
@@ -833,13 +836,14 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
     let connected =
         crate::bootstrap::connect_store(options.rendezvous.clone(), 1, 2, &secret, timeout).await?;
     let store = connected.store.clone();
+    let job = crate::bootstrap::job_id(secret.as_deref().unwrap_or_default())?;
     let deadline = Instant::now() + timeout;
     let mut tried: Option<Vec<u8>> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let latest = loop {
             let v = store
-                .wait(&[latest_key(&name)], left)
+                .wait(&[latest_key(&job, &name)], left)
                 .await
                 .map_err(transport)?
                 .pop()

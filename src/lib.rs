@@ -172,7 +172,8 @@ async fn create(
     .await?;
     drop(_g);
     let instance = bootstrap::next_instance(&name, rank, size);
-    let base = format!("chorus/{name}/{instance}");
+    let job = bootstrap::job_id(secret.as_deref().unwrap_or_default())?;
+    let base = format!("chorus/{job}/{name}/{instance}");
     let spec = Spec {
         backend,
         device,

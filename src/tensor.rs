@@ -9,6 +9,9 @@
 //! - T-1: storage is aligned to 8 bytes, so it can be viewed as a slice of any
 //!   supported element type.
 //! - T-2: `len_bytes() == len() * dtype().size()` always.
+//! - T-3: every allocation whose size can come from a user or a peer
+//!   ([`Tensor::try_zeros`], [`Tensor::split`], [`Tensor::concat`]) is
+//!   fallible: it gives `None` when memory runs out, never an abort.
 
 use std::fmt;
 
@@ -18,6 +21,25 @@ use half::{bf16, f16};
 /// from users and peers are never trusted to add up safely).
 pub(crate) fn checked_sum(counts: &[usize]) -> Option<usize> {
     counts.iter().try_fold(0usize, |a, &c| a.checked_add(c))
+}
+
+/// `n` zeroed words, or `None` if the allocator refuses (T-3).
+///
+/// `alloc_zeroed` rather than `try_reserve` + fill: large buffers come
+/// straight from zero pages (calloc), so they are not touched twice.
+fn try_zeroed_words(n: usize) -> Option<Vec<u64>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u64>(n).ok()?;
+    // SAFETY: `layout` has a non-zero size (n > 0).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` comes from the global allocator with the layout of
+    // `[u64; n]`, so capacity `n` matches; zeroed memory is `n` valid u64s.
+    Some(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
 
 /// Element types supported by Chorus.
@@ -204,7 +226,8 @@ impl Tensor {
     }
 
     /// A tensor of `len` zeroed elements, or `None` if its size in bytes
-    /// overflows `isize::MAX` (the most any allocation can hold).
+    /// overflows `isize::MAX` or the allocator cannot provide it (T-3: the
+    /// process is never aborted for a size that came from a user or a peer).
     pub fn try_zeros(dtype: DType, len: usize) -> Option<Tensor> {
         let bytes = len
             .checked_mul(dtype.size())
@@ -212,7 +235,7 @@ impl Tensor {
         Some(Tensor {
             dtype,
             len,
-            storage: vec![0u64; bytes.div_ceil(8)],
+            storage: try_zeroed_words(bytes.div_ceil(8))?,
         })
     }
 
@@ -359,7 +382,8 @@ impl Tensor {
 
     /// Split into consecutive tensors of the given element counts.
     ///
-    /// Returns `None` if the counts do not add up to `len()`.
+    /// Returns `None` if the counts do not add up to `len()`, or if memory
+    /// for the parts runs out (T-3).
     pub fn split(&self, counts: &[usize]) -> Option<Vec<Tensor>> {
         if checked_sum(counts) != Some(self.len) {
             return None;
@@ -367,9 +391,10 @@ impl Tensor {
         let es = self.dtype.size();
         let bytes = self.as_bytes();
         let mut off = 0;
-        let mut out = Vec::with_capacity(counts.len());
+        let mut out = Vec::new();
+        out.try_reserve_exact(counts.len()).ok()?;
         for &c in counts {
-            let mut t = Tensor::zeros(self.dtype, c);
+            let mut t = Tensor::try_zeros(self.dtype, c)?;
             t.as_bytes_mut()
                 .copy_from_slice(&bytes[off * es..(off + c) * es]);
             out.push(t);
@@ -378,14 +403,15 @@ impl Tensor {
         Some(out)
     }
 
-    /// Concatenate tensors of one dtype. Returns `None` on mixed dtypes.
+    /// Concatenate tensors of one dtype. Returns `None` on mixed dtypes, or
+    /// if memory for the result runs out (T-3).
     /// An empty list gives an empty tensor of `dtype`.
     pub fn concat(dtype: DType, parts: &[Tensor]) -> Option<Tensor> {
         if parts.iter().any(|p| p.dtype != dtype) {
             return None;
         }
-        let total = parts.iter().map(|p| p.len).sum();
-        let mut out = Tensor::zeros(dtype, total);
+        let lens: Vec<usize> = parts.iter().map(|p| p.len).collect();
+        let mut out = Tensor::try_zeros(dtype, checked_sum(&lens)?)?;
         let mut off = 0;
         let bytes = out.as_bytes_mut();
         for p in parts {
@@ -435,6 +461,14 @@ mod tests {
         assert_eq!(parts[1].len(), 0);
         assert_eq!(Tensor::concat(DType::I32, &parts).unwrap(), t);
         assert!(t.split(&[3, 3]).is_none());
+    }
+
+    #[test]
+    fn t3_a_tensor_larger_than_memory_is_none_not_an_abort() {
+        // Fits isize::MAX, so only the allocator can refuse it.
+        assert!(Tensor::try_zeros(DType::U8, isize::MAX as usize).is_none());
+        assert!(Tensor::try_zeros(DType::F64, usize::MAX / 4).is_none());
+        assert_eq!(Tensor::try_zeros(DType::U8, 0).map(|t| t.len()), Some(0));
     }
 
     #[test]

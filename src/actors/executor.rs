@@ -536,11 +536,14 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         OpData::Gather { output, root, .. } => {
             if ctx.rank == root {
                 let counts = vec![req.count; n];
-                Completion::Tensors(
-                    output
-                        .split(&counts)
-                        .ok_or_else(|| Error::Internal("gather output size".into()))?,
-                )
+                Completion::Tensors(output.split(&counts).ok_or_else(|| {
+                    Error::InvalidArgument {
+                        comm: ctx.comm.clone(),
+                        rank: ctx.rank,
+                        op: ctx.kind.name(),
+                        reason: format!("no memory to split the output into {n} x {}", req.count),
+                    }
+                })?)
             } else {
                 Completion::Tensors(vec![])
             }
@@ -552,9 +555,12 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         } => {
             if req.kind == OpKind::AllToAll {
                 Completion::Tensors(
-                    output
-                        .split(&recv_counts)
-                        .ok_or_else(|| Error::Internal("all_to_all output size".into()))?,
+                    // Sizes come from the peers' headers.
+                    output.split(&recv_counts).ok_or_else(|| {
+                        ctx.mismatch(format!(
+                            "no memory to split the {recv_counts:?} elements peers sent"
+                        ))
+                    })?,
                 )
             } else {
                 Completion::Tensor(output)

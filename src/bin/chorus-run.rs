@@ -14,6 +14,7 @@
 //! | `MASTER_ADDR` | `127.0.0.1` |
 //! | `MASTER_PORT` | `--master-port`, else a port free for both UDP (the QUIC store) and TCP |
 //! | `CHORUS_SECRET` | inherited if set and non-empty, else 32 fresh random bytes, hex |
+//! | `CHORUS_JOB_ID` | inherited if set and non-empty, else fresh for each launch: scopes every store key, so a relaunch on a reused store never sees the last job's keys |
 //!
 //! Variables of launchers that bootstrap would prefer over `RANK`/`WORLD_SIZE`
 //! (`CHORUS_RANK`/`CHORUS_SIZE`, `OMPI_COMM_WORLD_*`, `PMI_*`) are removed
@@ -145,11 +146,16 @@ fn free_port() -> Result<u16, String> {
 
 /// The job secret: `CHORUS_SECRET` if set, else 32 random bytes in hex.
 fn job_secret() -> Result<OsString, String> {
-    if let Some(s) = std::env::var_os("CHORUS_SECRET").filter(|s| !s.is_empty()) {
+    inherited_or_random("CHORUS_SECRET", 32)
+}
+
+/// `var` if set and non-empty, else `len` random bytes in hex.
+fn inherited_or_random(var: &str, len: usize) -> Result<OsString, String> {
+    if let Some(s) = std::env::var_os(var).filter(|s| !s.is_empty()) {
         return Ok(s);
     }
     use ring::rand::SecureRandom;
-    let mut bytes = [0u8; 32];
+    let mut bytes = vec![0u8; len];
     ring::rand::SystemRandom::new()
         .fill(&mut bytes)
         .map_err(|_| "the system random number generator failed".to_string())?;
@@ -294,6 +300,7 @@ fn spawn_rank(
     rank: usize,
     port: u16,
     secret: &OsString,
+    job_id: &OsString,
     tx: &mpsc::Sender<Event>,
 ) -> Result<Rank, String> {
     let n = args.nproc.to_string();
@@ -310,6 +317,7 @@ fn spawn_rank(
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("CHORUS_SECRET", secret)
+        .env("CHORUS_JOB_ID", job_id)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -381,6 +389,7 @@ fn run(args: Args) -> Result<u8, String> {
         None => free_port()?,
     };
     let secret = job_secret()?;
+    let job_id = inherited_or_random("CHORUS_JOB_ID", 8)?;
     let started = Instant::now();
     let deadline = args.timeout.map(|t| started + t);
 
@@ -388,7 +397,7 @@ fn run(args: Args) -> Result<u8, String> {
     let mut streams_open = 0usize;
     let mut stop: Option<Stop> = None;
     for r in 0..args.nproc as usize {
-        match spawn_rank(&args, r, port, &secret, &tx) {
+        match spawn_rank(&args, r, port, &secret, &job_id, &tx) {
             Ok(rank) => {
                 ranks.push(rank);
                 streams_open += 2;

@@ -97,8 +97,23 @@ fn tls_err(e: impl std::fmt::Display) -> TransportError {
     TransportError::Io(format!("TLS/QUIC configuration: {e}"))
 }
 
+/// The initial RTT estimate for a store on a loopback address: quinn's
+/// default (333 ms) makes a lost first packet (a store not bound yet) cost
+/// a whole second; on loopback the first retransmit comes in tens of ms.
+pub const LOOPBACK_INITIAL_RTT: Duration = Duration::from_millis(5);
+
 fn transport_config(server: bool) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+    transport_config_with(server, None)
+}
+
+fn transport_config_with(
+    server: bool,
+    initial_rtt: Option<Duration>,
+) -> Result<Arc<quinn::TransportConfig>, TransportError> {
     let mut t = quinn::TransportConfig::default();
+    if let Some(rtt) = initial_rtt {
+        t.initial_rtt(rtt);
+    }
     t.max_idle_timeout(Some(
         quinn::IdleTimeout::try_from(IDLE_TIMEOUT).map_err(tls_err)?,
     ));
@@ -140,6 +155,18 @@ pub fn server_config() -> Result<quinn::ServerConfig, TransportError> {
 /// certificate (see the module docs for why that is sound here), TLS 1.3
 /// only, ALPN [`ALPN`].
 pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
+    client_config_with(None)
+}
+
+/// [`client_config`] for a server at `peer`: on a loopback address the
+/// initial RTT is [`LOOPBACK_INITIAL_RTT`].
+pub fn client_config_for(peer: std::net::IpAddr) -> Result<quinn::ClientConfig, TransportError> {
+    client_config_with(peer.is_loopback().then_some(LOOPBACK_INITIAL_RTT))
+}
+
+fn client_config_with(
+    initial_rtt: Option<Duration>,
+) -> Result<quinn::ClientConfig, TransportError> {
     let provider = provider();
     let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -150,7 +177,7 @@ pub fn client_config() -> Result<quinn::ClientConfig, TransportError> {
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(tls_err)?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
-    cfg.transport_config(transport_config(false)?);
+    cfg.transport_config(transport_config_with(false, initial_rtt)?);
     Ok(cfg)
 }
 

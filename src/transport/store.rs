@@ -19,6 +19,11 @@
 //!   requests with `ConnectionLost` instead of hanging them.
 //! - ST-4: the server stops on [`RendezvousServer::shutdown`] and on drop;
 //!   dropping never panics.
+//! - ST-6: an unauthenticated connection holds its slot for at most
+//!   [`PRE_AUTH_DEADLINE`], and one source IP holds at most
+//!   [`MAX_PENDING_PER_SOURCE`] slots, so a flood cannot deny the store.
+//! - ST-5: binding a port that a just-dropped server still holds is retried
+//!   for at most [`BIND_RETRY`], so a communicator re-created at once works.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -47,6 +52,13 @@ const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connections that may be in the handshake/authentication phase at once;
 /// more are refused (QUIC `CONNECTION_REFUSED`, which clients retry).
 pub const MAX_PENDING_CONNECTIONS: usize = 512;
+/// Connections from one IP address that may be unauthenticated at once
+/// (ST-6); more from that address are refused, so one flooding host cannot
+/// take the slots of [`MAX_PENDING_CONNECTIONS`] from everyone else.
+pub const MAX_PENDING_PER_SOURCE: usize = 64;
+/// How long a new connection has for its QUIC handshake and the secret
+/// challenge together (ST-6); a slot is never held longer.
+pub const PRE_AUTH_DEADLINE: Duration = Duration::from_secs(2);
 /// Stream reset code when a stream carried no request in time.
 const RESET_NO_REQUEST: u32 = 1;
 
@@ -101,9 +113,7 @@ impl RendezvousServer {
             ));
         }
         let config = quic::server_config()?;
-        let endpoint = quinn::Endpoint::server(config, addr).map_err(|e| {
-            TransportError::Io(format!("binding the rendezvous server to {addr}: {e}"))
-        })?;
+        let endpoint = bind_server(config, addr).await?;
         let local = endpoint
             .local_addr()
             .map_err(|e| TransportError::Io(format!("rendezvous server address: {e}")))?;
@@ -158,6 +168,41 @@ impl Drop for RendezvousServer {
     }
 }
 
+/// How long binding the rendezvous server retries a port that is still in use.
+pub const BIND_RETRY: Duration = Duration::from_secs(10);
+
+/// Bind the server's endpoint, retrying (10 ms, growing to 100 ms, for at
+/// most [`BIND_RETRY`]) while the port is in use: the socket of a server
+/// this process just dropped stays open until its connections drained, and
+/// a communicator re-created at once must not fail on that (ST-5). No
+/// `SO_REUSEADDR`: on UDP it would let two live servers share the port.
+async fn bind_server(
+    config: quinn::ServerConfig,
+    addr: SocketAddr,
+) -> Result<quinn::Endpoint, TransportError> {
+    let until = Instant::now() + BIND_RETRY;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match quinn::Endpoint::server(config.clone(), addr) {
+            Ok(ep) => return Ok(ep),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && addr.port() != 0
+                    && Instant::now() + pause < until =>
+            {
+                tracing::debug!(%addr, ?pause, "rendezvous port still in use; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            Err(e) => {
+                return Err(TransportError::Io(format!(
+                    "binding the rendezvous server to {addr}: {e}"
+                )))
+            }
+        }
+    }
+}
+
 async fn accept_loop(
     endpoint: quinn::Endpoint,
     store: Arc<MemoryStore>,
@@ -165,6 +210,7 @@ async fn accept_loop(
     stop: CancellationToken,
 ) {
     let pending = Arc::new(Semaphore::new(MAX_PENDING_CONNECTIONS));
+    let per_source: PerSource = Arc::default();
     loop {
         let incoming = tokio::select! {
             incoming = endpoint.accept() => incoming,
@@ -172,11 +218,17 @@ async fn accept_loop(
         };
         let Some(incoming) = incoming else { break };
         let peer = incoming.remote_address();
+        let Some(source) = SourceSlot::take(&per_source, peer.ip()) else {
+            tracing::warn!(%peer, "too many connections authenticating from this address; refusing one");
+            incoming.refuse();
+            continue;
+        };
         let Ok(permit) = pending.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "too many connections authenticating; refusing one");
             incoming.refuse();
             continue;
         };
+        let permit = (permit, source);
         tokio::spawn(
             serve_connection(
                 incoming,
@@ -191,14 +243,52 @@ async fn accept_loop(
     tracing::debug!("accept loop ended");
 }
 
+/// Unauthenticated connections by source address (ST-6).
+type PerSource = Arc<std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>>;
+
+/// One source's pending slot; released on drop.
+struct SourceSlot {
+    map: PerSource,
+    ip: IpAddr,
+}
+
+impl SourceSlot {
+    fn take(map: &PerSource, ip: IpAddr) -> Option<SourceSlot> {
+        let mut m = map.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= MAX_PENDING_PER_SOURCE {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot {
+            map: map.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut m = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
 async fn serve_connection(
     incoming: quinn::Incoming,
-    pending: OwnedSemaphorePermit,
+    pending: (OwnedSemaphorePermit, SourceSlot),
     store: Arc<MemoryStore>,
     secret: Arc<[u8]>,
     stop: CancellationToken,
 ) {
-    let conn = match tokio::time::timeout(quic::AUTH_TIMEOUT, incoming).await {
+    // ST-6: handshake and authentication share one short deadline.
+    let pre_auth = Instant::now() + PRE_AUTH_DEADLINE;
+    let conn = match tokio::time::timeout_at(pre_auth, incoming).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "handshake failed");
@@ -210,11 +300,7 @@ async fn serve_connection(
         }
     };
     // TP-1: nothing but the authentication stream until it succeeded.
-    let auth = tokio::time::timeout(
-        quic::AUTH_TIMEOUT,
-        quic::authenticate_server(&conn, &secret),
-    )
-    .await;
+    let auth = tokio::time::timeout_at(pre_auth, quic::authenticate_server(&conn, &secret)).await;
     drop(pending);
     match auth {
         Ok(Ok(())) => tracing::debug!("client authenticated"),
@@ -432,12 +518,19 @@ impl StoreClient {
             };
             let mut endpoint = quinn::Endpoint::client(bind)
                 .map_err(|e| TransportError::Io(format!("binding a QUIC client socket: {e}")))?;
-            endpoint.set_default_client_config(quic::client_config()?);
+            endpoint.set_default_client_config(quic::client_config_for(addr.ip())?);
 
             let start = Instant::now();
             let deadline = start + timeout;
-            let mut attempt_timeout = Duration::from_secs(1);
-            let mut backoff = Duration::from_millis(20);
+            // A store that is not bound yet loses the first packet: on
+            // loopback, give up on an attempt soon and retry after 10 ms
+            // (both growing), so the first rank in waits tens of ms, not 1 s.
+            let mut attempt_timeout = if addr.ip().is_loopback() {
+                Duration::from_millis(100)
+            } else {
+                Duration::from_secs(1)
+            };
+            let mut backoff = Duration::from_millis(10);
             let mut last = String::from("no attempt made");
             let mut attempts = 0u32;
             loop {
