@@ -288,7 +288,9 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
         reduce_until_error(&comm);
         let (next, _) = comm.reconfigure(ReconfigureOptions::default()).unwrap();
         let store = faults.store.lock().unwrap().clone().expect("store");
-        let prefix = "chorus/stale/0/epoch/1";
+        // Keys are scoped by the job id (derived from the shared test secret).
+        let job = chorus::bootstrap::job_id(b"test-secret").expect("job id");
+        let prefix = format!("chorus/{job}/stale/0/epoch/1");
         if next.rank() == 0 {
             // A notice stamped with epoch 0, under the new epoch's key.
             futures::executor::block_on(store.set(
