@@ -99,17 +99,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
         for t in tasks {
             res.push(t.await.expect("rank task"));
         }
-        (0..SIZES.len())
-            .map(|s| {
-                median(
-                    res[0][s]
-                        .iter()
-                        .zip(&res[1][s])
-                        .map(|(a, b)| a.max(*b))
-                        .collect(),
-                )
-            })
-            .collect()
+        max_median(&res)
     })
 }
 
