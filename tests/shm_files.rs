@@ -1,7 +1,8 @@
 //! Shared-memory ring files under `/dev/shm` never outlive their job: ranks
 //! killed (SIGKILL, so no destructor runs) at spread-out moments of startup
 //! may leave ring files behind, and the next job on the host removes every
-//! one whose creator is gone.
+//! one whose creator is gone. The second test does the same through
+//! `chorus-run`, stopped by SIGTERM (which it forwards to the ranks).
 //!
 //! The test binary re-executes itself as the ranks: the ignored test
 //! `worker` is the rank's body, selected by `CHORUS_TEST_WORKER`. The kill
@@ -161,5 +162,93 @@ fn ring_files_of_killed_jobs_are_removed_by_the_next_job() {
         Vec::<String>::new(),
         "final job's files"
     );
+    assert!(start.elapsed() < DEADLINE);
+}
+
+/// All ring files in `/dev/shm`, with their creator pids.
+fn all_ring_files() -> Vec<(String, u32)> {
+    let Ok(entries) = std::fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter_map(|name| {
+            let parts: Vec<&str> = name.split('-').collect();
+            let pid = (parts.len() == 5 && parts[0] == "chorus")
+                .then(|| parts[2].parse::<u32>().ok())
+                .flatten()?;
+            Some((name, pid))
+        })
+        .collect()
+}
+
+/// `chorus-run` running the worker on `n` ranks.
+fn chorus_run(n: usize) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_chorus-run"));
+    cmd.args([
+        "-n",
+        &n.to_string(),
+        "--timeout",
+        "30",
+        "--grace",
+        "5",
+        "--",
+    ])
+    .arg(std::env::current_exe().expect("current exe"))
+    .args(["--ignored", "--exact", "worker", "--nocapture"])
+    .env("CHORUS_TEST_WORKER", "1")
+    .env_remove("CHORUS_SHM")
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    cmd
+}
+
+#[test]
+fn sigterm_to_chorus_run_during_startup_leaks_no_ring_files() {
+    if !std::path::Path::new(SHM_DIR).is_dir() {
+        eprintln!("no {SHM_DIR}: shared-memory links are never used here");
+        return;
+    }
+    let start = Instant::now();
+    let mut seen: Vec<(String, u32)> = Vec::new();
+    for i in 0..30 {
+        let mut run = Job(vec![chorus_run(2).spawn().expect("spawn chorus-run")]);
+        let before = all_ring_files();
+        let round_end = Instant::now() + Duration::from_secs(5);
+        // Every other round: SIGTERM the moment a new ring file shows up.
+        while i % 2 == 0 && Instant::now() < round_end {
+            let now = all_ring_files();
+            let new: Vec<_> = now.into_iter().filter(|f| !before.contains(f)).collect();
+            if !new.is_empty() {
+                seen.extend(new);
+                break;
+            }
+            if run.0[0].try_wait().ok().flatten().is_some() {
+                break;
+            }
+        }
+        // SAFETY: kill(2) with a pid we own (our live or unreaped child).
+        unsafe {
+            libc::kill(run.0[0].id() as i32, libc::SIGTERM);
+        }
+        let _ = run.0[0].wait();
+        assert!(start.elapsed() < DEADLINE, "kill rounds took too long");
+    }
+    // Creators that are gone now; their files must be swept by a full run.
+    let dead: Vec<(String, u32)> = seen
+        .into_iter()
+        // SAFETY: signal 0 only checks for existence.
+        .filter(|(_, pid)| unsafe { libc::kill(*pid as i32, 0) } == -1)
+        .collect();
+    let ok = chorus_run(2).status().expect("final chorus-run");
+    assert!(ok.success(), "final job failed: {ok:?}");
+    let left: Vec<String> = all_ring_files()
+        .into_iter()
+        .filter(|f| dead.contains(f))
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(left, Vec::<String>::new(), "stale ring files");
     assert!(start.elapsed() < DEADLINE);
 }
