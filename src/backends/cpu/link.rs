@@ -51,7 +51,7 @@
 //!   that is at a frame boundary, so it is never read as payload.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -807,11 +807,13 @@ pub(crate) async fn setup_shm(
             pairs.push((peer, w, r));
         }
     }
+    // Files of ranks that were killed before they could unlink theirs.
+    let swept = shm::sweep_stale(Path::new(SHM_DIR));
+    if swept > 0 {
+        tracing::info!(rank = me, files = swept, "removed stale shm ring files");
+    }
     let results = futures::future::join_all(pairs.into_iter().map(|(peer, w, r)| {
-        let path = PathBuf::from(format!(
-            "{SHM_DIR}/chorus-{tag}-{}-{peer}-{me}",
-            std::process::id()
-        ));
+        let path = Path::new(SHM_DIR).join(shm::ring_file_name(&tag, std::process::id(), peer, me));
         async move {
             // Our incoming ring (peer -> me).
             let mut incoming = match ShmSegment::create(&path, capacity) {
@@ -848,7 +850,9 @@ pub(crate) async fn setup_shm(
             got?;
             let outgoing = String::from_utf8(theirs)
                 .ok()
-                .filter(|p| p.starts_with(&format!("{SHM_DIR}/chorus-")) && !p.contains(".."))
+                .filter(|p| {
+                    p.starts_with(&format!("{SHM_DIR}/{}", shm::FILE_PREFIX)) && !p.contains("..")
+                })
                 .and_then(|p| match ShmSegment::open(Path::new(&p)) {
                     Ok(s) => Some(RingProducer::new(s)),
                     Err(e) => {
@@ -862,6 +866,25 @@ pub(crate) async fn setup_shm(
             }
             let ok = [u8::from(incoming.is_some() && outgoing.is_some())];
             let mut ack = Vec::new();
+            // The peer's answer means it has mapped our ring (or given up
+            // on it): unlink right then, whatever the answer or error, so
+            // the file exists only for this handshake. Earlier exits drop
+            // `incoming`, which unlinks too.
+            let recv_ack = async {
+                let got = r
+                    .recv(
+                        ctx,
+                        FrameKind::Header,
+                        FrameClass::Collective,
+                        SHM_SETUP_SEQ,
+                        RecvInto::Bounded(&mut ack, 1),
+                    )
+                    .await;
+                if let Some(s) = incoming.as_mut() {
+                    s.unlink();
+                }
+                got
+            };
             let (sent, got) = futures::future::join(
                 w.send(
                     ctx,
@@ -870,18 +893,9 @@ pub(crate) async fn setup_shm(
                     SHM_SETUP_SEQ,
                     &ok,
                 ),
-                r.recv(
-                    ctx,
-                    FrameKind::Header,
-                    FrameClass::Collective,
-                    SHM_SETUP_SEQ,
-                    RecvInto::Bounded(&mut ack, 1),
-                ),
+                recv_ack,
             )
             .await;
-            if let Some(s) = incoming.as_mut() {
-                s.unlink();
-            }
             sent?;
             got?;
             Ok::<_, Error>(match (incoming, outgoing) {

@@ -2,10 +2,13 @@
 //!
 //! One [`ShmSegment`] per directed pair of ranks holds a single-producer,
 //! single-consumer byte ring. The receiver creates the segment (a `0600`
-//! file under `/dev/shm` with a random name, unlinked as soon as both ends
-//! mapped it), the sender maps it; see `link::setup_shm` for the exchange,
+//! file under `/dev/shm` named by [`ring_file_name`]: a random tag and the
+//! creator's pid; unlinked as soon as both ends mapped it, and on every
+//! error path), the sender maps it; see `link::setup_shm` for the exchange,
 //! which runs over the authenticated TCP link (so only a peer that proved
-//! the job secret learns the name).
+//! the job secret learns the name). A process killed between creating and
+//! unlinking (SIGKILL, or a signal with no handler) leaves its file behind;
+//! [`sweep_stale`] removes such files once their creator is gone.
 //!
 //! Layout (every counter on its own 64-byte line, to avoid false sharing):
 //!
@@ -240,6 +243,80 @@ impl Drop for ShmSegment {
             libc::munmap(self.ptr.cast(), self.len);
         }
     }
+}
+
+/// Every ring file name starts with this.
+pub(crate) const FILE_PREFIX: &str = "chorus-";
+
+/// The name of the ring file `me` creates for data from `peer`:
+/// `chorus-<16 hex tag>-<creator pid>-<peer>-<me>`.
+pub(crate) fn ring_file_name(tag: &str, pid: u32, peer: usize, me: usize) -> String {
+    format!("{FILE_PREFIX}{tag}-{pid}-{peer}-{me}")
+}
+
+/// The creator pid of a ring file named by [`ring_file_name`] (with a
+/// 16-hex-digit tag), or `None` for any other name.
+fn creator_pid(name: &str) -> Option<i32> {
+    let rest = name.strip_prefix(FILE_PREFIX)?;
+    let mut parts = rest.split('-');
+    let (tag, pid, peer, me) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let ok = parts.next().is_none()
+        && tag.len() == 16
+        && tag.bytes().all(|b| b.is_ascii_hexdigit())
+        && digits(pid)
+        && digits(peer)
+        && digits(me);
+    ok.then(|| pid.parse::<i32>().ok())
+        .flatten()
+        .filter(|&p| p > 0)
+}
+
+/// Whether no process with `pid` exists (`kill(pid, 0)` fails with ESRCH).
+/// A process we may not signal (EPERM) counts as alive.
+fn pid_gone(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence and permission; nothing is
+    // delivered.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// Remove the ring files in `dir` left by processes that died before they
+/// could unlink them: regular files named exactly as [`ring_file_name`]
+/// makes them, owned by this user, whose creator pid no longer exists.
+/// Anything else (other names, other owners, live creators) is left alone.
+/// Returns how many files were removed. Errors reading `dir` mean nothing
+/// is swept (the sweep is best effort; a ring never depends on it).
+pub(crate) fn sweep_stale(dir: &Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(creator_pid) else {
+            continue;
+        };
+        let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+            continue;
+        };
+        if !meta.file_type().is_file() || meta.uid() != uid || !pid_gone(pid) {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => {
+                tracing::debug!(file = ?e.path(), pid, "removed a stale shm ring file");
+                removed += 1;
+            }
+            Err(err) => {
+                tracing::debug!(file = ?e.path(), error = %err, "cannot remove a stale shm ring file")
+            }
+        }
+    }
+    removed
 }
 
 fn check_capacity(c: usize) -> std::io::Result<usize> {
@@ -725,6 +802,53 @@ mod tests {
             b.len()
         });
         assert_eq!(got, b"hello");
+    }
+
+    #[test]
+    fn ring_file_names_carry_the_creator_pid() {
+        let tag = "0123456789abcdef";
+        assert_eq!(creator_pid(&ring_file_name(tag, 4242, 1, 0)), Some(4242));
+        for bad in [
+            "chorus-0123456789abcdef-4242-1",
+            "chorus-0123456789abcdef-4242-1-0-9",
+            "chorus-0123456789abcdeg-4242-1-0",
+            "chorus-0123-4242-1-0",
+            "chorus-0123456789abcdef-0-1-0",
+            "chorus-0123456789abcdef-+42-1-0",
+            "chorus-shm-test-4242",
+            "other-0123456789abcdef-4242-1-0",
+        ] {
+            assert_eq!(creator_pid(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn sweep_removes_only_ring_files_of_dead_creators() {
+        let dir = std::env::temp_dir().join(format!("chorus-sweep-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        // A pid that existed and is gone: a child we spawned and reaped.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        assert!(pid_gone(dead as i32));
+        let live = std::process::id();
+        assert!(!pid_gone(live as i32));
+        let tag = "00112233445566ff";
+        let stale = dir.join(ring_file_name(tag, dead, 1, 0));
+        let in_use = dir.join(ring_file_name(tag, live, 1, 0));
+        let foreign = dir.join(format!("chorus-not-a-ring-{dead}"));
+        let subdir = dir.join(ring_file_name(tag, dead, 2, 0));
+        for f in [&stale, &in_use, &foreign] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        std::fs::create_dir(&subdir).unwrap();
+        assert_eq!(sweep_stale(&dir), 1);
+        assert!(!stale.exists());
+        assert!(in_use.exists() && foreign.exists() && subdir.exists());
+        // Idempotent: nothing left to remove.
+        assert_eq!(sweep_stale(&dir), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
