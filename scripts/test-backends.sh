@@ -65,12 +65,16 @@ mpi_suite() {
   timeout 300 mpirun --oversubscribe --allow-run-as-root -n "$n" \
     --mca btl_vader_single_copy_mechanism none --mca mpi_yield_when_idle 1 \
     -x CHORUS_TEST_BACKEND=mpi -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT="$port" "$@" \
-    "$coll" --test-threads 1
+    "$coll" --test-threads 1 ${MPI_FILTER:-}
 }
 for n in ${MPI_RANKS:-2 3}; do
   step "shared suite on mpi, mpirun -n $n"
   mpi_suite "$n" $((29600 + 100 * n))
 done
+# The 4-rank subgroup test alone (MPI_Comm_split into halves and
+# split(ranks)) is short enough for CI's cores.
+step "subgroups on mpi, mpirun -n 4"
+MPI_FILTER=subgroups_reduce_in_children mpi_suite 4 30500
 # Open MPI provides MPI_THREAD_MULTIPLE; force the SERIALIZED path (every MPI
 # call under one lock, completion by MPI_Test polling, MP-6) once.
 step "shared suite on mpi, serialized MPI calls, mpirun -n 3"

@@ -362,7 +362,7 @@ impl Comm {
         if self.capabilities().split == crate::backends::SplitMode::Unsupported {
             return Err(self.not_supported(
                 "split",
-                "its communicators always span the whole launched job; create a new communicator on another backend for subgroups",
+                "it cannot form a child communicator; create a new communicator on another backend for subgroups",
             ));
         }
         if name.is_empty() || name.contains('/') {

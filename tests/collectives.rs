@@ -303,7 +303,7 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
             "mpi" => assert_eq!(
                 caps,
                 chorus::Capabilities {
-                    split: chorus::SplitMode::Unsupported,
+                    split: chorus::SplitMode::Native,
                     elastic: false
                 }
             ),
@@ -352,6 +352,93 @@ fn split_and_reconfigure_follow_capabilities_world_2() {
 #[test]
 fn split_and_reconfigure_follow_capabilities_world_3() {
     split_and_reconfigure_follow_capabilities(3);
+}
+
+/// Subgroups on 4 ranks: halves by colour (keys reversing the order), a
+/// TorchComms-style `split(ranks)` with a non-member, and a split nested
+/// in a child, each checked by an all-reduce of rank-dependent values; then
+/// a reconfigure on a backend that is not elastic is refused on every rank.
+#[test]
+fn subgroups_reduce_in_children_world_4() {
+    run_ranks(4, "subgroups4", move |comm| {
+        let (r, caps) = (comm.rank(), comm.capabilities());
+        if caps.split == chorus::SplitMode::Unsupported {
+            eprintln!("SKIP subgroups: backend {} cannot split", comm.backend());
+            comm.finalize().unwrap();
+            return;
+        }
+        // Halves: {0, 2} and {1, 3}, child ranks in reverse parent order.
+        let half = comm
+            .split_by_color(Some((r % 2) as u32), -(r as i64), "half")
+            .unwrap()
+            .expect("every rank has a colour");
+        assert_eq!(half.size(), 2);
+        assert_eq!(half.rank(), 1 - r / 2, "rank {r}: keys order the child");
+        let s = half
+            .all_reduce(
+                Tensor::from_vec(vec![r as i64 + 1, 10 * r as i64]),
+                ReduceOp::Sum,
+            )
+            .unwrap();
+        let (a, b) = (r % 2, r % 2 + 2);
+        assert_eq!(
+            s.to_vec::<i64>(),
+            vec![(a + b + 2) as i64, 10 * (a + b) as i64],
+            "rank {r}: half all_reduce"
+        );
+        // split(ranks): child rank i is ranks[i]; rank 0 joins none.
+        let ranks = [3, 1, 2];
+        let sub = comm.split(&ranks, "sub").unwrap();
+        match (r, sub) {
+            (0, None) => {}
+            (0, Some(_)) => panic!("rank 0 is not in {ranks:?}"),
+            (_, None) => panic!("rank {r} is in {ranks:?}"),
+            (_, Some(sub)) => {
+                assert_eq!(sub.size(), 3);
+                assert_eq!(ranks[sub.rank()], r);
+                let m = sub
+                    .all_reduce(Tensor::full(r as f64 * 1.5, 5), ReduceOp::Max)
+                    .unwrap();
+                assert_eq!(m.to_vec::<f64>(), vec![4.5; 5], "rank {r}: sub max");
+                let p = sub
+                    .all_reduce(Tensor::full(r as i32, 2), ReduceOp::Product)
+                    .unwrap();
+                assert_eq!(p.to_vec::<i32>(), vec![6; 2], "rank {r}: sub product");
+                // A child splits too: {3, 2} (child ranks 0 and 2).
+                let pair = sub
+                    .split_by_color((sub.rank() != 1).then_some(0), 0, "pair")
+                    .unwrap();
+                if let Some(pair) = pair {
+                    let s = pair
+                        .all_reduce(Tensor::full(r as i64, 1), ReduceOp::Sum)
+                        .unwrap();
+                    assert_eq!(s.to_vec::<i64>(), vec![5], "rank {r}: pair sum");
+                    pair.finalize().unwrap();
+                } else {
+                    assert_eq!(r, 1);
+                }
+                sub.finalize().unwrap();
+            }
+        }
+        half.finalize().unwrap();
+        if !caps.elastic {
+            match comm.reconfigure(chorus::ReconfigureOptions::default()) {
+                Err(chorus::Error::NotSupported {
+                    op: "reconfigure", ..
+                }) => {}
+                other => panic!(
+                    "rank {r}: expected NotSupported, got {:?}",
+                    other.map(|_| ())
+                ),
+            }
+        }
+        // The parent still works after its children ended.
+        let s = comm
+            .all_reduce(Tensor::full(r as i64, 1), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(s.to_vec::<i64>(), vec![6]);
+        comm.finalize().unwrap();
+    });
 }
 
 #[test]

@@ -42,6 +42,14 @@
 //!   completed by `MPI_Test` under the lock, yielding between tests. A
 //!   blocking collective held under a lock could deadlock two communicators
 //!   whose ops ranks run in different orders; polling cannot.
+//! - MP-7: `split` is `MPI_Comm_split` of the parent's communicator, called
+//!   by every parent rank on the parent's worker (a rank that joins no
+//!   child passes `MPI_UNDEFINED`), the child's color and rank being the
+//!   ones Chorus agreed on; the child's communicator then moves to the
+//!   child's own worker thread. MPI has no non-blocking split, so at
+//!   `SERIALIZED` the split blocks under the lock: until every parent rank
+//!   reached it, this process's other `mpi` communicators wait.
+//!   `reconfigure` stays refused with `NotSupported` (MP-1).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -51,12 +59,12 @@ use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
 use mpi::raw::{AsRaw, FromRaw};
 use mpi::request::{Request, Scope};
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use super::vendor::{VendorBackend, VendorComm};
-use super::{BackendInit, OpCtx, OpData};
+use super::vendor::{OpenChild, VendorBackend, VendorComm};
+use super::{BackendInit, OpCtx, OpData, SplitChild};
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
 use crate::tensor::{DType, Tensor};
@@ -245,6 +253,14 @@ pub(crate) struct MpiComm {
     calls: Calls,
 }
 
+/// A split's child communicator on its way from the parent's worker thread
+/// to the child's (MP-7). If it is dropped on the way (the child's worker
+/// could not start), the handle is leaked, never freed.
+struct RawComm(mpi::ffi::MPI_Comm);
+// SAFETY: an MPI handle is valid on every thread of the process; it is
+// used by one thread at a time (the child's worker, VW-1).
+unsafe impl Send for RawComm {}
+
 /// The MPI backend of one communicator on one rank.
 pub(crate) type MpiBackend = VendorBackend<MpiComm>;
 
@@ -386,12 +402,76 @@ fn duplicate(calls: Calls, world: &SimpleCommunicator) -> SimpleCommunicator {
 
 impl VendorComm for MpiComm {
     const NAME: &'static str = "mpi";
-    // MP-1: a communicator spans MPI_COMM_WORLD, so a child of another
-    // size, or a new epoch without the dead rank, cannot be formed.
+    // MP-7: a split is MPI_Comm_split of the parent. MP-1: a new epoch
+    // without a dead rank cannot be formed (MPI's world is fixed).
     const CAPABILITIES: super::Capabilities = super::Capabilities {
-        split: super::SplitMode::Unsupported,
+        split: super::SplitMode::Native,
         elastic: false,
     };
+
+    fn split(&mut self, child: Option<SplitChild>) -> Result<Option<OpenChild<Self>>> {
+        let me = self.rank;
+        let fail = |what: String| Error::Internal(format!("mpi split (parent rank {me}): {what}"));
+        let Some(comm) = &self.comm else {
+            return Err(fail("the parent communicator is closed".into()));
+        };
+        let (color, key) = match &child {
+            Some(c) => (
+                Color::with_value(
+                    i32::try_from(c.color)
+                        .map_err(|_| fail(format!("color {} too large", c.color)))?,
+                ),
+                i32::try_from(c.init.rank).map_err(|_| fail("child rank too large".into()))?,
+            ),
+            // MPI_Comm_split is collective over the parent: non-members take
+            // part with MPI_UNDEFINED.
+            None => (Color::undefined(), 0),
+        };
+        let _in_flight = self.calls.begin(|| format!("split of parent rank {me}"))?;
+        // MPI has no non-blocking split: at SERIALIZED it is called under
+        // the lock (MP-7).
+        let new = if self.calls.serialize {
+            let _g = lock();
+            comm.split_by_color_with_key(color, key)
+        } else {
+            comm.split_by_color_with_key(color, key)
+        };
+        let (new, child) = match (new, child) {
+            (None, None) => return Ok(None),
+            (Some(new), Some(child)) => (new, child),
+            (Some(new), None) => {
+                std::mem::forget(new);
+                return Err(fail("MPI gave a child to a rank without a color".into()));
+            }
+            (None, Some(_)) => return Err(fail("MPI gave a member no child".into())),
+        };
+        let (rank, size) = {
+            let _g = lock();
+            (new.rank() as usize, new.size() as usize)
+        };
+        if (rank, size) != (child.init.rank, child.init.size) {
+            // Peers may already use it: leak rather than free.
+            std::mem::forget(new);
+            return Err(fail(format!(
+                "MPI made this rank {rank} of {size} in child {:?}, Chorus expected {} of {}",
+                child.init.comm, child.init.rank, child.init.size
+            )));
+        }
+        let raw = RawComm(new.as_raw());
+        // The handle moves to the child's worker, which frees it (VW-1).
+        std::mem::forget(new);
+        let calls = self.calls;
+        Ok(Some(Box::new(move || {
+            let raw = raw;
+            Ok(MpiComm {
+                // SAFETY: `raw` is the live intra-communicator MPI_Comm_split
+                // returned; nothing else owns it.
+                comm: Some(unsafe { SimpleCommunicator::from_raw(raw.0) }),
+                rank,
+                calls,
+            })
+        })))
+    }
 
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         let Some(comm) = &self.comm else {

@@ -42,7 +42,7 @@ use async_trait::async_trait;
 use tokio::sync::oneshot;
 
 use super::cpu::CpuBackend;
-use super::{Backend, BackendInit, OpCtx, OpData};
+use super::{Backend, BackendInit, OpCtx, OpData, SplitArgs};
 use crate::error::{Error, Result};
 
 static LIVE_WORKERS: AtomicUsize = AtomicUsize::new(0);
@@ -67,12 +67,42 @@ pub(crate) trait VendorComm: 'static {
     /// Release the communicator at the end of the worker. `aborted`: the
     /// backend was aborted or failed, so peers may still be using theirs.
     fn close(self, aborted: bool);
+
+    /// Split this communicator with the library's own call (BE-4), on its
+    /// worker thread; called on every parent rank, `child` `None` on a rank
+    /// that joins no child. Returns, on a member, how to open the child's
+    /// communicator on the child's own worker thread (VW-1). Only called
+    /// when [`VendorComm::CAPABILITIES`] says [`super::SplitMode::Native`].
+    ///
+    /// # Errors
+    /// What the library reports; fatal for the parent.
+    fn split(&mut self, child: Option<super::SplitChild>) -> Result<Option<OpenChild<Self>>>
+    where
+        Self: Sized,
+    {
+        let _ = child;
+        Err(Error::Internal(format!(
+            "backend {} has no native split",
+            Self::NAME
+        )))
+    }
 }
+
+/// Opens a split's child communicator on the child's worker thread.
+pub(crate) type OpenChild<C> = Box<dyn FnOnce() -> Result<C> + Send>;
+
+/// A call run on the worker's communicator, given as `&mut dyn Any`.
+type WorkerCall = Box<dyn FnOnce(&mut dyn std::any::Any) + Send>;
 
 /// A request to the worker thread.
 enum Job {
     Op(Box<OpJob>),
-    Close { aborted: bool },
+    /// Run a call on the worker's communicator (a split), which downcasts
+    /// it to its `VendorComm` and answers on its own channel.
+    Call(WorkerCall),
+    Close {
+        aborted: bool,
+    },
 }
 
 /// One op for the worker: the data moves in and comes back in the reply.
@@ -214,6 +244,12 @@ impl Drop for Worker {
 fn serve<C: VendorComm>(mut comm: C, rx: &mpsc::Receiver<Job>, busy: &AtomicBool) {
     let aborted = loop {
         match rx.recv() {
+            Ok(Job::Call(call)) => {
+                // A panic drops the call's reply channel: the caller sees the
+                // worker gone (VW-4).
+                let _ = std::panic::catch_unwind(AssertUnwindSafe(|| call(&mut comm)));
+                busy.store(false, Ordering::Release);
+            }
             Ok(Job::Op(job)) => {
                 let OpJob {
                     ctx,
@@ -423,6 +459,78 @@ impl<C: VendorComm> Backend for VendorBackend<C> {
     async fn finalize(&mut self) {
         self.ctrl.finalize().await;
         self.worker.stop(self.stopped.is_some()).await;
+    }
+
+    /// The library's split on the worker ([`VendorComm::split`]), bounded
+    /// by `args.timeout`; a member then starts the child's own worker and
+    /// control mesh. Any failure stops this backend (VW-3): a split is
+    /// collective over the parent, so a rank that failed it cannot go on.
+    async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
+        self.check_running()?;
+        let r = self.split_on_worker(&args).await;
+        let open = match r {
+            Ok(open) => open,
+            Err(e) => {
+                self.stopped = Some(e.clone());
+                return Err(e);
+            }
+        };
+        match (open, args.child) {
+            (Some(open), Some(child)) => {
+                let backend = VendorBackend::<C>::connect(child.init, open).await?;
+                Ok(Some(Box::new(backend)))
+            }
+            (None, None) => Ok(None),
+            _ => Err(self.split_error(
+                "the library's split disagreed with Chorus on whether this rank joins a child",
+            )),
+        }
+    }
+}
+
+impl<C: VendorComm> VendorBackend<C> {
+    fn split_error(&self, what: impl std::fmt::Display) -> Error {
+        Error::Internal(format!(
+            "{} split of communicator {:?} (rank {}, epoch {}): {what}",
+            C::NAME,
+            self.comm,
+            self.rank,
+            self.epoch
+        ))
+    }
+
+    /// Send the split to the worker and wait for its answer, at most
+    /// `args.timeout` (a library call in flight is then left to the worker,
+    /// VW-2).
+    async fn split_on_worker(&mut self, args: &SplitArgs) -> Result<Option<OpenChild<C>>> {
+        let Some(tx) = &self.worker.tx else {
+            return Err(self.split_error("the worker thread was stopped"));
+        };
+        let (reply, answer) = oneshot::channel();
+        let child = args.child.clone();
+        let call = move |comm: &mut dyn std::any::Any| {
+            let r = match comm.downcast_mut::<C>() {
+                Some(c) => c.split(child),
+                None => Err(Error::Internal(format!(
+                    "the {} worker holds another kind of communicator",
+                    C::NAME
+                ))),
+            };
+            let _ = reply.send(r);
+        };
+        self.worker.busy.store(true, Ordering::Release);
+        if tx.send(Job::Call(Box::new(call))).is_err() {
+            self.worker.busy.store(false, Ordering::Release);
+            return Err(self.split_error("the worker thread has ended"));
+        }
+        match tokio::time::timeout(args.timeout, answer).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(self.split_error("the worker thread ended during the split")),
+            Err(_) => Err(self.split_error(format!(
+                "not every parent rank reached the split within {:?}",
+                args.timeout
+            ))),
+        }
     }
 }
 

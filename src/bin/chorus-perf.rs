@@ -400,9 +400,15 @@ fn run_rank(args: &Args) -> Result<(), String> {
         return Err(format!("{} needs at least 2 ranks", args.op.name()));
     }
     let all_ok = match &rt {
-        // The blocking forms never wait inside this executor: each op
-        // returns before its future is first polled to completion.
-        None => futures::executor::block_on(sweep(args.clone(), comm.clone())),
+        // The blocking forms wait on this (plain, non-worker) thread: a
+        // multi-thread runtime lets them (a current-thread one would make
+        // them fail `WouldBlock`); its one worker stays idle.
+        None => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| format!("tokio runtime: {e}"))?
+            .block_on(sweep(args.clone(), comm.clone())),
         Some(rt) => {
             let task = rt.spawn(sweep(args.clone(), comm.clone()));
             rt.block_on(task)
