@@ -281,12 +281,4 @@ mod tests {
         c.complete(Ok(Completion::Unit));
         assert!(w.wait_timeout(Duration::from_secs(5)).unwrap().is_ok());
     }
-
-    #[test]
-    fn await_in_any_executor_sees_the_completion() {
-        let (w, c) = Work::new(to_unit);
-        let h = std::thread::spawn(move || futures::executor::block_on(w));
-        c.complete(Ok(Completion::Unit));
-        assert!(h.join().unwrap().is_ok());
-    }
 }
