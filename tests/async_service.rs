@@ -384,23 +384,3 @@ async fn bootstrap_wait_never_blocks_a_multi_thread_worker() {
     late_peer_keeps_ticker_running(false).await;
     late_peer_keeps_ticker_running(true).await;
 }
-
-/// A `Work` is a plain `Future`: awaited on an executor that is not tokio
-/// (futures' own, on a plain thread), it still sees its completion.
-#[test]
-fn work_awaited_on_a_non_tokio_executor_completes() {
-    let comm = chorus::new_comm(
-        "cpu",
-        Device::Cpu,
-        "foreign-executor",
-        CommOptions::single(),
-    )
-    .expect("a world of one");
-    let work = comm.all_reduce_async(Tensor::from_vec(vec![2.0f32, 3.0]), ReduceOp::Sum);
-    let got = std::thread::spawn(move || futures::executor::block_on(work))
-        .join()
-        .expect("the executor thread")
-        .expect("the all_reduce");
-    assert_eq!(got.to_vec::<f32>(), vec![2.0, 3.0]);
-    comm.finalize().expect("finalize");
-}
