@@ -293,6 +293,20 @@ fn rooted_and_gathering_ops(n: usize) {
     });
 }
 
+/// On a backend that is not elastic, `reconfigure` is refused with
+/// `NotSupported` (and consumes nothing).
+fn assert_reconfigure_refused(comm: &chorus::Comm, r: usize) {
+    match comm.reconfigure(chorus::ReconfigureOptions::default()) {
+        Err(chorus::Error::NotSupported {
+            op: "reconfigure", ..
+        }) => {}
+        other => panic!(
+            "rank {r}: expected NotSupported, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+}
+
 /// A split and a reconfigure do what the backend's capabilities say: they
 /// work, or every rank gets `NotSupported` at once and the communicator
 /// stays usable.
@@ -326,15 +340,7 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
             half.finalize().unwrap();
         }
         if !caps.elastic {
-            match comm.reconfigure(chorus::ReconfigureOptions::default()) {
-                Err(chorus::Error::NotSupported {
-                    op: "reconfigure", ..
-                }) => {}
-                other => panic!(
-                    "rank {r}: expected NotSupported, got {:?}",
-                    other.map(|_| ())
-                ),
-            }
+            assert_reconfigure_refused(&comm, r);
         }
         // Refusals consumed nothing: the parent still works, in step.
         let s = comm
@@ -422,15 +428,7 @@ fn subgroups_reduce_in_children_world_4() {
         }
         half.finalize().unwrap();
         if !caps.elastic {
-            match comm.reconfigure(chorus::ReconfigureOptions::default()) {
-                Err(chorus::Error::NotSupported {
-                    op: "reconfigure", ..
-                }) => {}
-                other => panic!(
-                    "rank {r}: expected NotSupported, got {:?}",
-                    other.map(|_| ())
-                ),
-            }
+            assert_reconfigure_refused(&comm, r);
         }
         // The parent still works after its children ended.
         let s = comm

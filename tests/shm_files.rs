@@ -64,19 +64,10 @@ fn spawn_job(n: usize) -> Job {
 
 /// Ring files in `/dev/shm` created by any of `pids`.
 fn ring_files_of(pids: &[u32]) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(SHM_DIR) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|name| {
-            // chorus-<tag>-<pid>-<peer>-<me>
-            let parts: Vec<&str> = name.split('-').collect();
-            parts.len() == 5
-                && parts[0] == "chorus"
-                && parts[2].parse::<u32>().is_ok_and(|p| pids.contains(&p))
-        })
+    all_ring_files()
+        .into_iter()
+        .filter(|(_, pid)| pids.contains(pid))
+        .map(|(name, _)| name)
         .collect()
 }
 
@@ -165,7 +156,8 @@ fn ring_files_of_killed_jobs_are_removed_by_the_next_job() {
     assert!(start.elapsed() < DEADLINE);
 }
 
-/// All ring files in `/dev/shm`, with their creator pids.
+/// All ring files in `/dev/shm` (`chorus-<tag>-<pid>-<peer>-<me>`), with
+/// their creator pids.
 fn all_ring_files() -> Vec<(String, u32)> {
     let Ok(entries) = std::fs::read_dir(SHM_DIR) else {
         return Vec::new();
