@@ -1,0 +1,499 @@
+//! Frames on an established data link: the fixed header, the Abort payload,
+//! and the two halves of a link ([`LinkWriter`], [`LinkReader`]).
+//!
+//! Every message on a link is a [`FRAME_HEADER_LEN`]-byte header followed by
+//! `len` payload bytes. The header is a fixed little-endian layout rather
+//! than an rkyv archive: it is read on every chunk of every op, before the
+//! payload, and its size must be known before anything is buffered.
+//!
+//! | bytes  | field |
+//! |--------|-------|
+//! | 0      | kind: 1 = Header, 2 = Data, 3 = Abort |
+//! | 1      | class: 1 = Collective, 2 = P2P |
+//! | 2..8   | zero padding |
+//! | 8..16  | epoch `u64` |
+//! | 16..24 | seq `u64` |
+//! | 24..32 | len `u64` |
+//!
+//! An Abort payload is `count u32`, `count` failed ranks as `u32`, then the
+//! UTF-8 reason.
+//!
+//! # Invariants
+//! - LK-3: a frame's kind, class, epoch, seq and length are checked against
+//!   what the reader expects *before* any payload is buffered; Header frames
+//!   are at most [`MAX_HEADER_FRAME`] bytes, Abort frames at most
+//!   [`MAX_ABORT_FRAME`]. Anything unexpected is a `Mismatch`, never a panic.
+//! - LK-4: a writer knows whether it stopped in the middle of a frame
+//!   ([`LinkWriter::mid_frame`]); an Abort frame is only written on a link
+//!   that is at a frame boundary, so it is never read as payload.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+
+use crate::backends::OpCtx;
+use crate::error::{Error, Result};
+use crate::op::ReduceOp;
+use crate::tensor::DType;
+
+/// Size of a frame header in bytes.
+pub(crate) const FRAME_HEADER_LEN: usize = 32;
+/// Largest Header frame payload accepted ([LK-3](self#invariants)).
+pub(crate) const MAX_HEADER_FRAME: u64 = 16 << 20;
+/// Largest Abort frame payload accepted ([LK-3](self#invariants)).
+pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
+/// Payloads up to this size are written together with their header.
+const COALESCE_LIMIT: usize = 16 << 10;
+
+/// What a frame carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FrameKind {
+    /// An op header (consistency check).
+    Header = 1,
+    /// Payload of a transfer.
+    Data = 2,
+    /// The sender is aborting; payload = failed ranks and reason.
+    Abort = 3,
+}
+
+impl FrameKind {
+    fn from_code(c: u8) -> Option<FrameKind> {
+        match c {
+            1 => Some(FrameKind::Header),
+            2 => Some(FrameKind::Data),
+            3 => Some(FrameKind::Abort),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            FrameKind::Header => "header",
+            FrameKind::Data => "data",
+            FrameKind::Abort => "abort",
+        }
+    }
+}
+
+/// Which sequence space a frame belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FrameClass {
+    /// Collective ops (seq = collective counter).
+    Collective = 1,
+    /// Point-to-point (seq = per-peer counter).
+    P2P = 2,
+}
+
+impl FrameClass {
+    fn name(c: u8) -> &'static str {
+        match c {
+            1 => "collective",
+            2 => "p2p",
+            _ => "<invalid class>",
+        }
+    }
+}
+
+fn encode_frame_header(
+    kind: FrameKind,
+    class: FrameClass,
+    epoch: u64,
+    seq: u64,
+    len: u64,
+) -> [u8; FRAME_HEADER_LEN] {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    h[0] = kind as u8;
+    h[1] = class as u8;
+    h[8..16].copy_from_slice(&epoch.to_le_bytes());
+    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    h[24..32].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[..4]);
+    u32::from_le_bytes(a)
+}
+
+/// Encode an Abort payload: failed ranks and reason (truncated to fit).
+pub(crate) fn encode_abort(reason: &str, failed: &[usize]) -> Vec<u8> {
+    let max_ranks = 1024;
+    let ranks: Vec<u32> = failed
+        .iter()
+        .take(max_ranks)
+        .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
+        .collect();
+    let mut out = Vec::with_capacity(4 + 4 * ranks.len() + reason.len().min(4096));
+    out.extend_from_slice(&(ranks.len() as u32).to_le_bytes());
+    for r in &ranks {
+        out.extend_from_slice(&r.to_le_bytes());
+    }
+    let mut end = reason.len().min(4096);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&reason.as_bytes()[..end]);
+    out
+}
+
+/// Decode an Abort payload leniently: `(failed ranks, reason)`.
+fn decode_abort(payload: &[u8]) -> (Vec<usize>, String) {
+    if payload.len() < 4 {
+        return (Vec::new(), "<malformed abort frame>".into());
+    }
+    let n = le_u32(payload) as usize;
+    let Some(rest) = payload.get(4..).filter(|r| r.len() >= n.saturating_mul(4)) else {
+        return (Vec::new(), "<malformed abort frame>".into());
+    };
+    let failed = rest[..4 * n]
+        .chunks_exact(4)
+        .map(|c| le_u32(c) as usize)
+        .collect();
+    let reason = String::from_utf8_lossy(&rest[4 * n..]).into_owned();
+    (failed, reason)
+}
+
+/// The sending half of a link.
+#[derive(Debug)]
+pub(crate) struct LinkWriter {
+    peer: usize,
+    epoch: u64,
+    half: OwnedWriteHalf,
+    /// Set while a frame is partly written; still set if that write was
+    /// cancelled, in which case the link cannot carry another frame ([LK-4](self#invariants)).
+    mid_frame: bool,
+}
+
+impl LinkWriter {
+    /// The rank at the other end.
+    pub(crate) fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Whether a frame was left half-written ([LK-4](self#invariants)).
+    pub(crate) fn mid_frame(&self) -> bool {
+        self.mid_frame
+    }
+
+    /// Write one frame. Not cancel safe: a cancelled write leaves
+    /// `mid_frame` set.
+    pub(crate) async fn write_frame(
+        &mut self,
+        kind: FrameKind,
+        class: FrameClass,
+        seq: u64,
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64);
+        self.mid_frame = true;
+        if payload.len() <= COALESCE_LIMIT {
+            let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+            buf.extend_from_slice(&hdr);
+            buf.extend_from_slice(payload);
+            self.half.write_all(&buf).await?;
+        } else {
+            self.half.write_all(&hdr).await?;
+            self.half.write_all(payload).await?;
+        }
+        self.mid_frame = false;
+        Ok(())
+    }
+
+    /// Write a frame, mapping failures to `PeerFailed` for `ctx`.
+    pub(crate) async fn send(
+        &mut self,
+        ctx: &OpCtx,
+        kind: FrameKind,
+        class: FrameClass,
+        seq: u64,
+        payload: &[u8],
+    ) -> Result<()> {
+        let peer = self.peer;
+        tracing::trace!(
+            peer,
+            kind = kind.name(),
+            seq,
+            bytes = payload.len(),
+            "send frame"
+        );
+        self.write_frame(kind, class, seq, payload)
+            .await
+            .map_err(|e| {
+                ctx.peer_failed(
+                    vec![peer],
+                    format!("sending a {} frame to rank {peer} failed: {e}", kind.name()),
+                )
+            })
+    }
+
+    /// Shut down the sending direction (best effort).
+    pub(crate) async fn shutdown(&mut self) {
+        let _ = self.half.shutdown().await;
+    }
+}
+
+/// Where a received payload goes.
+pub(crate) enum RecvInto<'a> {
+    /// Exactly this many bytes, into this slice.
+    Exact(&'a mut [u8]),
+    /// Any length up to the bound, into this vector (replacing its contents).
+    Bounded(&'a mut Vec<u8>, u64),
+    /// Exactly this many bytes, combined into this slice with `op`
+    /// (elements of `dtype`; used by shared-memory links to reduce straight
+    /// out of the ring).
+    Reduce(&'a mut [u8], DType, ReduceOp),
+}
+
+impl RecvInto<'_> {
+    /// Whether a payload of `len` bytes fits this target (`Err` says why not).
+    pub(crate) fn accepts(&self, len: u64) -> std::result::Result<(), String> {
+        match self {
+            RecvInto::Exact(b) | RecvInto::Reduce(b, ..) if len != b.len() as u64 => Err(format!(
+                "sent {len} bytes but this rank expects {}",
+                b.len()
+            )),
+            RecvInto::Bounded(_, max) if len > *max => {
+                Err(format!("sent a {len}-byte frame (limit {max})"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Whether the peer's end of a link is still there, without blocking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Liveness {
+    /// Nothing to read and not closed.
+    Quiet,
+    /// Bytes are waiting (on a link used only for control, an Abort frame).
+    Readable,
+    /// The peer closed the connection or its process died.
+    Closed,
+}
+
+/// The receiving half of a link.
+#[derive(Debug)]
+pub(crate) struct LinkReader {
+    peer: usize,
+    epoch: u64,
+    half: BufReader<OwnedReadHalf>,
+}
+
+impl LinkReader {
+    fn io_error(&self, ctx: &OpCtx, e: std::io::Error) -> Error {
+        let peer = self.peer;
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            ctx.peer_failed(
+                vec![peer],
+                format!("rank {peer} closed its link (process exited or aborted)"),
+            )
+        } else {
+            ctx.peer_failed(
+                vec![peer],
+                format!("receiving from rank {peer} failed: {e}"),
+            )
+        }
+    }
+
+    /// Read one frame of `kind`/`class`/`seq` into `into`. An Abort frame from
+    /// the peer becomes `PeerFailed` with the peer's failed ranks (or the peer
+    /// itself) and reason; anything else unexpected is a `Mismatch` ([LK-3](self#invariants)).
+    pub(crate) async fn recv(
+        &mut self,
+        ctx: &OpCtx,
+        kind: FrameKind,
+        class: FrameClass,
+        seq: u64,
+        into: RecvInto<'_>,
+    ) -> Result<()> {
+        let peer = self.peer;
+        let mut hdr = [0u8; FRAME_HEADER_LEN];
+        self.half
+            .read_exact(&mut hdr)
+            .await
+            .map_err(|e| self.io_error(ctx, e))?;
+        let got_epoch = le_u64(&hdr[8..16]);
+        let got_seq = le_u64(&hdr[16..24]);
+        let len = le_u64(&hdr[24..32]);
+        let got_kind = FrameKind::from_code(hdr[0]);
+        if got_kind == Some(FrameKind::Abort) {
+            if len > MAX_ABORT_FRAME {
+                return Err(ctx.mismatch(format!(
+                    "rank {peer} sent an abort frame of {len} bytes (limit {MAX_ABORT_FRAME})"
+                )));
+            }
+            let mut payload = vec![0u8; len as usize];
+            self.half
+                .read_exact(&mut payload)
+                .await
+                .map_err(|e| self.io_error(ctx, e))?;
+            let (mut failed, reason) = decode_abort(&payload);
+            if failed.is_empty() {
+                failed.push(peer);
+            }
+            return Err(ctx.peer_failed(failed, format!("rank {peer} aborted: {reason}")));
+        }
+        let expect = format!(
+            "expected a {} {} frame (epoch {}, seq {seq})",
+            FrameClass::name(class as u8),
+            kind.name(),
+            self.epoch
+        );
+        if got_kind != Some(kind)
+            || hdr[1] != class as u8
+            || hdr[2..8] != [0u8; 6]
+            || got_epoch != self.epoch
+            || got_seq != seq
+        {
+            return Err(ctx.mismatch(format!(
+                "rank {peer} is out of step: {expect} but got a {} {} frame (epoch {got_epoch}, seq {got_seq}, {len} bytes)",
+                FrameClass::name(hdr[1]),
+                got_kind.map(FrameKind::name).unwrap_or("<invalid kind>"),
+            )));
+        }
+        match into {
+            RecvInto::Exact(buf) => {
+                if len != buf.len() as u64 {
+                    return Err(ctx.mismatch(format!(
+                        "rank {peer} sent {len} bytes but this rank expects {} ({expect})",
+                        buf.len()
+                    )));
+                }
+                self.half
+                    .read_exact(buf)
+                    .await
+                    .map_err(|e| self.io_error(ctx, e))?;
+            }
+            RecvInto::Reduce(buf, dtype, op) => {
+                if len != buf.len() as u64 {
+                    return Err(ctx.mismatch(format!(
+                        "rank {peer} sent {len} bytes but this rank expects {} ({expect})",
+                        buf.len()
+                    )));
+                }
+                let mut tmp = vec![0u8; buf.len()];
+                self.half
+                    .read_exact(&mut tmp)
+                    .await
+                    .map_err(|e| self.io_error(ctx, e))?;
+                crate::kernels::reduce_into(dtype, op, buf, &tmp)?;
+            }
+            RecvInto::Bounded(buf, max) => {
+                if len > max {
+                    return Err(ctx.mismatch(format!(
+                        "rank {peer} sent a {len}-byte {} frame (limit {max})",
+                        kind.name()
+                    )));
+                }
+                buf.clear();
+                buf.resize(len as usize, 0);
+                self.half
+                    .read_exact(buf)
+                    .await
+                    .map_err(|e| self.io_error(ctx, e))?;
+            }
+        }
+        tracing::trace!(peer, kind = kind.name(), seq, bytes = len, "received frame");
+        Ok(())
+    }
+}
+
+impl LinkReader {
+    /// Peek at the socket without blocking: closed, readable, or quiet.
+    pub(crate) fn liveness(&self) -> Liveness {
+        use std::os::fd::AsRawFd;
+        if !self.half.buffer().is_empty() {
+            return Liveness::Readable;
+        }
+        let fd = self.half.get_ref().as_ref().as_raw_fd();
+        let mut b = [0u8; 1];
+        // SAFETY: `fd` is the live socket owned by this reader; the 1-byte
+        // buffer is valid for writes; MSG_PEEK leaves the data in the socket.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => Liveness::Closed,
+            n if n > 0 => Liveness::Readable,
+            _ => match std::io::Error::last_os_error().kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Liveness::Quiet,
+                _ => Liveness::Closed,
+            },
+        }
+    }
+
+    /// Read and discard whatever the peer still sends, until it closes or
+    /// `linger` passes, then drop the link. Used after an abort: a peer
+    /// blocked writing to us is released, and our Abort frame is not lost
+    /// to a reset caused by closing a socket with unread data.
+    pub(crate) async fn drain(mut self, linger: Duration) {
+        let mut buf = vec![0u8; 64 << 10];
+        let _ = tokio::time::timeout(linger, async {
+            while let Ok(n) = self.half.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// Split a connected, authenticated stream into the two halves of a link.
+pub(crate) fn split_link(peer: usize, epoch: u64, stream: TcpStream) -> (LinkReader, LinkWriter) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(peer, error = %e, "could not set TCP_NODELAY");
+    }
+    let (r, w) = stream.into_split();
+    (
+        LinkReader {
+            peer,
+            epoch,
+            half: BufReader::with_capacity(64 << 10, r),
+        },
+        LinkWriter {
+            peer,
+            epoch,
+            half: w,
+            mid_frame: false,
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abort_payload_round_trips_and_tolerates_garbage() {
+        let p = encode_abort("boom", &[3, 1]);
+        assert_eq!(decode_abort(&p), (vec![3, 1], "boom".to_string()));
+        assert_eq!(decode_abort(&[1, 2]).0, Vec::<usize>::new());
+        assert_eq!(decode_abort(&[9, 0, 0, 0, 1]).0, Vec::<usize>::new());
+    }
+
+    #[test]
+    fn frame_header_layout_is_little_endian() {
+        let h = encode_frame_header(FrameKind::Data, FrameClass::P2P, 7, 9, 300);
+        assert_eq!(h[0], 2);
+        assert_eq!(h[1], 2);
+        assert_eq!(&h[2..8], &[0u8; 6]);
+        assert_eq!(le_u64(&h[8..]), 7);
+        assert_eq!(le_u64(&h[16..]), 9);
+        assert_eq!(le_u64(&h[24..]), 300);
+    }
+}

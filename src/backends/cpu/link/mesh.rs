@@ -1,0 +1,390 @@
+//! Setting up a communicator's data links: the full TCP mesh and, for
+//! same-host pairs, the shared-memory rings.
+//!
+//! Every rank binds a listener on `(bind_ip, 0)` and publishes its address in
+//! the store under `{key_prefix}/cpu/addr/{rank}`, and its host id under
+//! `{key_prefix}/cpu/host/{rank}`. Rank `r` connects to every rank below it
+//! and accepts from every rank above it; each connection is authenticated by
+//! the [handshake](super::handshake) before it carries frames. Once the mesh
+//! is up, same-host pairs set up shared-memory rings over their link
+//! ([`setup_shm`]).
+//!
+//! # Invariants
+//! - LK-1: a connection is used for frames only after its handshake
+//!   verified; a connection with a bad handshake is closed and accepting
+//!   continues, so a stranger cannot break setup.
+//! - LK-2: setup finishes within `connect_timeout` (plus a short grace), with
+//!   `PeerFailed` naming the ranks that never connected when it does not.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use ring::rand::{SecureRandom, SystemRandom};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use super::frame::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto};
+use super::handshake::{self, Auth};
+use crate::backends::cpu::shm::{self, RingConsumer, RingProducer, ShmSegment};
+use crate::backends::{BackendInit, OpCtx};
+use crate::error::{Error, Result};
+use crate::transport::TransportError;
+
+/// Extra time given to the store's own timeout before setup reports missing ranks.
+const SETUP_GRACE: Duration = Duration::from_millis(250);
+/// How long an accepted connection may take to finish its handshake; a
+/// silent stranger is dropped after this instead of lingering until setup ends.
+const HANDSHAKE_BOUND: Duration = Duration::from_secs(5);
+/// Pause between connection attempts to a published address.
+const CONNECT_RETRY: Duration = Duration::from_millis(50);
+
+/// The store key under which `rank` publishes its listener address.
+pub(crate) fn addr_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/cpu/addr/{rank}")
+}
+
+/// The store key under which `rank` publishes its host id (see [`host_id`]).
+pub(crate) fn host_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/cpu/host/{rank}")
+}
+
+/// This host's identity for choosing shared-memory links: `/etc/machine-id`
+/// and the kernel boot id (equal for two processes that can share
+/// `/dev/shm`). Empty, meaning "never use shared memory", when either is
+/// unreadable, when `/dev/shm` is missing, or when `CHORUS_SHM=0`.
+pub(crate) fn host_id() -> String {
+    if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") || !Path::new(SHM_DIR).is_dir() {
+        return String::new();
+    }
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
+    match (
+        read("/etc/machine-id"),
+        read("/proc/sys/kernel/random/boot_id"),
+    ) {
+        (Ok(m), Ok(b)) if !m.is_empty() && !b.is_empty() => format!("{m}/{b}"),
+        _ => String::new(),
+    }
+}
+
+/// Where ring files are created.
+const SHM_DIR: &str = "/dev/shm";
+/// Sequence number of the frames of the shared-memory setup exchange.
+const SHM_SETUP_SEQ: u64 = u64::MAX - 1;
+
+/// After the mesh is up: for every peer on the same host (equal non-empty
+/// [`host_id`]s), create this rank's incoming ring, exchange ring paths over
+/// the authenticated link, map the peer's ring, and agree (both ends mapped)
+/// before unlinking. Returns one `Some((to_peer, from_peer))` per peer that
+/// uses shared memory; both ends of a pair always decide the same.
+///
+/// # Errors
+/// `PeerFailed` if a link fails during the exchange; `Transport` if the
+/// store does not answer.
+pub(crate) async fn setup_shm(
+    init: &BackendInit,
+    writers: &mut [Option<LinkWriter>],
+    readers: &mut [Option<LinkReader>],
+) -> Result<Vec<Option<(RingProducer, RingConsumer)>>> {
+    let (me, size) = (init.rank, init.size);
+    let mut out: Vec<Option<(RingProducer, RingConsumer)>> = (0..size).map(|_| None).collect();
+    let mine = host_id();
+    if size <= 1 || mine.is_empty() {
+        return Ok(out);
+    }
+    let keys: Vec<String> = (0..size).map(|r| host_key(&init.key_prefix, r)).collect();
+    let hosts = init.store.wait(&keys, init.connect_timeout).await?;
+    let same: Vec<usize> = (0..size)
+        .filter(|&r| r != me && hosts.get(r).is_some_and(|h| h == mine.as_bytes()))
+        .collect();
+    if same.is_empty() {
+        return Ok(out);
+    }
+    // CHORUS_SHM_RING (bytes, a power of two) overrides the ring size for
+    // tuning; both ends size their own incoming ring, so ranks may differ.
+    let capacity = std::env::var("CHORUS_SHM_RING")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|c| c.is_power_of_two() && (4096..=(256 << 20)).contains(c))
+        .unwrap_or(if size <= 8 {
+            shm::RING_CAPACITY
+        } else {
+            shm::RING_CAPACITY / 4
+        });
+    let ctx = OpCtx {
+        comm: init.comm.clone(),
+        rank: me,
+        size,
+        epoch: init.epoch,
+        kind: crate::op::OpKind::Barrier,
+        seq: SHM_SETUP_SEQ,
+        may_block: false,
+    };
+    let mut nonce = [0u8; 8];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| Error::Internal("system random generator failed".into()))?;
+    let tag: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+    let ctx = &ctx;
+    let mut pairs: Vec<(usize, &mut LinkWriter, &mut LinkReader)> = Vec::new();
+    for (peer, (w, r)) in writers.iter_mut().zip(readers.iter_mut()).enumerate() {
+        if let (true, Some(w), Some(r)) = (same.contains(&peer), w.as_mut(), r.as_mut()) {
+            pairs.push((peer, w, r));
+        }
+    }
+    // Files of ranks that were killed before they could unlink theirs.
+    let swept = shm::sweep_stale(Path::new(SHM_DIR));
+    if swept > 0 {
+        tracing::info!(rank = me, files = swept, "removed stale shm ring files");
+    }
+    let results = futures::future::join_all(pairs.into_iter().map(|(peer, w, r)| {
+        let path = Path::new(SHM_DIR).join(shm::ring_file_name(&tag, std::process::id(), peer, me));
+        async move {
+            // Our incoming ring (peer -> me).
+            let mut incoming = match ShmSegment::create(&path, capacity) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::debug!(peer, error = %e, "cannot create a shm ring; using TCP");
+                    None
+                }
+            };
+            let offer = if incoming.is_some() {
+                path.to_string_lossy().into_owned().into_bytes()
+            } else {
+                Vec::new()
+            };
+            let mut theirs = Vec::new();
+            let (sent, got) = futures::future::join(
+                w.send(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    &offer,
+                ),
+                r.recv(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    RecvInto::Bounded(&mut theirs, 4096),
+                ),
+            )
+            .await;
+            sent?;
+            got?;
+            let outgoing = String::from_utf8(theirs)
+                .ok()
+                .filter(|p| {
+                    p.starts_with(&format!("{SHM_DIR}/{}", shm::FILE_PREFIX)) && !p.contains("..")
+                })
+                .and_then(|p| match ShmSegment::open(Path::new(&p)) {
+                    Ok(s) => Some(RingProducer::new(s)),
+                    Err(e) => {
+                        tracing::debug!(peer, error = %e, "cannot map the peer's shm ring");
+                        None
+                    }
+                });
+            // SH-5: before our ok, so the peer can probe us once it has it.
+            if let Some(p) = &outgoing {
+                p.advertise_cma();
+            }
+            let ok = [u8::from(incoming.is_some() && outgoing.is_some())];
+            let mut ack = Vec::new();
+            // The peer's answer means it has mapped our ring (or given up
+            // on it): unlink right then, whatever the answer or error, so
+            // the file exists only for this handshake. Earlier exits drop
+            // `incoming`, which unlinks too.
+            let recv_ack = async {
+                let got = r
+                    .recv(
+                        ctx,
+                        FrameKind::Header,
+                        FrameClass::Collective,
+                        SHM_SETUP_SEQ,
+                        RecvInto::Bounded(&mut ack, 1),
+                    )
+                    .await;
+                if let Some(s) = incoming.as_mut() {
+                    s.unlink();
+                }
+                got
+            };
+            let (sent, got) = futures::future::join(
+                w.send(
+                    ctx,
+                    FrameKind::Header,
+                    FrameClass::Collective,
+                    SHM_SETUP_SEQ,
+                    &ok,
+                ),
+                recv_ack,
+            )
+            .await;
+            sent?;
+            got?;
+            Ok::<_, Error>(match (incoming, outgoing) {
+                (Some(i), Some(o)) if ok[0] == 1 && ack == [1] => {
+                    let rx = RingConsumer::new(i);
+                    let cma = cma_enabled() && rx.probe_cma();
+                    tracing::debug!(peer, cma, "shared-memory link");
+                    Some((peer, o, rx))
+                }
+                _ => None,
+            })
+        }
+    }))
+    .await;
+    for r in results {
+        if let Some((peer, tx, rx)) = r? {
+            out[peer] = Some((tx, rx));
+        }
+    }
+    tracing::debug!(rank = me, peers = ?same, "shared-memory links set up");
+    Ok(out)
+}
+
+/// Whether single-copy transfers may be used (SH-5); `CHORUS_SHM_CMA=0`
+/// turns them off.
+fn cma_enabled() -> bool {
+    std::env::var("CHORUS_SHM_CMA").map_or(true, |v| v != "0")
+}
+
+/// Connect the full mesh for `init`: returns one authenticated stream per
+/// peer (`None` at this rank's own index). See the [invariants](self#invariants).
+pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStream>>> {
+    let (me, size, epoch) = (init.rank, init.size, init.epoch);
+    let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    if size <= 1 {
+        return Ok(streams);
+    }
+    let start = Instant::now();
+    let deadline = start + init.connect_timeout;
+    let auth = Arc::new(Auth::new(&init.secret, &init.key_prefix));
+    let listener = TcpListener::bind((init.bind_ip, 0)).await.map_err(|e| {
+        Error::Transport(TransportError::Io(format!(
+            "binding the data-link listener on {}: {e}",
+            init.bind_ip
+        )))
+    })?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::Transport(TransportError::Io(format!("listener address: {e}"))))?;
+    init.store
+        .set(
+            &addr_key(&init.key_prefix, me),
+            local.to_string().into_bytes(),
+        )
+        .await?;
+    init.store
+        .set(&host_key(&init.key_prefix, me), host_id().into_bytes())
+        .await?;
+    tracing::debug!(comm = %init.comm, rank = me, addr = %local, "data-link listener published");
+
+    // Connector side: one future per lower rank.
+    let mut connects = FuturesUnordered::new();
+    for peer in 0..me {
+        let auth = auth.clone();
+        let store = init.store.clone();
+        let key = addr_key(&init.key_prefix, peer);
+        connects.push(async move {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let vals = store.wait(std::slice::from_ref(&key), remaining).await?;
+            let text = vals
+                .first()
+                .map(|v| String::from_utf8_lossy(v).into_owned());
+            let addr: SocketAddr =
+                text.as_deref()
+                    .and_then(|t| t.parse().ok())
+                    .ok_or_else(|| {
+                        Error::Transport(TransportError::Malformed(format!(
+                            "store key {key} holds {text:?}, not a socket address"
+                        )))
+                    })?;
+            let mut stream = loop {
+                match TcpStream::connect(addr).await {
+                    Ok(s) => break s,
+                    Err(e) => {
+                        tracing::debug!(peer, %addr, error = %e, "connect failed; retrying");
+                        tokio::time::sleep(CONNECT_RETRY).await;
+                    }
+                }
+            };
+            handshake::connect(&auth, me, peer, epoch, &mut stream).await?;
+            Ok::<_, Error>((peer, stream))
+        });
+    }
+
+    // Acceptor side: handshakes in progress with accepted connections.
+    let mut accepting = FuturesUnordered::new();
+    let missing = |streams: &[Option<TcpStream>]| -> Vec<usize> {
+        (0..size)
+            .filter(|&r| r != me && streams[r].is_none())
+            .collect()
+    };
+    let give_up = tokio::time::sleep_until(deadline + SETUP_GRACE);
+    tokio::pin!(give_up);
+    while !missing(&streams).is_empty() {
+        let need_accept = streams[me + 1..].iter().any(Option::is_none);
+        tokio::select! {
+            acc = listener.accept(), if need_accept => match acc {
+                Ok((mut stream, from)) => {
+                    let auth = auth.clone();
+                    accepting.push(async move {
+                        let r = tokio::time::timeout(
+                            HANDSHAKE_BOUND,
+                            handshake::accept(&auth, me, size, epoch, &mut stream),
+                        )
+                        .await
+                        .unwrap_or_else(|_| {
+                            Err(format!("handshake not finished within {HANDSHAKE_BOUND:?}"))
+                        });
+                        (from, stream, r)
+                    });
+                }
+                Err(e) => tracing::debug!(error = %e, "accept failed"),
+            },
+            Some(res) = connects.next(), if !connects.is_empty() => {
+                let (peer, stream) = res?;
+                streams[peer] = Some(stream);
+                tracing::debug!(rank = me, peer, "data link connected");
+            }
+            Some((from, stream, res)) = accepting.next(), if !accepting.is_empty() => {
+                match res {
+                    Ok(peer) if streams[peer].is_none() => {
+                        tracing::debug!(rank = me, peer, "data link accepted");
+                        streams[peer] = Some(stream);
+                    }
+                    Ok(peer) => tracing::warn!(
+                        rank = me, %from, peer,
+                        "second data link claiming an already connected rank refused"
+                    ),
+                    Err(detail) => tracing::warn!(
+                        rank = me, %from, %detail,
+                        "refused a data-link connection with a bad handshake"
+                    ),
+                }
+            }
+            _ = &mut give_up => {
+                let failed = missing(&streams);
+                return Err(Error::PeerFailed {
+                    comm: init.comm.clone(),
+                    rank: me,
+                    epoch,
+                    op: "connect",
+                    detail: format!(
+                        "data links to ranks {failed:?} were not established within {:?}; \
+                         they did not start, died, or use a different job secret",
+                        init.connect_timeout
+                    ),
+                    failed_ranks: failed,
+                });
+            }
+        }
+    }
+    drop(listener);
+    tracing::debug!(rank = me, size, elapsed = ?start.elapsed(), "data-link mesh connected");
+    Ok(streams)
+}

@@ -1,0 +1,22 @@
+//! Data links of the cpu backend: one authenticated TCP connection per pair
+//! of ranks, carrying length-prefixed frames, with shared-memory rings for
+//! same-host pairs.
+//!
+//! | module | owns |
+//! |--------|------|
+//! | [`frame`] | the frame header and Abort payload, and the two halves of an established link |
+//! | [`handshake`] | the three-message proof of the job secret that opens every link |
+//! | [`mesh`] | the setup of a communicator's full mesh and its shared-memory rings |
+//!
+//! Each module lists its own invariants (LK-1 and LK-2 in [`mesh`], LK-3 and
+//! LK-4 in [`frame`], LK-5 and LK-6 in [`handshake`]).
+
+pub(crate) mod frame;
+pub(crate) mod handshake;
+pub(crate) mod mesh;
+
+pub(crate) use frame::{
+    encode_abort, split_link, FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto,
+    MAX_HEADER_FRAME,
+};
+pub(crate) use mesh::{connect_mesh, setup_shm};
