@@ -41,7 +41,8 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::options::{CommOptions, Device};
 use crate::tensor::Tensor;
-use crate::transport::{CompareSet, Store};
+use crate::transport::records::{ranks_in, ranks_out, Record};
+use crate::transport::{CompareSet, Store, TransportError};
 
 /// What split and reconfigure need to build related communicators.
 pub(crate) struct CommCtx {
@@ -126,40 +127,30 @@ struct Closed {
 
 impl Closed {
     fn encode(&self) -> Vec<u8> {
-        let s: Vec<String> = self.survivors.iter().map(|r| r.to_string()).collect();
-        format!(
-            "{}|{}|{}|{}",
-            if self.quorum { "ok" } else { "noquorum" },
-            self.old_size,
-            s.join(","),
-            self.joiners
-        )
-        .into_bytes()
+        Record::Closed {
+            quorum: self.quorum,
+            old_size: self.old_size as u64,
+            survivors: ranks_out(&self.survivors),
+            joiners: self.joiners as u64,
+        }
+        .encode()
     }
 
     fn parse(raw: &[u8]) -> Option<Closed> {
-        let s = std::str::from_utf8(raw).ok()?;
-        let mut it = s.split('|');
-        let quorum = match it.next()? {
-            "ok" => true,
-            "noquorum" => false,
-            _ => return None,
-        };
-        let old_size = it.next()?.parse().ok()?;
-        let sv = it.next()?;
-        let survivors = if sv.is_empty() {
-            vec![]
-        } else {
-            sv.split(',')
-                .map(|r| r.parse().ok())
-                .collect::<Option<Vec<usize>>>()?
-        };
-        let joiners = it.next()?.parse().ok()?;
-        Some(Closed {
+        let Record::Closed {
             quorum,
             old_size,
             survivors,
             joiners,
+        } = Record::decode(raw)?
+        else {
+            return None;
+        };
+        Some(Closed {
+            quorum,
+            old_size: usize::try_from(old_size).ok()?,
+            survivors: ranks_in(&survivors)?,
+            joiners: usize::try_from(joiners).ok()?,
         })
     }
 
@@ -183,7 +174,11 @@ fn transport(e: crate::transport::TransportError) -> Error {
 /// Record where the newest epoch of a top-level communicator lives, for joiners.
 pub(crate) async fn publish_latest(comm: &Comm) {
     let ctx = &comm.shared.ctx;
-    let value = format!("{} {}", ctx.base, comm.epoch()).into_bytes();
+    let value = Record::Latest {
+        base: ctx.base.clone(),
+        epoch: comm.epoch(),
+    }
+    .encode();
     let Ok(job) = crate::bootstrap::job_id(&ctx.secret) else {
         return;
     };
@@ -861,11 +856,11 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         tried = Some(latest.clone());
-        let text = String::from_utf8_lossy(&latest).to_string();
-        let (base, epoch) = text
-            .rsplit_once(' ')
-            .and_then(|(b, e)| Some((b.to_string(), e.parse::<u64>().ok()?)))
-            .ok_or_else(|| Error::Internal(format!("malformed latest-epoch record {text:?}")))?;
+        let Some(Record::Latest { base, epoch }) = Record::decode(&latest) else {
+            return Err(Error::Transport(TransportError::Malformed(format!(
+                "the latest-epoch record of {name:?} is not a valid record"
+            ))));
+        };
         let next = epoch + 1;
         let prefix = epoch_prefix(&base, next);
         let ticket = store

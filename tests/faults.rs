@@ -292,10 +292,18 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
         let prefix = format!("chorus/{job}/stale/0/epoch/1");
         if next.rank() == 0 {
             // A notice stamped with epoch 0, under the new epoch's key.
-            futures::executor::block_on(store.set(
-                &format!("{prefix}/failed"),
-                b"0|9|1|forged notice from an older epoch".to_vec(),
-            ))
+            futures::executor::block_on(
+                store.set(
+                    &format!("{prefix}/failed"),
+                    chorus::actors::watchdog::Notice {
+                        epoch: 0,
+                        by: 9,
+                        failed_ranks: vec![1],
+                        detail: "forged notice from an older epoch".into(),
+                    }
+                    .encode(),
+                ),
+            )
             .unwrap();
         }
         next.barrier().unwrap();

@@ -33,6 +33,7 @@ use ractor::ActorRef;
 use tokio_util::sync::CancellationToken;
 
 use super::CommMsg;
+use crate::transport::records::{ranks_in, ranks_out, Record};
 use crate::transport::{CompareSet, Store};
 
 /// Heartbeat value written by a rank that finalized cleanly (WD-3).
@@ -52,40 +53,33 @@ pub struct Notice {
 }
 
 impl Notice {
-    /// Encode as `epoch|by|r1,r2|detail`.
+    /// Encode as a store record ([`Record::Notice`]).
     pub fn encode(&self) -> Vec<u8> {
-        let ranks: Vec<String> = self.failed_ranks.iter().map(|r| r.to_string()).collect();
-        format!(
-            "{}|{}|{}|{}",
-            self.epoch,
-            self.by,
-            ranks.join(","),
-            self.detail
-        )
-        .into_bytes()
+        Record::Notice {
+            epoch: self.epoch,
+            by: self.by as u64,
+            failed_ranks: ranks_out(&self.failed_ranks),
+            detail: self.detail.clone(),
+        }
+        .encode()
     }
 
     /// Decode a notice; `None` if malformed or about another epoch than
     /// `epoch` (WD-1: a stale notice is rejected).
     pub fn parse(raw: &[u8], epoch: u64) -> Option<Notice> {
-        let s = std::str::from_utf8(raw).ok()?;
-        let mut it = s.splitn(4, '|');
-        let e: u64 = it.next()?.parse().ok()?;
-        let by: usize = it.next()?.parse().ok()?;
-        let ranks = it.next()?;
-        let detail = it.next()?.to_string();
-        let failed_ranks = if ranks.is_empty() {
-            vec![]
-        } else {
-            ranks
-                .split(',')
-                .map(|r| r.parse().ok())
-                .collect::<Option<Vec<usize>>>()?
-        };
-        (e == epoch).then_some(Notice {
+        let Record::Notice {
             epoch: e,
             by,
             failed_ranks,
+            detail,
+        } = Record::decode(raw)?
+        else {
+            return None;
+        };
+        (e == epoch).then_some(Notice {
+            epoch: e,
+            by: usize::try_from(by).ok()?,
+            failed_ranks: ranks_in(&failed_ranks)?,
             detail,
         })
     }

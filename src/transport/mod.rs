@@ -23,6 +23,7 @@ use async_trait::async_trait;
 
 pub mod memory;
 pub mod quic;
+pub(crate) mod records;
 pub mod store;
 pub mod wire;
 
