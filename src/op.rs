@@ -7,7 +7,7 @@
 //! [`Error::Mismatch`](crate::Error::Mismatch) on *every* rank — never a hang
 //! and never corrupt data.
 //!
-//! Invariants:
+//! # Invariants
 //! - OP-1: the verdict of [`check_collective`] depends only on the multiset of
 //!   headers, so all ranks reach the same verdict.
 //! - OP-2: a parameter mismatch is found before any payload byte is sent, so
@@ -247,7 +247,9 @@ pub struct HeaderMismatch {
 }
 
 /// Check the headers of a collective, indexed by rank (`headers[r]` is rank
-/// `r`'s header). Pure and deterministic (OP-1).
+/// `r`'s header). Pure and deterministic ([OP-1]).
+///
+/// [OP-1]: self#invariants
 pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
     let Some(h0) = headers.first() else {
         return Ok(());

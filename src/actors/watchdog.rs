@@ -53,7 +53,7 @@ pub struct Notice {
 }
 
 impl Notice {
-    /// Encode as a store record ([`Record::Notice`]).
+    /// Encode as a store record.
     pub fn encode(&self) -> Vec<u8> {
         Record::Notice {
             epoch: self.epoch,

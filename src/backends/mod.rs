@@ -26,14 +26,14 @@
 //!
 //! The vendor backends (`nccl`, `rccl`, `gloo`, `mpi`) move data with their
 //! library and use a [`cpu::CpuBackend`] mesh as their control links: the
-//! header exchange (BE-1), abort notices and finalize run over it, so the
+//! header exchange ([BE-1]), abort notices and finalize run over it, so the
 //! mismatch check and abort semantics are identical for every backend.
 //! `gloo` and `mpi`, whose library calls block, share that glue in
 //! `vendor`: each communicator runs its library calls on a dedicated OS
 //! thread (its vendor worker, counted by [`live_vendor_workers`]), never
 //! on a runtime thread.
 //!
-//! Invariants:
+//! # Invariants
 //! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
 //!   same op on every participant, with buffers whose sizes match the headers.
 //! - BE-2: after `execute` or `exchange_headers` returns an error, or its future
@@ -42,7 +42,7 @@
 //!   `ncclCommGetAsyncError`) says so with [`Backend::polls_async_errors`];
 //!   the executor then calls [`Backend::poll_async_error`] while the
 //!   communicator is idle, never during an op, and treats an error as fatal
-//!   exactly as if an op had returned it (BE-2 applies).
+//!   exactly as if an op had returned it ([BE-2] applies).
 //! - BE-4: a backend whose library splits communicators itself
 //!   (`ncclCommSplit`) says so in [`Backend::capabilities`]; a split
 //!   of its communicator then calls [`Backend::split`] on every parent
@@ -53,6 +53,9 @@
 //!   [`SplitMode::Unsupported`], a split fails with `NotSupported` on every
 //!   rank before the agreement step. A backend that is not
 //!   [`Capabilities::elastic`] refuses `reconfigure` the same way.
+//!
+//! [BE-1]: self#invariants
+//! [BE-2]: self#invariants
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,12 +105,14 @@ pub fn available() -> Vec<&'static str> {
     v
 }
 
-/// Whether backend `name` can run on `device` (REG-3): `nccl` and `rccl`
+/// Whether backend `name` can run on `device` ([REG-3]): `nccl` and `rccl`
 /// need [`Device::Cuda`](crate::Device::Cuda) (ROCm devices use the same
 /// ordinal), every other backend [`Device::Cpu`](crate::Device::Cpu).
 ///
 /// # Errors
 /// A human-readable reason when the pair cannot work.
+///
+/// [REG-3]: self#invariants
 pub fn check_device(name: &str, device: crate::Device) -> std::result::Result<(), String> {
     let gpu = matches!(name, "nccl" | "rccl");
     match (gpu, device) {
@@ -207,7 +212,9 @@ impl OpCtx {
     }
 }
 
-/// Identifies an idle communicator polled for asynchronous errors (BE-3).
+/// Identifies an idle communicator polled for asynchronous errors ([BE-3]).
+///
+/// [BE-3]: self#invariants
 #[derive(Debug, Clone)]
 pub struct IdleCtx {
     /// Communicator name.
@@ -272,7 +279,9 @@ impl Default for Capabilities {
     }
 }
 
-/// A native split as one parent rank sees it (BE-4).
+/// A native split as one parent rank sees it ([BE-4]).
+///
+/// [BE-4]: self#invariants
 #[derive(Debug, Clone)]
 pub struct SplitArgs {
     /// The child this rank joins; `None` on a rank that joins none (it
@@ -282,7 +291,9 @@ pub struct SplitArgs {
     pub timeout: Duration,
 }
 
-/// The child a rank joins in a native split (BE-4).
+/// The child a rank joins in a native split ([BE-4]).
+///
+/// [BE-4]: self#invariants
 #[derive(Debug, Clone)]
 pub struct SplitChild {
     /// The child's color, dense: `0..k` for the `k` children of this split,
@@ -310,7 +321,9 @@ pub struct P2PTransfer {
 /// The buffers of one op, already validated and sized by the executor.
 ///
 /// Every output buffer is allocated with its final size before `execute` is
-/// called (BE-1); the backend only fills it.
+/// called ([BE-1]); the backend only fills it.
+///
+/// [BE-1]: self#invariants
 #[derive(Debug)]
 pub enum OpData {
     /// In-place all-reduce of `buf`. `op` is the combining operator
@@ -401,7 +414,10 @@ pub enum OpData {
 /// The data plane of one communicator on one rank.
 ///
 /// Called only by the communicator's executor, one op at a time, in issue
-/// order. See the module invariants BE-1 and BE-2.
+/// order. See the module invariants [BE-1] and [BE-2].
+///
+/// [BE-1]: self#invariants
+/// [BE-2]: self#invariants
 #[async_trait]
 pub trait Backend: Send {
     /// Backend name, as given to `new_comm`.
@@ -419,7 +435,9 @@ pub trait Backend: Send {
         outgoing: Vec<(usize, u64, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>>;
 
-    /// Move the data of one op. Called after the header check passed (BE-1).
+    /// Move the data of one op. Called after the header check passed ([BE-1]).
+    ///
+    /// [BE-1]: self#invariants
     async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()>;
 
     /// Tell every peer this rank is aborting (best effort, bounded in time) and
@@ -430,8 +448,10 @@ pub trait Backend: Send {
     async fn finalize(&mut self);
 
     /// Whether the library can fail on its own, between ops, so that the
-    /// executor must poll [`Backend::poll_async_error`] while idle (BE-3).
+    /// executor must poll [`Backend::poll_async_error`] while idle ([BE-3]).
     /// Read once, when the communicator starts.
+    ///
+    /// [BE-3]: self#invariants
     fn polls_async_errors(&self) -> bool {
         false
     }
@@ -439,20 +459,25 @@ pub trait Backend: Send {
     /// Report an error the library found asynchronously (a peer lost while
     /// no op ran, a device fault). Called by the executor between ops only,
     /// and only when [`Backend::polls_async_errors`]; must not block. An
-    /// error is fatal: the executor aborts the communicator (BE-2, BE-3).
+    /// error is fatal: the executor aborts the communicator ([BE-2], [BE-3]).
+    ///
+    /// [BE-2]: self#invariants
+    /// [BE-3]: self#invariants
     fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
         let _ = ctx;
         Ok(())
     }
 
-    /// What this backend can do beyond the ops (BE-4). Asked once, when the
+    /// What this backend can do beyond the ops ([BE-4]). Asked once, when the
     /// communicator starts; must give the same answer on every rank of a
     /// communicator.
+    ///
+    /// [BE-4]: self#invariants
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
 
-    /// Split this communicator with the library's own call (BE-4). Called on
+    /// Split this communicator with the library's own call ([BE-4]). Called on
     /// every parent rank, in the same order relative to the parent's ops,
     /// only when [`Capabilities::split`] is [`SplitMode::Native`]. Returns the child's backend,
     /// connected, on a rank with [`SplitArgs::child`], `None` on the others.
@@ -460,6 +485,8 @@ pub trait Backend: Send {
     /// # Errors
     /// Whatever the library or the child's connection reports; fatal for
     /// the parent.
+    ///
+    /// [BE-4]: self#invariants
     async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
         let _ = args;
         Err(Error::Internal(format!(
@@ -489,7 +516,9 @@ pub async fn create(name: &str, init: BackendInit) -> Result<Box<dyn Backend>> {
     create_on(name, crate::Device::Cpu, init).await
 }
 
-/// Create and connect the backend called `name` for `device` (REG-1..3).
+/// Create and connect the backend called `name` for `device` ([REG-1]..3).
+///
+/// [REG-1]: self#invariants
 pub async fn create_on(
     name: &str,
     device: crate::Device,
@@ -519,11 +548,14 @@ pub async fn create_on(
 }
 
 /// Whether `name` is a backend that this binary knows and has compiled in,
-/// before any I/O (REG-1, REG-2).
+/// before any I/O ([REG-1], [REG-2]).
 ///
 /// # Errors
 /// `UnknownBackend` for a name Chorus does not know; `BackendUnavailable`
 /// naming the cargo feature for a known backend that was not compiled in.
+///
+/// [REG-1]: self#invariants
+/// [REG-2]: self#invariants
 pub fn check_name(name: &str) -> Result<()> {
     if available().contains(&name) {
         return Ok(());

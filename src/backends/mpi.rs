@@ -7,7 +7,7 @@
 //! (`super::vendor`): a dedicated OS thread that owns the duplicated
 //! communicator, so no runtime thread ever blocks in MPI.
 //!
-//! Invariants:
+//! # Invariants
 //! - MP-1: MPI owns rank and size: the world rank/size must equal the ones
 //!   Chorus bootstrapped with (`CommOptions` or the launcher's environment,
 //!   `OMPI_COMM_WORLD_RANK/SIZE` under mpirun), else `new_comm` fails with
@@ -18,7 +18,7 @@
 //!   `atexit` when this backend initialises MPI (mpirun reports a process
 //!   that exits without `MPI_Finalize` as failed). Communicators still alive
 //!   then are leaked, not freed. `shutdown` skips `MPI_Finalize` while an
-//!   MPI call is still in flight (a worker left in a call by an abort, MP-3),
+//!   MPI call is still in flight (a worker left in a call by an abort, [MP-3]),
 //!   which would otherwise hang or be undefined.
 //! - MP-3: `abort` never calls `MPI_Abort` (which kills the whole job): it
 //!   aborts the control mesh and stops using the MPI communicator; later ops
@@ -49,7 +49,10 @@
 //!   child's own worker thread. MPI has no non-blocking split, so at
 //!   `SERIALIZED` the split blocks under the lock: until every parent rank
 //!   reached it, this process's other `mpi` communicators wait.
-//!   `reconfigure` stays refused with `NotSupported` (MP-1).
+//!   `reconfigure` stays refused with `NotSupported` ([MP-1]).
+//!
+//! [MP-1]: self#invariants
+//! [MP-3]: self#invariants
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -70,7 +73,9 @@ use crate::op::ReduceOp;
 use crate::tensor::{DType, Tensor};
 
 /// This process's MPI state, behind [`PROCESS`], whose lock is also the
-/// lock MPI calls are made under (MP-6).
+/// lock MPI calls are made under ([MP-6]).
+///
+/// [MP-6]: self#invariants
 struct Process {
     /// Set when this backend initialised MPI; dropping it is `MPI_Finalize`.
     universe: Option<Universe>,
@@ -95,7 +100,9 @@ fn lock() -> MutexGuard<'static, Process> {
     PROCESS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// How this process calls MPI (MP-6).
+/// How this process calls MPI ([MP-6]).
+///
+/// [MP-6]: self#invariants
 #[derive(Debug, Clone, Copy)]
 struct Calls {
     /// Every MPI call under [`lock`], none blocking (below `MULTIPLE`).
@@ -133,7 +140,9 @@ impl Calls {
     }
 
     /// Mark an MPI op in flight until the guard drops, or fail if MPI was
-    /// finalised (MP-2).
+    /// finalised ([MP-2]).
+    ///
+    /// [MP-2]: self#invariants
     fn begin(self, what: impl FnOnce() -> String) -> Result<InFlight> {
         let _g = lock();
         if mpi::is_finalized() {
@@ -160,7 +169,10 @@ impl Drop for InFlight {
     }
 }
 
-/// Initialise MPI for this process if needed (MP-2); how to call it (MP-6).
+/// Initialise MPI for this process if needed ([MP-2]); how to call it ([MP-6]).
+///
+/// [MP-2]: self#invariants
+/// [MP-6]: self#invariants
 fn ensure_initialized() -> Result<Calls> {
     let mut p = lock();
     if let Some(c) = p.calls {
@@ -214,11 +226,14 @@ extern "C" fn finalize_at_exit() {
     let _ = std::panic::catch_unwind(shutdown);
 }
 
-/// Finalise MPI if this backend initialised it (MP-2). Call once, at the
+/// Finalise MPI if this backend initialised it ([MP-2]). Call once, at the
 /// end of the process, after every `mpi` communicator was finalized and
 /// dropped. Idempotent. While an MPI call is still in flight (a
-/// communicator aborted in the middle of an op, MP-3), MPI is left
+/// communicator aborted in the middle of an op, [MP-3]), MPI is left
 /// initialised and a warning is logged.
+///
+/// [MP-2]: self#invariants
+/// [MP-3]: self#invariants
 pub fn shutdown() {
     let mut p = lock();
     if p.universe.is_none() {
@@ -254,8 +269,10 @@ pub(crate) struct MpiComm {
 }
 
 /// A split's child communicator on its way from the parent's worker thread
-/// to the child's (MP-7). If it is dropped on the way (the child's worker
+/// to the child's ([MP-7]). If it is dropped on the way (the child's worker
 /// could not start), the handle is leaked, never freed.
+///
+/// [MP-7]: self#invariants
 struct RawComm(mpi::ffi::MPI_Comm);
 // SAFETY: an MPI handle is valid on every thread of the process; it is
 // used by one thread at a time (the child's worker, VW-1).
@@ -338,12 +355,14 @@ fn partition(ctx: &OpCtx, counts: &[usize], esize: usize) -> Result<(Vec<i32>, V
 }
 
 /// Start the worker thread; on it, initialise MPI if needed, check
-/// rank/size (MP-1) and duplicate the world communicator; then connect the
+/// rank/size ([MP-1]) and duplicate the world communicator; then connect the
 /// control mesh.
 ///
 /// # Errors
 /// `BackendUnavailable` if MPI cannot start; `Config` if MPI's world
 /// disagrees with Chorus's rank/size; control-mesh errors as `cpu`.
+///
+/// [MP-1]: self#invariants
 pub(crate) async fn connect(init: BackendInit) -> Result<MpiBackend> {
     let (name, rank, size) = (init.comm.clone(), init.rank, init.size);
     VendorBackend::connect(init, move || {
@@ -371,7 +390,9 @@ pub(crate) async fn connect(init: BackendInit) -> Result<MpiBackend> {
 }
 
 /// `MPI_Comm_dup(world)`, blocking at `MULTIPLE`; at `SERIALIZED`,
-/// `MPI_Comm_idup` tested under the lock (MP-6).
+/// `MPI_Comm_idup` tested under the lock ([MP-6]).
+///
+/// [MP-6]: self#invariants
 fn duplicate(calls: Calls, world: &SimpleCommunicator) -> SimpleCommunicator {
     if !calls.serialize {
         return world.duplicate();
@@ -516,7 +537,9 @@ impl Drop for MpiComm {
     }
 }
 
-/// Run one op: started non-blocking under the lock, then completed (MP-6).
+/// Run one op: started non-blocking under the lock, then completed ([MP-6]).
+///
+/// [MP-6]: self#invariants
 fn run(
     calls: Calls,
     comm: &SimpleCommunicator,
@@ -689,7 +712,9 @@ fn reduce<T: Equivalence>(
     });
 }
 
-/// In-place all-reduce; f16/bf16 through f64 (MP-4).
+/// In-place all-reduce; f16/bf16 through f64 ([MP-4]).
+///
+/// [MP-4]: self#invariants
 fn all_reduce(calls: Calls, comm: &SimpleCommunicator, buf: &mut Tensor, op: ReduceOp) {
     let dt = buf.dtype();
     let op = op_of(op);

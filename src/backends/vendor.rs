@@ -3,7 +3,7 @@
 //! library, and a [`CpuBackend`] control mesh for everything else.
 //!
 //! A [`VendorBackend`] owns:
-//! - the control mesh: the header exchange (BE-1), abort notices and
+//! - the control mesh: the header exchange ([BE-1]), abort notices and
 //!   finalize run over it, as for every vendor backend;
 //! - one dedicated OS thread, the vendor worker, which opens the library's
 //!   communicator ([`VendorComm`]), runs its ops and frees it. `execute`
@@ -14,7 +14,7 @@
 //!   polled by `Handle::block_on` on a thread outside the runtime; and the
 //!   executor's op timeout and abort stay effective while a vendor call runs.
 //!
-//! Invariants:
+//! # Invariants
 //! - VW-1: the vendor communicator is created, used and released on its
 //!   worker thread only, one op at a time, in the executor's order (so it
 //!   need not be `Send`).
@@ -32,6 +32,8 @@
 //! - VW-4: errors keep their context (backend, communicator, rank, epoch,
 //!   op, seq); a worker that is gone or panicked is `Internal` naming them,
 //!   never a hang or a panic on the runtime.
+//!
+//! [BE-1]: crate::backends#invariants
 
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
@@ -47,13 +49,17 @@ use crate::error::{Error, Result};
 
 static LIVE_WORKERS: AtomicUsize = AtomicUsize::new(0);
 
-/// Vendor worker threads of this process that have not ended yet (VW-2).
+/// Vendor worker threads of this process that have not ended yet ([VW-2]).
+///
+/// [VW-2]: self#invariants
 pub(crate) fn live_workers() -> usize {
     LIVE_WORKERS.load(Ordering::Acquire)
 }
 
 /// The blocking part of a vendor backend: the library's communicator, owned
-/// by its worker thread (VW-1).
+/// by its worker thread ([VW-1]).
+///
+/// [VW-1]: self#invariants
 pub(crate) trait VendorComm: 'static {
     /// Backend name, as given to `new_comm`.
     const NAME: &'static str;
@@ -61,21 +67,26 @@ pub(crate) trait VendorComm: 'static {
     const CAPABILITIES: super::Capabilities;
 
     /// Run one op, blocking until the library returns. Errors carry `ctx`'s
-    /// context; a fatal one stops the backend (VW-3).
+    /// context; a fatal one stops the backend ([VW-3]).
+    ///
+    /// [VW-3]: self#invariants
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()>;
 
     /// Release the communicator at the end of the worker. `aborted`: the
     /// backend was aborted or failed, so peers may still be using theirs.
     fn close(self, aborted: bool);
 
-    /// Split this communicator with the library's own call (BE-4), on its
+    /// Split this communicator with the library's own call ([BE-4]), on its
     /// worker thread; called on every parent rank, `child` `None` on a rank
     /// that joins no child. Returns, on a member, how to open the child's
-    /// communicator on the child's own worker thread (VW-1). Only called
+    /// communicator on the child's own worker thread ([VW-1]). Only called
     /// when [`VendorComm::CAPABILITIES`] says [`super::SplitMode::Native`].
     ///
     /// # Errors
     /// What the library reports; fatal for the parent.
+    ///
+    /// [BE-4]: crate::backends#invariants
+    /// [VW-1]: self#invariants
     fn split(&mut self, child: Option<super::SplitChild>) -> Result<Option<OpenChild<Self>>>
     where
         Self: Sized,
@@ -204,7 +215,9 @@ impl Worker {
     }
 
     /// Tell the worker to release its communicator and end; wait for it
-    /// unless a vendor call is in flight (VW-2). Idempotent.
+    /// unless a vendor call is in flight ([VW-2]). Idempotent.
+    ///
+    /// [VW-2]: self#invariants
     async fn stop(&mut self, aborted: bool) {
         let Some(tx) = self.tx.take() else {
             return;
@@ -286,7 +299,9 @@ fn serve<C: VendorComm>(mut comm: C, rx: &mpsc::Receiver<Job>, busy: &AtomicBool
 
 /// Reduce-scatter as the vendor backends run it: after an all-reduce of
 /// `input` (one block per rank, sizes `counts`), copy this rank's block
-/// into `output` (sized by the executor, BE-1).
+/// into `output` (sized by the executor, [BE-1]).
+///
+/// [BE-1]: crate::backends#invariants
 pub(crate) fn keep_own_block(
     input: &crate::tensor::Tensor,
     output: &mut crate::tensor::Tensor,
@@ -308,14 +323,18 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// A vendor backend: the control mesh, the stopped guard and the worker
-/// thread running `C` (module docs, VW-1..4).
+/// thread running `C` (module docs, [VW-1]..4).
+///
+/// [VW-1]: self#invariants
 pub(crate) struct VendorBackend<C: VendorComm> {
     comm: String,
     rank: usize,
     size: usize,
     epoch: u64,
     ctrl: CpuBackend,
-    /// Set by abort or a fatal op error; later ops fail with it (VW-3).
+    /// Set by abort or a fatal op error; later ops fail with it ([VW-3]).
+    ///
+    /// [VW-3]: self#invariants
     stopped: Option<Error>,
     worker: Worker,
     _comm: PhantomData<fn() -> C>,
@@ -374,7 +393,10 @@ impl<C: VendorComm> VendorBackend<C> {
         }
     }
 
-    /// Send one op to the worker and wait for it (VW-1, VW-4).
+    /// Send one op to the worker and wait for it ([VW-1], [VW-4]).
+    ///
+    /// [VW-1]: self#invariants
+    /// [VW-4]: self#invariants
     async fn run_on_worker(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         let gone = |what: &str| {
             Error::Internal(format!(
@@ -463,8 +485,10 @@ impl<C: VendorComm> Backend for VendorBackend<C> {
 
     /// The library's split on the worker ([`VendorComm::split`]), bounded
     /// by `args.timeout`; a member then starts the child's own worker and
-    /// control mesh. Any failure stops this backend (VW-3): a split is
+    /// control mesh. Any failure stops this backend ([VW-3]): a split is
     /// collective over the parent, so a rank that failed it cannot go on.
+    ///
+    /// [VW-3]: self#invariants
     async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
         self.check_running()?;
         let r = self.split_on_worker(&args).await;
@@ -501,7 +525,9 @@ impl<C: VendorComm> VendorBackend<C> {
 
     /// Send the split to the worker and wait for its answer, at most
     /// `args.timeout` (a library call in flight is then left to the worker,
-    /// VW-2).
+    /// [VW-2]).
+    ///
+    /// [VW-2]: self#invariants
     async fn split_on_worker(&mut self, args: &SplitArgs) -> Result<Option<OpenChild<C>>> {
         let Some(tx) = &self.worker.tx else {
             return Err(self.split_error("the worker thread was stopped"));

@@ -6,7 +6,7 @@
 //! (see [`ReduceOp::combine_op`]). Depends only on tensors' dtypes and
 //! reduce ops, so every backend may use it.
 //!
-//! Invariants:
+//! # Invariants
 //! - RK-1: no kernel panics or invokes undefined behaviour on any input. A
 //!   byte slice may start at any address (a sub-range of an 8-byte-aligned
 //!   tensor need not be aligned for its element type): aligned slices are
@@ -48,8 +48,8 @@ const CHUNK: usize = 512;
 /// elements of `dtype` and have equal length. `op` must be a combining
 /// operator (not `Avg`/`PremulSum`, see [`ReduceOp::combine_op`]).
 ///
-/// The slices may have any alignment (RK-1); semantics per dtype are in the
-/// module docs (RK-3).
+/// The slices may have any alignment ([RK-1]); semantics per dtype are in the
+/// module docs ([RK-3]).
 ///
 /// # Errors
 /// - [`Error::UnsupportedOp`] for a bitwise operator on a float dtype;
@@ -57,6 +57,9 @@ const CHUNK: usize = 512;
 ///   [`ReduceOp::combine_op`]), for slices of different lengths, or for a
 ///   length that is not a multiple of the element size. `dst` is untouched on
 ///   error.
+///
+/// [RK-1]: self#invariants
+/// [RK-3]: self#invariants
 pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Result<()> {
     if matches!(op, ReduceOp::Avg | ReduceOp::PremulSum(_)) {
         return Err(Error::Internal(format!(
@@ -132,7 +135,9 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Re
 /// compute in `f32` and round back). Integers multiply by `scalar as T`
 /// (truncating and saturating, as Rust's `as` does), wrapping on overflow.
 /// A trailing partial element (a length that is not a multiple of the element
-/// size) is left untouched; the slice may have any alignment (RK-1).
+/// size) is left untouched; the slice may have any alignment ([RK-1]).
+///
+/// [RK-1]: self#invariants
 pub fn scale(dtype: DType, data: &mut [u8], scalar: f64) {
     macro_rules! int {
         ($t:ty) => {{
@@ -169,7 +174,9 @@ pub fn scale(dtype: DType, data: &mut [u8], scalar: f64) {
 /// `f32`). Integers use truncating division (towards zero), exact for any `n`
 /// even when `n` does not fit the element type. `n == 0` leaves the data
 /// unchanged (there is no meaningful average over no ranks). A trailing partial
-/// element is left untouched; the slice may have any alignment (RK-1).
+/// element is left untouched; the slice may have any alignment ([RK-1]).
+///
+/// [RK-1]: self#invariants
 pub fn divide(dtype: DType, data: &mut [u8], n: usize) {
     if n == 0 {
         return;

@@ -1,6 +1,9 @@
 //! Kernel tests: every dtype × operator against a scalar reference computed
 //! in a wider type (`i128` for integers, `f64` for floats), on aligned and
-//! deliberately misaligned byte slices (RK-1, RK-3).
+//! deliberately misaligned byte slices ([RK-1], [RK-3]).
+//!
+//! [RK-1]: crate::kernels#invariants
+//! [RK-3]: crate::kernels#invariants
 
 use half::{bf16, f16};
 use proptest::prelude::*;

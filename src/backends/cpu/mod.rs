@@ -15,16 +15,16 @@
 //! copies. Point-to-point batches run every transfer concurrently across
 //! peers, in order per (peer, direction).
 //!
-//! Invariants:
-//! - CPU-1: a schedule step runs per SC-1/SC-2: sends read the buffers as they
+//! # Invariants
+//! - CPU-1: a schedule step runs per [SC-1]/[SC-2]: sends read the buffers as they
 //!   were before the step. A `Copy` receive whose range no other transfer of
-//!   the step reads or writes lands in place (SC-6 makes this the common
+//!   the step reads or writes lands in place ([SC-6] makes this the common
 //!   case, but it is checked per step, not assumed); every other receive
 //!   lands in reusable scratch memory and is applied, in order, after every
 //!   transfer of the step completed.
 //! - CPU-2: any error of an op is fatal for the links: the next
 //!   `exchange_headers`/`execute` fails with `Aborted` until `abort` runs
-//!   (BE-2). An op whose future was dropped mid-transfer counts as failed.
+//!   ([BE-2]). An op whose future was dropped mid-transfer counts as failed.
 //! - CPU-3: when an op fails, sends already in flight get a short bounded
 //!   time to finish their frame before the error is returned, so that the
 //!   Abort frame sent by `abort` is read by peers as an Abort, not as payload
@@ -32,6 +32,11 @@
 //! - CPU-4: after `abort` every call returns `Aborted` immediately, and after
 //!   `finalize` every call returns `Finalized`; both are idempotent and
 //!   bounded in time. Nothing here panics on peer input or in `Drop`.
+//!
+//! [BE-2]: crate::backends#invariants
+//! [SC-1]: crate::backends::cpu::schedule#invariants
+//! [SC-2]: crate::backends::cpu::schedule#invariants
+//! [SC-6]: crate::backends::cpu::schedule#invariants
 
 use std::future::Future;
 use std::ops::Range;
@@ -64,7 +69,9 @@ use shm_exec::ShmLink;
 const ABORT_BOUND: Duration = Duration::from_secs(1);
 /// How long an aborted link keeps draining its peer's data before closing.
 const ABORT_LINGER: Duration = Duration::from_secs(2);
-/// How long a failed op lets its in-flight sends finish (CPU-3).
+/// How long a failed op lets its in-flight sends finish ([CPU-3]).
+///
+/// [CPU-3]: self#invariants
 const DRAIN_BOUND: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
@@ -676,7 +683,9 @@ async fn run_links<'a>(
 
 /// Run per-peer send and receive lists concurrently: one task-free future per
 /// (peer, direction), frames in list order. On the first error the receives
-/// are dropped and the sends get [`DRAIN_BOUND`] to finish (CPU-3).
+/// are dropped and the sends get [`DRAIN_BOUND`] to finish ([CPU-3]).
+///
+/// [CPU-3]: self#invariants
 async fn run_transfers<'a>(
     writers: Vec<Option<&'a mut LinkWriter>>,
     readers: Vec<Option<&'a mut LinkReader>>,

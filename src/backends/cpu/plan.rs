@@ -23,8 +23,10 @@ pub(super) enum Item {
         bytes: Range<usize>,
         action: RecvAction,
         /// Received straight into the buffer: a `Copy` whose range no other
-        /// transfer of the step reads or writes (what SC-6 promises for the
+        /// transfer of the step reads or writes (what [SC-6] promises for the
         /// built schedules; checked here, not assumed).
+        ///
+        /// [SC-6]: crate::backends::cpu::schedule#invariants
         direct: bool,
     },
     LocalCopy {
@@ -50,7 +52,7 @@ fn plan_step(
     plan_step_with(step, rank, size, es, lens, &|_| false)
 }
 
-/// [`plan_step`], where a `Reduce` receive from a peer for which
+/// `plan_step`, where a `Reduce` receive from a peer for which
 /// `reduce_in_place` holds may also land in place (combined straight into
 /// the buffer as it arrives: shared-memory peers) when its range is private.
 pub(super) fn plan_step_with(

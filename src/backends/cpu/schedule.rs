@@ -26,7 +26,7 @@
 //!   destinations) are pairwise disjoint and disjoint from the ranges read
 //!   (sends, local-copy sources) in the same buffer. So the order in which
 //!   receives are applied does not matter, and an executor may write received
-//!   data in place as it arrives: SC-2 then holds with no staging copy.
+//!   data in place as it arrives: [SC-2] then holds with no staging copy.
 //! - SC-7: a single rank (`size == 1`) gets an empty or local-only schedule,
 //!   and invalid arguments (`rank >= size`, `root >= size`, per-rank counts of
 //!   the wrong length) get an empty schedule — never a panic. Arguments are
@@ -37,7 +37,7 @@
 //! | builder | algorithm | steps (`p` ranks) |
 //! |---------|-----------|-------------------|
 //! | [`all_reduce`] | ring reduce-scatter, then ring all-gather, in place on `Dst` | `2(p-1)` |
-//! | [`all_reduce_small`] | recursive doubling (power-of-two `p`; breaks SC-6 on purpose, staged by the executor) | `log2 p` |
+//! | [`all_reduce_small`] | recursive doubling (power-of-two `p`; breaks [SC-6] on purpose, staged by the executor) | `log2 p` |
 //! | [`all_reduce_auto`] | the tuning table: `all_reduce_small` up to [`SMALL_ALL_REDUCE_BYTES`] on power-of-two `p`, else the ring | |
 //! | [`reduce`] | ring reduce-scatter, then every rank sends its block to root | `p` |
 //! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
@@ -64,6 +64,9 @@
 //! assert_eq!(s.steps.len(), 4);
 //! assert!(all_reduce(0, 1, 10).is_empty());
 //! ```
+//!
+//! [SC-2]: self#invariants
+//! [SC-6]: self#invariants
 
 use std::ops::Range;
 
@@ -177,15 +180,18 @@ impl Schedule {
 
     /// Check that the schedule of `rank` (of `size`) fits buffers of
     /// `src_len` and `dst_len` elements: peers in range and not `rank`,
-    /// ranges in bounds and non-empty (SC-5), local copies of equal length,
+    /// ranges in bounds and non-empty ([SC-5]), local copies of equal length,
     /// and, within each step, writes disjoint from each other and from reads
-    /// (SC-6).
+    /// ([SC-6]).
     ///
     /// Cheap (linear in the transfers, plus a sort per step); an executor may
     /// call it before running a schedule.
     ///
     /// # Errors
     /// [`Error::Internal`] describing the first violation.
+    ///
+    /// [SC-5]: self#invariants
+    /// [SC-6]: self#invariants
     pub fn validate(&self, rank: usize, size: usize, src_len: usize, dst_len: usize) -> Result<()> {
         let fail = |step: usize, what: String| {
             Err(Error::Internal(format!(
@@ -332,11 +338,14 @@ pub fn all_reduce_auto(rank: usize, size: usize, count: usize, elem_bytes: usize
 /// number of ranks (other sizes get the ring, [`all_reduce`]).
 ///
 /// Both partners combine the same two partial results, so every rank ends
-/// with bitwise the same values. This schedule deliberately breaks SC-6
+/// with bitwise the same values. This schedule deliberately breaks [SC-6]
 /// (each step's receive overlaps its send): the executor then stages the
-/// receive and applies it after the step (CPU-1), which for the small
+/// receive and applies it after the step ([CPU-1]), which for the small
 /// messages it is meant for costs one copy of at most
 /// [`SMALL_ALL_REDUCE_BYTES`].
+///
+/// [CPU-1]: crate::backends::cpu#invariants
+/// [SC-6]: self#invariants
 pub fn all_reduce_small(rank: usize, size: usize, count: usize) -> Schedule {
     if rank >= size || !size.is_power_of_two() {
         return all_reduce(rank, size, count);
@@ -531,8 +540,10 @@ fn block(offs: &[usize], i: usize) -> Range<usize> {
     offs[i]..offs[i + 1]
 }
 
-/// Accumulates the steps of one rank, dropping zero-length transfers (SC-5)
+/// Accumulates the steps of one rank, dropping zero-length transfers ([SC-5])
 /// and empty steps.
+///
+/// [SC-5]: self#invariants
 struct Builder {
     rank: usize,
     size: usize,
@@ -599,7 +610,9 @@ impl Builder {
     /// which block `rank` holds the reduction over all ranks. At step `s` the
     /// partial block `rank-s-1` (reduced at step `s-1`, or local at `s = 0`)
     /// goes to the next rank, and block `rank-s-2` from the previous rank is
-    /// reduced in (SC-2: different blocks, so no read-after-write hazard).
+    /// reduced in ([SC-2]: different blocks, so no read-after-write hazard).
+    ///
+    /// [SC-2]: self#invariants
     fn ring_reduce_scatter(&mut self, offs: &[usize]) {
         let (next, prev) = (self.next(), self.prev());
         for s in 0..self.size.saturating_sub(1) {
@@ -614,8 +627,10 @@ impl Builder {
     /// `rank` complete: at step `s` block `rank-s` goes to the next rank and
     /// block `rank-s-1` arrives from the previous one. With `first_from_src`,
     /// the step-0 send reads `Src` (the own block is being copied into `Dst` in
-    /// that same step, so `Dst` does not hold it yet, SC-2) and shares the
+    /// that same step, so `Dst` does not hold it yet, [SC-2]) and shares the
     /// current step.
+    ///
+    /// [SC-2]: self#invariants
     fn ring_all_gather(&mut self, offs: &[usize], first_from_src: bool) {
         let (next, prev) = (self.next(), self.prev());
         for s in 0..self.size.saturating_sub(1) {

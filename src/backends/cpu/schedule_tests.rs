@@ -1,9 +1,12 @@
 //! Schedule tests: an in-memory executor for N ranks (quinn-proto `Pair`
-//! style) with exactly the SC-1/SC-2 semantics and rendezvous sends, and every
+//! style) with exactly the [SC-1]/[SC-2] semantics and rendezvous sends, and every
 //! builder checked against a locally computed reference.
 //!
 //! Values are small integers stored in `f64`, so sums are exact whatever the
 //! reduction order.
+//!
+//! [SC-1]: crate::backends::cpu::schedule#invariants
+//! [SC-2]: crate::backends::cpu::schedule#invariants
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -19,7 +22,9 @@ use crate::op::ReduceOp;
 /// Where a transfer sits: (rank, step, index in step).
 type Loc = (usize, usize, usize);
 
-/// One matched send/receive pair (SC-3).
+/// One matched send/receive pair ([SC-3]).
+///
+/// [SC-3]: crate::backends::cpu::schedule#invariants
 struct Match {
     send: Loc,
     recv: Loc,
@@ -47,20 +52,27 @@ fn buf_mut<'a>(src: &'a mut [f64], dst: &'a mut [f64], b: BufId) -> &'a mut [f64
 /// Run one schedule per rank (`schedules[r]` for rank `r`) over per-rank
 /// `src`/`dst` buffers and return every rank's `dst`.
 ///
-/// - SC-1: a rank posts all transfers of its current step at once and moves
+/// - [SC-1]: a rank posts all transfers of its current step at once and moves
 ///   to the next step when all have completed.
 /// - Rendezvous: a send and its receive complete together, only when both
 ///   ranks are at the steps that hold them.
-/// - SC-2: the payload is captured when the pair completes (the sender has
+/// - [SC-2]: the payload is captured when the pair completes (the sender has
 ///   not applied its step yet, so it reads pre-step data); receives and local
 ///   copies are applied when the receiving rank's step completes.
-/// - SC-3: the k-th send from a to b matches the k-th receive at b from a;
+/// - [SC-3]: the k-th send from a to b matches the k-th receive at b from a;
 ///   an unmatched transfer or a length mismatch is an error.
-/// - SC-4: if no rank can move and some are not finished, the run is a
+/// - [SC-4]: if no rank can move and some are not finished, the run is a
 ///   deadlock and the error dumps every rank's pending transfers.
 ///
-/// Each schedule is first checked with [`Schedule::validate`] (bounds, SC-5,
-/// SC-6); [`simulate`] alone runs any schedule with SC-1..SC-4 semantics.
+/// Each schedule is first checked with [`Schedule::validate`] (bounds, [SC-5],
+/// [SC-6]); [`simulate`] alone runs any schedule with [SC-1]..[SC-4] semantics.
+///
+/// [SC-1]: crate::backends::cpu::schedule#invariants
+/// [SC-2]: crate::backends::cpu::schedule#invariants
+/// [SC-3]: crate::backends::cpu::schedule#invariants
+/// [SC-4]: crate::backends::cpu::schedule#invariants
+/// [SC-5]: crate::backends::cpu::schedule#invariants
+/// [SC-6]: crate::backends::cpu::schedule#invariants
 fn run_schedules(
     schedules: Vec<Schedule>,
     src: Vec<Vec<f64>>,
@@ -77,8 +89,11 @@ fn run_schedules(
     simulate(schedules, src, dst, op)
 }
 
-/// The executor behind [`run_schedules`], without the SC-5/SC-6 checks.
+/// The executor behind [`run_schedules`], without the [SC-5]/[SC-6] checks.
 /// Ranges must be in bounds.
+///
+/// [SC-5]: crate::backends::cpu::schedule#invariants
+/// [SC-6]: crate::backends::cpu::schedule#invariants
 fn simulate(
     schedules: Vec<Schedule>,
     mut src: Vec<Vec<f64>>,

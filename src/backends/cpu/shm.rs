@@ -21,7 +21,7 @@
 //! | 256    | `magic: u64`, `capacity: u64` |
 //! | 512    | `capacity` data bytes (a power of two, multiple of 8) |
 //!
-//! Invariants:
+//! # Invariants
 //! - SH-1: `tail <= head <= tail + capacity` at all times; the producer only
 //!   writes bytes `[head, tail + capacity)` and the consumer only reads bytes
 //!   `[tail, head)` (positions modulo `capacity`). `head` is published with
@@ -66,16 +66,22 @@ const OFF_SPACE_SEQ: usize = 192;
 const OFF_PROD_WAITING: usize = 196;
 const OFF_MAGIC: usize = 256;
 const OFF_CAPACITY: usize = 264;
-/// CMA (SH-5): the producer's pid, and the address of [`CMA_PROBE`] in its
+/// CMA ([SH-5]): the producer's pid, and the address of [`CMA_PROBE`] in its
 /// address space, for the consumer's probe.
+///
+/// [SH-5]: self#invariants
 const OFF_CMA_PID: usize = 272;
 const OFF_CMA_ADDR: usize = 280;
 /// Set to 1 by the consumer once it can read the producer's memory.
 const OFF_CMA_OK: usize = 288;
-/// Single-copy transfers the consumer has finished reading (SH-5).
+/// Single-copy transfers the consumer has finished reading ([SH-5]).
+///
+/// [SH-5]: self#invariants
 const OFF_CMA_DONE: usize = 320;
 /// Set by a producer that gave up on a transfer the consumer may still be
-/// reading (its op was cancelled): the buffer may be gone (SH-5).
+/// reading (its op was cancelled): the buffer may be gone ([SH-5]).
+///
+/// [SH-5]: self#invariants
 const OFF_CMA_REVOKED: usize = 328;
 const OFF_DATA: usize = 512;
 const MAGIC: u64 = u64::from_le_bytes(*b"CHSHMRG1");
@@ -83,7 +89,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"CHSHMRG1");
 /// Default data capacity of one ring.
 pub(crate) const RING_CAPACITY: usize = 1 << 20;
 
-/// SH-4: the most bytes one `write_some` or `consume_with` moves before
+/// [SH-4]: the most bytes one `write_some` or `consume_with` moves before
 /// publishing its counter. Publishing per whole free region made the two
 /// sides take turns (the producer filled the ring while the consumer
 /// waited, then the reverse); publishing every 64 KiB lets them copy at the
@@ -91,6 +97,8 @@ pub(crate) const RING_CAPACITY: usize = 1 << 20;
 /// 8.5 -> 19 GB/s, 8 MiB 4.4 -> 6.6, 64 MiB 6.5 -> 7.8 (16 KiB and 256 KiB
 /// were within noise of 64 KiB; all_reduce/all_gather, bound by copies,
 /// unchanged).
+///
+/// [SH-4]: self#invariants
 const PUBLISH: usize = 64 << 10;
 
 /// A shared mapping holding one ring.
@@ -366,7 +374,9 @@ fn futex_wake(word: &AtomicU32) {
 }
 
 /// Announce a sleep on `seq` (flag + fence), re-check `ready`, then sleep
-/// at most `timeout` (SH-2).
+/// at most `timeout` ([SH-2]).
+///
+/// [SH-2]: self#invariants
 fn sleep_unless(seq: &AtomicU32, flag: &AtomicU32, timeout: Duration, ready: impl Fn() -> bool) {
     flag.store(1, Ordering::Relaxed);
     fence(Ordering::SeqCst);
@@ -377,7 +387,9 @@ fn sleep_unless(seq: &AtomicU32, flag: &AtomicU32, timeout: Duration, ready: imp
     flag.store(0, Ordering::Relaxed);
 }
 
-/// Wake the other side if it announced a sleep (SH-2).
+/// Wake the other side if it announced a sleep ([SH-2]).
+///
+/// [SH-2]: self#invariants
 fn wake_if_waiting(seq: &AtomicU32, flag: &AtomicU32) {
     fence(Ordering::SeqCst);
     if flag.load(Ordering::Relaxed) != 0 {
@@ -387,7 +399,9 @@ fn wake_if_waiting(seq: &AtomicU32, flag: &AtomicU32) {
 }
 
 /// The word a consumer reads through `process_vm_readv` to check that it
-/// may (SH-5).
+/// may ([SH-5]).
+///
+/// [SH-5]: self#invariants
 static CMA_PROBE: u64 = u64::from_le_bytes(*b"CHCMAOK1");
 
 /// Copy `dst.len()` bytes at `addr` in process `pid` into `dst` with
@@ -424,7 +438,9 @@ pub(crate) fn cma_read(pid: i32, addr: u64, dst: &mut [u8]) -> std::io::Result<(
 #[derive(Debug, Clone)]
 pub(crate) struct RingProducer {
     seg: Arc<ShmSegment>,
-    /// Single-copy transfers sent so far (SH-5).
+    /// Single-copy transfers sent so far ([SH-5]).
+    ///
+    /// [SH-5]: self#invariants
     tickets: Arc<AtomicU64>,
 }
 
@@ -432,7 +448,9 @@ pub(crate) struct RingProducer {
 #[derive(Debug, Clone)]
 pub(crate) struct RingConsumer {
     seg: Arc<ShmSegment>,
-    /// The producer's pid once the CMA probe succeeded, else 0 (SH-5).
+    /// The producer's pid once the CMA probe succeeded, else 0 ([SH-5]).
+    ///
+    /// [SH-5]: self#invariants
     cma_pid: Arc<std::sync::atomic::AtomicI32>,
 }
 
@@ -459,8 +477,10 @@ impl RingProducer {
         }
     }
 
-    /// SH-5: publish this process's pid and the address of [`CMA_PROBE`]
+    /// [SH-5]: publish this process's pid and the address of [`CMA_PROBE`]
     /// for the consumer's probe.
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn advertise_cma(&self) {
         let s = &self.seg;
         s.u32_at(OFF_CMA_PID)
@@ -471,7 +491,9 @@ impl RingProducer {
         );
     }
 
-    /// Whether the consumer can read this process's memory (SH-5).
+    /// Whether the consumer can read this process's memory ([SH-5]).
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn cma_ok(&self) -> bool {
         self.seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) == 1
     }
@@ -483,13 +505,17 @@ impl RingProducer {
         self.tickets.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Whether the consumer finished reading transfer `ticket` (SH-5).
+    /// Whether the consumer finished reading transfer `ticket` ([SH-5]).
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn cma_done(&self, ticket: u64) -> bool {
         self.seg.u64_at(OFF_CMA_DONE).load(Ordering::Acquire) >= ticket
     }
 
     /// Give up on every transfer not yet read: the consumer must not trust
-    /// what it reads from now on (SH-5). Called before the buffers can go.
+    /// what it reads from now on ([SH-5]). Called before the buffers can go.
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn revoke_cma(&self) {
         self.seg.u64_at(OFF_CMA_REVOKED).store(1, Ordering::SeqCst);
     }
@@ -505,7 +531,9 @@ impl RingProducer {
         );
     }
 
-    /// Bytes that can be written now (SH-3: clamped).
+    /// Bytes that can be written now ([SH-3]: clamped).
+    ///
+    /// [SH-3]: self#invariants
     pub(crate) fn writable(&self) -> usize {
         let s = &self.seg;
         let head = s.u64_at(OFF_HEAD).load(Ordering::Relaxed);
@@ -563,9 +591,11 @@ impl RingConsumer {
         }
     }
 
-    /// SH-5: try to read the producer's advertised probe word; on success
+    /// [SH-5]: try to read the producer's advertised probe word; on success
     /// remember its pid and tell the producer (`cma_ok`). Returns whether
     /// single copy is on for this ring.
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn probe_cma(&self) -> bool {
         let s = &self.seg;
         let addr = s.u64_at(OFF_CMA_ADDR).load(Ordering::Acquire);
@@ -587,27 +617,35 @@ impl RingConsumer {
         }
     }
 
-    /// The producer's pid if single copy is on for this ring (SH-5).
+    /// The producer's pid if single copy is on for this ring ([SH-5]).
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn cma_pid(&self) -> Option<i32> {
         Some(self.cma_pid.load(Ordering::Relaxed)).filter(|&p| p > 0)
     }
 
-    /// Whether the producer abandoned its transfers (SH-5): checked after
+    /// Whether the producer abandoned its transfers ([SH-5]): checked after
     /// each read, so bytes read before the producer let its buffer go are
     /// the only ones ever kept.
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn cma_revoked(&self) -> bool {
         fence(Ordering::SeqCst);
         self.seg.u64_at(OFF_CMA_REVOKED).load(Ordering::SeqCst) != 0
     }
 
-    /// Count one single-copy transfer as read and wake the producer (SH-5).
+    /// Count one single-copy transfer as read and wake the producer ([SH-5]).
+    ///
+    /// [SH-5]: self#invariants
     pub(crate) fn cma_ack(&self) {
         let s = &self.seg;
         s.u64_at(OFF_CMA_DONE).fetch_add(1, Ordering::Release);
         wake_if_waiting(s.u32_at(OFF_SPACE_SEQ), s.u32_at(OFF_PROD_WAITING));
     }
 
-    /// Bytes readable now (SH-3: clamped).
+    /// Bytes readable now ([SH-3]: clamped).
+    ///
+    /// [SH-3]: self#invariants
     pub(crate) fn readable(&self) -> usize {
         let s = &self.seg;
         let head = s.u64_at(OFF_HEAD).load(Ordering::Acquire);

@@ -11,9 +11,9 @@
 //! so a reduction overlaps the peer's copy (pipelining) and no staging
 //! buffer is needed.
 //!
-//! Invariants:
+//! # Invariants
 //! - SX-1: messages between one ordered pair of ranks are matched in order
-//!   (SC-3); a prefix whose kind, class, seq or length is not the expected
+//!   ([SC-3]); a prefix whose kind, class, seq or length is not the expected
 //!   one is a `Mismatch`, checked before any payload byte is used (as LK-3).
 //! - SX-2: waiting never spins unboundedly: a short spin, then futex sleeps
 //!   of at most [`SLEEP`] (no `sched_yield`: on a loaded machine a yielding
@@ -47,6 +47,8 @@
 //! - SX-3: on a current-thread runtime the engine never sleeps in the
 //!   kernel (the peer may be a task on the same thread): it yields to the
 //!   runtime instead.
+//!
+//! [SC-3]: crate::backends::cpu::schedule#invariants
 
 use std::time::{Duration, Instant};
 
@@ -60,15 +62,19 @@ use crate::kernels;
 const PREFIX: usize = 24;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
-/// Smallest payload sent as an address (SX-4). Below it the ring's two
+/// Smallest payload sent as an address ([SX-4]). Below it the ring's two
 /// pipelined copies cost less than the ack round trip.
+///
+/// [SX-4]: self#invariants
 const CMA_MIN: usize = 256 << 10;
 /// Bytes read per `process_vm_readv` into a reduction's scratch buffer
 /// (fits in cache, so the reduction reads it back from there).
 const CMA_REDUCE_STEP: usize = 256 << 10;
 /// Bytes read per `process_vm_readv` straight into the destination.
 const CMA_COPY_STEP: usize = 1 << 20;
-/// Yields before a futex sleep when the host is oversubscribed (SX-5).
+/// Yields before a futex sleep when the host is oversubscribed ([SX-5]).
+///
+/// [SX-5]: self#invariants
 const YIELDS: u32 = 8;
 
 /// CPUs this process may run on (cached).
@@ -79,7 +85,9 @@ fn cpus() -> usize {
 
 /// Longest single futex sleep.
 const SLEEP: Duration = Duration::from_micros(50);
-/// Longest time spent blocking before returning to the runtime (SX-2).
+/// Longest time spent blocking before returning to the runtime ([SX-2]).
+///
+/// [SX-2]: self#invariants
 const ROUND: Duration = Duration::from_millis(1);
 /// Without kernel sleeps (a turn on a caller's runtime), how long the
 /// engine polls and yields before it waits on a timer between rounds.
@@ -114,9 +122,13 @@ struct SendJob<'a> {
     ring: &'a RingProducer,
     prefix: [u8; PREFIX],
     payload: &'a [u8],
-    /// SX-4: the payload's address, sent instead of its bytes.
+    /// [SX-4]: the payload's address, sent instead of its bytes.
+    ///
+    /// [SX-4]: self#invariants
     desc: Option<[u8; 8]>,
-    /// SX-4: the ticket of the descriptor, once written.
+    /// [SX-4]: the ticket of the descriptor, once written.
+    ///
+    /// [SX-4]: self#invariants
     ticket: Option<u64>,
     pos: usize,
 }
@@ -142,7 +154,9 @@ impl SendJob<'_> {
         self.written() && self.ticket.is_none_or(|t| self.ring.cma_done(t))
     }
 
-    /// SX-4: the ticket this job waits on, if it is waiting for a read.
+    /// [SX-4]: the ticket this job waits on, if it is waiting for a read.
+    ///
+    /// [SX-4]: self#invariants
     fn awaiting_read(&self) -> Option<u64> {
         self.ticket.filter(|&t| !self.ring.cma_done(t))
     }
@@ -180,8 +194,10 @@ impl SendJob<'_> {
 }
 
 impl Drop for SendJob<'_> {
-    /// SX-4: an op cancelled while the peer may still read this buffer
+    /// [SX-4]: an op cancelled while the peer may still read this buffer
     /// revokes the transfer before the buffer can be freed (SH-5).
+    ///
+    /// [SX-4]: self#invariants
     fn drop(&mut self) {
         let in_flight = self.desc.is_some() && self.pos > 0 && !self.done();
         if in_flight {
@@ -190,7 +206,9 @@ impl Drop for SendJob<'_> {
     }
 }
 
-/// SX-4: a payload being read from the sender's memory.
+/// [SX-4]: a payload being read from the sender's memory.
+///
+/// [SX-4]: self#invariants
 struct CmaRecv {
     pid: i32,
     /// The sender's address, as it arrives from the ring.
@@ -212,7 +230,9 @@ struct RecvJob<'a> {
     got: usize,
     /// Payload length, once the prefix is in.
     len: usize,
-    /// SX-4: set when the prefix announces a single-copy payload.
+    /// [SX-4]: set when the prefix announces a single-copy payload.
+    ///
+    /// [SX-4]: self#invariants
     cma: Option<CmaRecv>,
 }
 
@@ -224,8 +244,10 @@ impl RecvJob<'_> {
         }
     }
 
-    /// SX-4: take the address out of the ring, read the payload from the
+    /// [SX-4]: take the address out of the ring, read the payload from the
     /// sender's memory a step at a time, then ack.
+    ///
+    /// [SX-4]: self#invariants
     fn progress_cma(&mut self, ctx: &OpCtx) -> Result<bool> {
         let Some(c) = self.cma.as_mut() else {
             return Ok(false);
@@ -410,8 +432,11 @@ pub(crate) type Recvs<'a> = Vec<(usize, Vec<(FrameKind, u64, RecvInto<'a>)>)>;
 
 /// Run every frame of `sends` and `recvs` over the peers' rings, in order
 /// per (peer, direction), all peers at once. `readers[peer]` is the peer's
-/// TCP reader (liveness and Abort frames, SX-2). `may_block`: whether the
-/// engine may sleep in the kernel (SX-3).
+/// TCP reader (liveness and Abort frames, [SX-2]). `may_block`: whether the
+/// engine may sleep in the kernel ([SX-3]).
+///
+/// [SX-2]: self#invariants
+/// [SX-3]: self#invariants
 pub(crate) async fn run_shm(
     links: &[Option<ShmLink>],
     mut readers: Vec<Option<&mut LinkReader>>,

@@ -2,7 +2,7 @@
 //! transport) through a small C++ shim (`shim.cc`, built by `build.rs`)
 //! called over a C ABI.
 //!
-//! Invariants:
+//! # Invariants
 //! - GL-1: no C++ exception crosses into Rust: every shim call returns a
 //!   status and an error message, mapped to a typed [`Error`] with context.
 //! - GL-2: Gloo's rendezvous goes through Chorus's store (callbacks into
@@ -34,7 +34,9 @@ use crate::op::ReduceOp;
 use crate::tensor::{DType, Tensor};
 use crate::transport::Store;
 
-/// Lower bound of Gloo's per-op timeout (GL-3).
+/// Lower bound of Gloo's per-op timeout ([GL-3]).
+///
+/// [GL-3]: self#invariants
 pub const OP_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[repr(C)]
@@ -204,7 +206,9 @@ unsafe extern "C" fn store_get(
 }
 
 /// The Gloo context of one communicator on one rank, owned by its vendor
-/// worker thread: connected, used and freed there (GL-3, VW-1).
+/// worker thread: connected, used and freed there ([GL-3], VW-1).
+///
+/// [GL-3]: self#invariants
 pub(crate) struct GlooComm {
     g: *mut GlooCtx,
     rank: usize,
@@ -215,7 +219,9 @@ pub(crate) type GlooBackend = VendorBackend<GlooComm>;
 
 const ERRLEN: usize = 512;
 
-/// Call a shim function with an error buffer; GL-1.
+/// Call a shim function with an error buffer; [GL-1].
+///
+/// [GL-1]: self#invariants
 fn call(
     what: &'static str,
     f: impl FnOnce(*mut c_char, usize) -> c_int,
@@ -232,7 +238,9 @@ fn call(
     Err(format!("gloo {what}: {msg}"))
 }
 
-/// Shim op code of a combining op (GL-4).
+/// Shim op code of a combining op ([GL-4]).
+///
+/// [GL-4]: self#invariants
 fn op_code(op: ReduceOp) -> c_int {
     match op.combine_op() {
         ReduceOp::Product => 1,
@@ -249,7 +257,9 @@ fn is_half(d: DType) -> bool {
     matches!(d, DType::F16 | DType::BF16)
 }
 
-/// f16/bf16 tensors are reduced as f32 (GL-4).
+/// f16/bf16 tensors are reduced as f32 ([GL-4]).
+///
+/// [GL-4]: self#invariants
 fn widen(t: &Tensor) -> Tensor {
     let v: Vec<f64> = t.to_f64_vec();
     Tensor::from_f64s(DType::F32, &v)
@@ -260,10 +270,12 @@ fn narrow(dtype: DType, t: &Tensor) -> Tensor {
 }
 
 /// Start the worker thread, connect Gloo's full mesh on it through the
-/// store (GL-2), then the control mesh.
+/// store ([GL-2]), then the control mesh.
 ///
 /// # Errors
 /// `PeerFailed` if Gloo cannot connect; control-mesh errors as `cpu`.
+///
+/// [GL-2]: self#invariants
 pub(crate) async fn connect(init: BackendInit) -> Result<GlooBackend> {
     let timeout = init.connect_timeout.max(Duration::from_secs(1));
     let op_timeout = OP_TIMEOUT.max(init.connect_timeout);

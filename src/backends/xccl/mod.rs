@@ -12,7 +12,7 @@
 //! communicator's own stream: host → device copy, the NCCL call(s), wait for
 //! the stream, device → host copy. There is no device-buffer API yet.
 //!
-//! Invariants:
+//! # Invariants
 //! - XC-1: the libraries are loaded and a device is found before any I/O or
 //!   NCCL call; a missing library, symbol or device is
 //!   `BackendUnavailable{backend, reason}` naming what is missing — never a
@@ -29,21 +29,26 @@
 //!   device → host copy is only enqueued after that, so host buffers are
 //!   never written by the device after `execute` returned or was dropped.
 //! - XC-5: after an error the communicator is unusable until `abort`
-//!   (BE-2), which calls `ncclCommAbort`; `Drop` aborts (never destroys,
+//!   ([BE-2]), which calls `ncclCommAbort`; `Drop` aborts (never destroys,
 //!   which could block) and never panics.
 //! - XC-6: header exchange, abort notices and finalize run over a
 //!   [`CpuBackend`] control mesh, so mismatch detection is the same as on
 //!   every other backend.
 //! - XC-7: while no op runs, the executor polls `ncclCommGetAsyncError`
-//!   (BE-3): an error NCCL finds between ops (a lost peer, a device fault)
+//!   ([BE-3]): an error NCCL finds between ops (a lost peer, a device fault)
 //!   aborts the communicator and reaches `health()` without waiting for the
 //!   next op. NCCL does not say which rank failed, so such an error names
-//!   none unless the heartbeats (WD-2) name one first.
+//!   none unless the heartbeats ([WD-2]) name one first.
 //! - XC-8: `split` uses `ncclCommSplit` when the library has it (NCCL >=
-//!   2.18; BE-4): every parent rank calls it (non-members with
+//!   2.18; [BE-4]): every parent rank calls it (non-members with
 //!   `NCCL_SPLIT_NOCOLOR`), the child's rank is the key, and the child gets
 //!   its own stream and control mesh. Without the symbol, a child connects
 //!   from a fresh unique id like any new communicator.
+//!
+//! [BE-2]: crate::backends#invariants
+//! [BE-3]: crate::backends#invariants
+//! [BE-4]: crate::backends#invariants
+//! [WD-2]: crate::actors::watchdog#invariants
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
@@ -133,10 +138,12 @@ impl std::fmt::Debug for Vendor {
 }
 
 impl Vendor {
-    /// Load the runtime and collective libraries of `flavor` (XC-1).
+    /// Load the runtime and collective libraries of `flavor` ([XC-1]).
     ///
     /// # Errors
     /// `BackendUnavailable` naming the libraries tried.
+    ///
+    /// [XC-1]: self#invariants
     pub fn load(flavor: Flavor) -> Result<Vendor> {
         let unavailable = |reason: String| Error::BackendUnavailable {
             backend: flavor.name(),
@@ -328,12 +335,14 @@ impl std::fmt::Debug for XcclBackend {
 
 impl XcclBackend {
     /// Load the libraries, find the device, connect the control mesh,
-    /// exchange the unique id and create the communicator (XC-1..3).
+    /// exchange the unique id and create the communicator ([XC-1]..3).
     ///
     /// # Errors
-    /// `BackendUnavailable` (XC-1), `InvalidArgument` for a cpu device,
+    /// `BackendUnavailable` ([XC-1]), `InvalidArgument` for a cpu device,
     /// `Transport`/`PeerFailed` from the control mesh or store, `Timeout`
     /// style `PeerFailed` when NCCL init does not finish in time.
+    ///
+    /// [XC-1]: self#invariants
     pub async fn connect(flavor: Flavor, device: Device, init: BackendInit) -> Result<XcclBackend> {
         let ordinal = match device {
             Device::Cuda(i) => i,
@@ -430,10 +439,13 @@ impl XcclBackend {
         Ok(me)
     }
 
-    /// XC-5: what a failed library call becomes, whether an op or the idle
-    /// poll (XC-7) found it: `PeerFailed` (made by `peer_failed`) when
+    /// [XC-5]: what a failed library call becomes, whether an op or the idle
+    /// poll ([XC-7]) found it: `PeerFailed` (made by `peer_failed`) when
     /// NCCL's code means a peer is gone, else `Internal`; either way the
     /// communicator is broken from then on. `site` says where it was found.
+    ///
+    /// [XC-5]: self#invariants
+    /// [XC-7]: self#invariants
     fn vendor_err(
         &mut self,
         e: CallError,
@@ -494,7 +506,9 @@ impl XcclBackend {
     }
 
     /// Wait until the stream drained, polling the communicator's async
-    /// error (XC-4).
+    /// error ([XC-4]).
+    ///
+    /// [XC-4]: self#invariants
     async fn wait_stream(&self) -> std::result::Result<(), CallError> {
         loop {
             // SAFETY: live stream and communicator.
@@ -642,7 +656,9 @@ impl XcclBackend {
         }
     }
 
-    /// Stage, run and unstage one op (XC-4).
+    /// Stage, run and unstage one op ([XC-4]).
+    ///
+    /// [XC-4]: self#invariants
     async fn run(&mut self, size: usize, data: &mut OpData) -> std::result::Result<(), CallError> {
         // Host views: what goes in, where results land.
         let (p, dtype, op, esize) = match &*data {
@@ -823,7 +839,9 @@ async fn settle_new(
     }
 }
 
-/// The error of an init or split that did not finish in time (XC-3).
+/// The error of an init or split that did not finish in time ([XC-3]).
+///
+/// [XC-3]: self#invariants
 fn init_timeout(flavor: Flavor, init: &BackendInit, what: &str) -> Error {
     Error::PeerFailed {
         comm: init.comm.clone(),
@@ -884,11 +902,14 @@ impl XcclBackend {
         Ok(me)
     }
 
-    /// XC-8: `ncclCommSplit` of this communicator (BE-4). Members connect
+    /// [XC-8]: `ncclCommSplit` of this communicator ([BE-4]). Members connect
     /// the child's control mesh first, then every parent rank calls the
     /// split (non-members with `NCCL_SPLIT_NOCOLOR`), non-blocking, and
     /// waits for the parent and the child to settle within the timeout.
     /// Any failure leaves the parent broken (the executor aborts it).
+    ///
+    /// [BE-4]: crate::backends#invariants
+    /// [XC-8]: self#invariants
     async fn split_native(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
         if let Some(e) = &self.broken {
             return Err(e.clone());
@@ -1003,7 +1024,9 @@ impl XcclBackend {
     }
 
     /// A failed split: abort the child NCCL may have created and mark the
-    /// parent broken (its executor aborts it, BE-4).
+    /// parent broken (its executor aborts it, [BE-4]).
+    ///
+    /// [BE-4]: crate::backends#invariants
     fn split_failed(&mut self, child: Option<SendPtr>, err: Error) -> Error {
         if let Some(c) = child {
             // SAFETY: returned by the split; never used again.
@@ -1181,9 +1204,12 @@ impl Backend for XcclBackend {
         self.split_native(args).await
     }
 
-    /// XC-7: between ops, `ncclCommGetAsyncError` (BE-3), so a peer lost
+    /// [XC-7]: between ops, `ncclCommGetAsyncError` ([BE-3]), so a peer lost
     /// while this rank is idle aborts the communicator now rather than at
     /// its next op.
+    ///
+    /// [BE-3]: crate::backends#invariants
+    /// [XC-7]: self#invariants
     fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
         if self.broken.is_some() || self.comm.is_null() {
             // Already reported (the executor aborts after the first error).
@@ -1209,8 +1235,10 @@ impl Drop for XcclBackend {
 mod tests {
     use super::*;
 
-    /// XC-1: without the libraries (this machine, CI) loading is a clean
+    /// [XC-1]: without the libraries (this machine, CI) loading is a clean
     /// `BackendUnavailable` naming the library, not a panic.
+    ///
+    /// [XC-1]: self#invariants
     #[test]
     fn xc_1_missing_libraries_are_backend_unavailable() {
         for flavor in [Flavor::Nccl, Flavor::Rccl] {

@@ -3,7 +3,7 @@
 //! becomes NCCL calls ([`Call`] plans), including all-to-all(v), gather,
 //! scatter and uneven all-gather/reduce-scatter as grouped calls.
 //!
-//! Invariants:
+//! # Invariants
 //! - XP-1: a plan only names byte ranges inside the staged input (`In`) and
 //!   output (`Out`) device buffers whose sizes [`Plan`] reports.
 //! - XP-2: every `Send` to a peer in a plan is matched, in order, by a `Recv`
@@ -37,10 +37,12 @@ pub fn nccl_dtype(d: DType) -> ncclDataType_t {
     }
 }
 
-/// `ncclRedOp_t` for a combining op (XP-3).
+/// `ncclRedOp_t` for a combining op ([XP-3]).
 ///
 /// # Errors
 /// `UnsupportedOp` for `BAnd`/`BOr`/`BXor`.
+///
+/// [XP-3]: self#invariants
 pub fn nccl_op(op: ReduceOp, dtype: DType) -> Result<ncclRedOp_t> {
     match op.combine_op() {
         ReduceOp::Sum => Ok(0),
@@ -329,9 +331,11 @@ fn fix_scratch(calls: Vec<Call>, _rank: usize) -> Vec<Call> {
         .collect()
 }
 
-/// All-to-all(v) as grouped send/recv (XP-2): to every peer `j` send block
+/// All-to-all(v) as grouped send/recv ([XP-2]): to every peer `j` send block
 /// `j` of the input and receive block `j` of the output; the own block is a
 /// local copy. Empty blocks make no call.
+///
+/// [XP-2]: self#invariants
 pub fn all_to_all_calls(rank: usize, send_counts: &[usize], recv_counts: &[usize]) -> Vec<Call> {
     let so = offsets(send_counts);
     let ro = offsets(recv_counts);
@@ -395,8 +399,10 @@ mod tests {
         assert!(!is_peer_failure(4));
     }
 
-    /// XP-2: for every ordered pair, what `i` sends to `j` is what `j`
+    /// [XP-2]: for every ordered pair, what `i` sends to `j` is what `j`
     /// receives from `i`, in size.
+    ///
+    /// [XP-2]: self#invariants
     #[test]
     fn xp_2_all_to_all_v_sends_match_receives() {
         let size = 4;
@@ -461,7 +467,9 @@ mod tests {
         );
     }
 
-    /// XP-1: every range of every plan lies inside its staged buffer.
+    /// [XP-1]: every range of every plan lies inside its staged buffer.
+    ///
+    /// [XP-1]: self#invariants
     #[test]
     #[allow(clippy::single_range_in_vec_init)]
     fn xp_1_plans_stay_inside_staged_buffers() {

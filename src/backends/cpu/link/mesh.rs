@@ -5,7 +5,7 @@
 //! the store under `{key_prefix}/cpu/addr/{rank}`, and its host id under
 //! `{key_prefix}/cpu/host/{rank}`. Rank `r` connects to every rank below it
 //! and accepts from every rank above it; each connection is authenticated by
-//! the [handshake](super::handshake) before it carries frames. Once the mesh
+//! [`handshake`] before it carries frames. Once the mesh
 //! is up, same-host pairs set up shared-memory rings over their link
 //! ([`setup_shm`]).
 //!
@@ -246,8 +246,10 @@ pub(crate) async fn setup_shm(
     Ok(out)
 }
 
-/// Whether single-copy transfers may be used (SH-5); `CHORUS_SHM_CMA=0`
+/// Whether single-copy transfers may be used ([SH-5]); `CHORUS_SHM_CMA=0`
 /// turns them off.
+///
+/// [SH-5]: crate::backends::cpu::shm#invariants
 fn cma_enabled() -> bool {
     std::env::var("CHORUS_SHM_CMA").map_or(true, |v| v != "0")
 }
