@@ -54,6 +54,43 @@ pub(crate) struct CommCtx {
     pub(crate) bind_ip: IpAddr,
     pub(crate) options: CommOptions,
     pub(crate) server: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// For a split child: its members' ranks in the parent and in the world,
+    /// by child rank, at epoch 0. `None` for a top-level communicator.
+    pub(crate) lineage: Option<CommRanks>,
+}
+
+/// Where a communicator's members sit in its parent and in the world
+/// ([`Comm::ranks`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommRanks {
+    /// `in_parent[i]`: the parent rank of this communicator's rank `i`.
+    pub in_parent: Vec<usize>,
+    /// `in_world[i]`: the rank of this communicator's rank `i` in the
+    /// top-level communicator the split chain started from.
+    pub in_world: Vec<usize>,
+}
+
+/// Which split API a rank called, exchanged so that mixing them is a
+/// `Mismatch` rather than a silently wrong grouping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SplitForm {
+    /// [`Comm::split`]: the fingerprint of the caller's list (0 if empty).
+    List(i64),
+    /// [`Comm::split_by_color`].
+    Color,
+}
+
+/// The fingerprint of a rank list, as exchanged by [`Comm::split`].
+fn list_check(ranks: &[usize]) -> i64 {
+    if ranks.is_empty() {
+        return 0;
+    }
+    let bytes: Vec<u8> = ranks
+        .iter()
+        .flat_map(|&r| (r as u64).to_le_bytes())
+        .collect();
+    // Never 0, which stands for the empty list.
+    fnv(&bytes).max(1)
 }
 
 /// A communicator's health, as [`Comm::health`] reports it.
@@ -258,9 +295,13 @@ impl Comm {
     }
 
     /// Split off a child communicator of the ranks in `ranks` (parent ranks,
-    /// unique, in range; child rank `i` is `ranks[i]`). Collective over the
-    /// parent: every parent rank calls it with the same `ranks`; ranks not in
-    /// the list get `None`.
+    /// unique, in range; child rank `i` is `ranks[i]`), with TorchComms'
+    /// semantics. Collective over the parent: every parent rank calls it.
+    /// Each group passes its own list, and a rank that joins no group passes
+    /// `&[]` and gets `None`; so `split(&[0, 1])` on ranks 0 and 1 and
+    /// `split(&[2, 3])` on ranks 2 and 3 form two children at once. Passing
+    /// the same list on every rank also works: ranks not in it get `None`.
+    /// The children's ranks in this communicator are in [`Comm::ranks`].
     ///
     /// ```
     /// let comm = chorus::new_comm("cpu", chorus::Device::Cpu, "split-doc", chorus::CommOptions::single())?;
@@ -273,8 +314,13 @@ impl Comm {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for duplicate or out-of-range ranks or a bad
-    /// name; [`Error::Mismatch`] if ranks pass different lists (or issue
-    /// another op); the parent's failures otherwise.
+    /// name (before any communication), or for a non-empty list without the
+    /// caller that is not the list some group passed (on that rank; the
+    /// others get `Mismatch` naming it); [`Error::Mismatch`] if the members
+    /// of one group pass different lists, or ranks mix `split` with
+    /// `split_by_color` (or issue another op); the parent's failures
+    /// otherwise. After a `Mismatch` or `InvalidArgument` from the exchange,
+    /// the parent stays usable.
     pub fn split(&self, ranks: &[usize], name: &str) -> Result<Option<Comm>> {
         let (ranks, name) = (ranks.to_vec(), name.to_string());
         self.block("split", move |c| async move {
@@ -299,11 +345,14 @@ impl Comm {
                 return Err(self.invalid_split(format!("rank {r} is listed twice")));
             }
         }
-        let color = ranks.contains(&self.rank()).then_some(0);
-        let key = ranks.iter().position(|&r| r == self.rank()).unwrap_or(0) as i64;
-        let bytes: Vec<u8> = ranks.iter().flat_map(|r| r.to_le_bytes()).collect();
-        let (check, name) = (fnv(&bytes), name.to_string());
-        self.on_runtime(move |c| async move { c.split_inner(color, key, check, &name).await })
+        // TorchComms: color = the smallest rank of the group, key = position.
+        let (color, key) = match ranks.iter().position(|&r| r == self.rank()) {
+            Some(pos) => (ranks.iter().min().map(|&m| m as u32), pos as i64),
+            None => (None, 0),
+        };
+        let form = SplitForm::List(list_check(ranks));
+        let name = name.to_string();
+        self.on_runtime(move |c| async move { c.split_inner(color, key, form, &name).await })
             .await
     }
 
@@ -316,7 +365,7 @@ impl Comm {
     pub fn split_by_color(&self, color: Option<u32>, key: i64, name: &str) -> Result<Option<Comm>> {
         let name = name.to_string();
         self.block("split_by_color", move |c| async move {
-            c.split_inner(color, key, 0, &name).await
+            c.split_inner(color, key, SplitForm::Color, &name).await
         })
     }
 
@@ -331,8 +380,45 @@ impl Comm {
         name: &str,
     ) -> Result<Option<Comm>> {
         let name = name.to_string();
-        self.on_runtime(move |c| async move { c.split_inner(color, key, 0, &name).await })
-            .await
+        self.on_runtime(
+            move |c| async move { c.split_inner(color, key, SplitForm::Color, &name).await },
+        )
+        .await
+    }
+
+    /// Where this communicator's members sit in its parent and in the
+    /// world. For a top-level communicator, and after any reconfigure (which
+    /// renumbers ranks), both lists are `0..size`.
+    ///
+    /// ```
+    /// let comm = chorus::new_comm("cpu", chorus::Device::Cpu, "ranks-doc", chorus::CommOptions::single())?;
+    /// assert_eq!(comm.ranks().in_world, vec![0]);
+    /// let child = comm.split(&[0], "child")?.expect("rank 0 is a member");
+    /// assert_eq!(child.ranks().in_parent, vec![0]);
+    /// comm.finalize()?;
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    pub fn ranks(&self) -> CommRanks {
+        match &self.shared.ctx.lineage {
+            Some(l) if self.epoch() == 0 && l.in_parent.len() == self.size() => l.clone(),
+            _ => CommRanks {
+                in_parent: (0..self.size()).collect(),
+                in_world: (0..self.size()).collect(),
+            },
+        }
+    }
+
+    /// The lineage of a child made of the parent ranks `members`.
+    fn lineage_of(&self, in_parent: Vec<usize>) -> CommRanks {
+        let mine = self.ranks();
+        let in_world = in_parent
+            .iter()
+            .map(|&p| mine.in_world.get(p).copied().unwrap_or(p))
+            .collect();
+        CommRanks {
+            in_parent,
+            in_world,
+        }
     }
 
     fn not_supported(&self, op: &'static str, detail: &str) -> Error {
@@ -349,7 +435,7 @@ impl Comm {
         &self,
         color: Option<u32>,
         key: i64,
-        check: i64,
+        form: SplitForm,
         name: &str,
     ) -> Result<Option<Comm>> {
         // Every rank has the same backend, so every rank refuses here,
@@ -367,11 +453,16 @@ impl Comm {
         }
         // EL-1: the parent's own split count, the same on every rank.
         let seq = self.shared.splits.fetch_add(1, Ordering::AcqRel);
+        let (kind, check) = match form {
+            SplitForm::List(check) => (1, check),
+            SplitForm::Color => (2, 0),
+        };
         let mine = vec![
             color.map(i64::from).unwrap_or(-1),
             key,
             check,
             fnv(name.as_bytes()),
+            kind,
         ];
         let all = self
             .all_gather_async(Tensor::from_vec(mine))
@@ -387,30 +478,70 @@ impl Comm {
             // Found after a completed all_gather: every rank agrees, the parent stays usable.
             fatal: false,
         };
-        if all.len() != 4 * self.size() {
+        if all.len() != 5 * self.size() {
             return Err(mismatch("split exchange returned a wrong size".into()));
         }
-        let rows: Vec<&[i64]> = all.chunks(4).collect();
-        if let Some(r) = rows.iter().position(|row| row[2] != rows[0][2]) {
+        let rows: Vec<&[i64]> = all.chunks(5).collect();
+        let api = |k: i64| if k == 1 { "split" } else { "split_by_color" };
+        if let Some(r) = rows.iter().position(|row| row[4] != rows[0][4]) {
             return Err(mismatch(format!(
-                "rank 0 and rank {r} passed different rank lists to split"
+                "rank 0 called {} and rank {r} called {}",
+                api(rows[0][4]),
+                api(rows[r][4])
             )));
         }
         // BE-4: children numbered densely, the same way on every rank.
         let mut colors: Vec<i64> = rows.iter().map(|row| row[0]).filter(|&c| c >= 0).collect();
         colors.sort_unstable();
         colors.dedup();
+        // The members of `c`, as (key, parent rank), in child-rank order.
+        let members_of = |c: i64| -> Vec<(i64, usize)> {
+            let mut m: Vec<(i64, usize)> = rows
+                .iter()
+                .enumerate()
+                .filter(|(_, row)| row[0] == c)
+                .map(|(r, row)| (row[1], r))
+                .collect();
+            m.sort_unstable();
+            m
+        };
+        if matches!(form, SplitForm::List(_)) {
+            // Each group's members passed exactly the list they form.
+            let mut group_checks = Vec::with_capacity(colors.len());
+            for &c in &colors {
+                let list: Vec<usize> = members_of(c).iter().map(|&(_, r)| r).collect();
+                let expect = list_check(&list);
+                if let Some(&r) = list.iter().find(|&&r| rows[r][2] != expect) {
+                    return Err(mismatch(format!(
+                        "rank {r} passed a rank list to split that differs from the group \
+                         its other members formed ({list:?})"
+                    )));
+                }
+                group_checks.push(expect);
+            }
+            // A non-member's non-empty list must be some group's list (the
+            // same-list form); anything else is a caller error.
+            let stray = rows
+                .iter()
+                .position(|row| row[0] < 0 && row[2] != 0 && !group_checks.contains(&row[2]));
+            if let Some(r) = stray {
+                let detail = format!(
+                    "rank {r} passed a non-empty rank list without itself that no group \
+                     formed; a rank that joins no group passes an empty list"
+                );
+                return Err(if r == self.rank() {
+                    self.invalid_split(detail)
+                } else {
+                    mismatch(detail)
+                });
+            }
+        }
         let Some(color) = color else {
             // A native split needs every parent rank, members or not.
             self.native_split(None).await?;
             return Ok(None);
         };
-        let mut members: Vec<(i64, usize)> = rows
-            .iter()
-            .enumerate()
-            .filter(|(_, row)| row[0] == i64::from(color))
-            .map(|(r, row)| (row[1], r))
-            .collect();
+        let members = members_of(i64::from(color));
         if let Some((_, r)) = members
             .iter()
             .find(|(_, r)| rows[*r][3] != fnv(name.as_bytes()))
@@ -419,7 +550,6 @@ impl Comm {
                 "rank {r} named its child of color {color} differently"
             )));
         }
-        members.sort_unstable();
         let rank = members
             .iter()
             .position(|&(_, r)| r == self.rank())
@@ -441,6 +571,7 @@ impl Comm {
                 bind_ip: parent.bind_ip,
                 options: parent.options.clone(),
                 server: parent.server.clone(),
+                lineage: Some(self.lineage_of(members.iter().map(|&(_, r)| r).collect())),
             }),
             parent: Some(self.shared.clone()),
         };
@@ -897,6 +1028,7 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
                 bind_ip: crate::bootstrap::bind_ip(&options, connected.local_ip)?,
                 options: options.clone(),
                 server: None,
+                lineage: None,
             });
             let rank = closed.survivors.len() + ticket;
             return start_epoch(&ctx, backend, device, rank, closed.size(), next).await;

@@ -91,7 +91,9 @@ mod work;
 pub use actors::status::{ChildFailure, State, Status};
 pub use backends::{Capabilities, SplitMode};
 pub use comm::{Comm, P2POp};
-pub use elastic::{join_comm, join_comm_async, Health, Hierarchy, RankMap, ReconfigureOptions};
+pub use elastic::{
+    join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
+};
 pub use error::{Error, Result};
 pub use op::{OpKind, ReduceOp};
 pub use options::{CommOptions, Device, Rendezvous};
@@ -191,6 +193,7 @@ async fn create(
             server: connected
                 .server
                 .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
+            lineage: None,
         }),
         parent: None,
     };

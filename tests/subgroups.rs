@@ -55,6 +55,95 @@ fn split_by_ranks_gives_none_outside_and_sequential_ranks_inside() {
     assert_eq!(out[1], Some((1, vec![3, 1])));
 }
 
+/// TorchComms' SplitTest: contiguous halves, each half passing its own
+/// list, at once; the children reduce within their half and know their
+/// ranks in the parent and in the world, through a split of a split.
+#[test]
+fn split_into_halves_each_passing_its_own_list() {
+    let out = run_ranks(4, "split-halves", |comm| {
+        let r = comm.rank();
+        let mine: Vec<usize> = if r < 2 { vec![0, 1] } else { vec![3, 2] };
+        let half = comm.split(&mine, "half").unwrap().expect("member");
+        assert_eq!(half.size(), 2);
+        assert_eq!(half.ranks().in_parent, mine);
+        assert_eq!(half.ranks().in_world, mine);
+        let s = half
+            .all_reduce(Tensor::full(r as i32, 4), ReduceOp::Sum)
+            .unwrap()
+            .to_vec::<i32>()[0];
+        // A split of the split: child rank 1 of each half alone.
+        let solo = half.split(if half.rank() == 1 { &[1][..] } else { &[] }, "solo");
+        let solo = solo.unwrap();
+        let world = solo.as_ref().map(|c| (c.size(), c.ranks()));
+        comm.finalize().unwrap();
+        (half.rank(), s, world)
+    });
+    assert_eq!(out[0].0, 0);
+    assert_eq!(out[1].0, 1);
+    assert_eq!(out[3].0, 0, "rank 3 is first in its half's list");
+    assert_eq!(out[2].0, 1);
+    assert_eq!([out[0].1, out[1].1, out[2].1, out[3].1], [1, 1, 5, 5]);
+    // Child rank 1 of [0, 1] is world rank 1; of [3, 2] it is world rank 2.
+    let solo = |i: usize| {
+        out[i]
+            .2
+            .clone()
+            .map(|(n, rk)| (n, rk.in_parent, rk.in_world))
+    };
+    assert_eq!(solo(1), Some((1, vec![1], vec![1])));
+    assert_eq!(solo(2), Some((1, vec![1], vec![2])));
+    assert_eq!(solo(0), None);
+    assert_eq!(solo(3), None);
+}
+
+/// TorchComms' SplitTest: even ranks form a child, odd ranks pass `[]`.
+#[test]
+fn split_even_ranks_with_empty_lists_outside() {
+    let out = run_ranks(4, "split-even", |comm| {
+        let r = comm.rank();
+        let list: &[usize] = if r % 2 == 0 { &[0, 2] } else { &[] };
+        let child = comm.split(list, "even").unwrap();
+        let res = child.as_ref().map(|c| {
+            let g = c.all_gather(Tensor::from_vec(vec![r as i32])).unwrap();
+            (c.rank(), g.to_vec::<i32>(), c.ranks().in_parent)
+        });
+        comm.finalize().unwrap();
+        res
+    });
+    assert_eq!(out[0], Some((0, vec![0, 2], vec![0, 2])));
+    assert_eq!(out[2], Some((1, vec![0, 2], vec![0, 2])));
+    assert_eq!(out[1], None);
+    assert_eq!(out[3], None);
+}
+
+/// A non-empty list without the caller that no group formed is the
+/// caller's error (`InvalidArgument`) and a `Mismatch` elsewhere; mixing
+/// `split` with `split_by_color` is a `Mismatch`. The parent stays usable.
+#[test]
+fn split_errors_are_typed_on_every_rank_and_leave_the_parent_usable() {
+    run_ranks(3, "split-errs", |comm| {
+        let r = comm.rank();
+        // Ranks 0 and 1 form [0, 1]; rank 2 passes [0] without itself.
+        let list: &[usize] = if r < 2 { &[0, 1] } else { &[0] };
+        match comm.split(list, "bad").unwrap_err() {
+            Error::InvalidArgument { op: "split", .. } if r == 2 => {}
+            Error::Mismatch { op: "split", .. } if r < 2 => {}
+            e => panic!("rank {r}: {e}"),
+        }
+        let e = if r == 0 {
+            comm.split_by_color(Some(0), 0, "mixed").unwrap_err()
+        } else {
+            comm.split(&[0, 1, 2], "mixed").unwrap_err()
+        };
+        assert!(matches!(e, Error::Mismatch { .. }), "rank {r}: {e}");
+        let s = comm
+            .all_reduce(Tensor::full(1i32, 2), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(s.to_vec::<i32>(), vec![3, 3]);
+        comm.finalize().unwrap();
+    });
+}
+
 #[test]
 fn split_with_different_rank_lists_is_a_mismatch_on_every_rank() {
     run_ranks(2, "split-mm", |comm| {

@@ -710,6 +710,7 @@ mod tests {
                 bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
                 options: CommOptions::single().with_timeout(Duration::from_secs(20)),
                 server: None,
+                lineage: None,
             }),
             parent: None,
         };
