@@ -177,10 +177,14 @@ impl Core {
         signal: &AbortSignal,
         may_block: bool,
     ) -> TurnEnd {
-        let Some(completer) = req.completer.take() else {
+        let Some(mut completer) = req.completer.take() else {
             return TurnEnd::Done;
         };
         self.stamp(&mut req);
+        completer.started(Some(match &req.data {
+            OpData::P2P { ops } => ops.first().map(|t| t.seq).unwrap_or(0),
+            _ => req.seq,
+        }));
         let ctx = OpCtx {
             comm: self.info.name.clone(),
             rank: self.info.rank,
