@@ -17,14 +17,14 @@
 //! [`RemovableHandle::remove`] unregisters the hook.
 //!
 //! This module also holds the per-communicator `Observer` that the
-//! completion path ([`crate::work`]) reports to: hooks and the flight
+//! completion path (`crate::work`) reports to: hooks and the flight
 //! recorder ([`crate::flight_recorder`]).
 //!
 //! Invariants:
 //!
 //! | tag | rule |
 //! |-----|------|
-//! | HK-1 | each issued op produces exactly one pre and one post event, with the same op id, the pre event first; events of one communicator reach the hooks in the order they happened. |
+//! | HK-1 | each issued op is reported once to the pre hooks (when issued) and once to the post hooks (when completed), with the same op id, the pre call first; a communicator's events reach the hooks in the order they happened. |
 //! | HK-2 | with no hook registered and the flight recorder off, issuing an op costs one atomic load and an empty check, and nothing is allocated. |
 //! | HK-3 | abort hooks are called once per communicator, with the cause, before the ops still outstanding are failed; the abort waits for them at most [`ABORT_HOOK_DEADLINE`]. |
 //! | HK-4 | once [`RemovableHandle::remove`] returned (or the handle was dropped), the hook is not called again, except for a call already running. |
@@ -123,6 +123,9 @@ enum Kind {
 pub(crate) struct HookSet {
     /// How many hooks are registered, of any kind (HK-2).
     count: AtomicUsize,
+    /// How many of each kind ([`Kind`] as index): an event nobody listens
+    /// to is not sent to the hook thread (each send may wake it, ~µs).
+    per_kind: [AtomicUsize; 3],
     next: AtomicU64,
     pre: RwLock<Vec<(u64, Arc<PreFn>)>>,
     post: RwLock<Vec<(u64, Arc<PostFn>)>>,
@@ -152,6 +155,7 @@ impl HookSet {
     fn add(self: &Arc<Self>, kind: Kind, push: impl FnOnce(u64)) -> RemovableHandle {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         push(id);
+        self.per_kind[kind as usize].fetch_add(1, Ordering::AcqRel);
         self.count.fetch_add(1, Ordering::AcqRel);
         RemovableHandle {
             set: Arc::downgrade(self),
@@ -187,13 +191,8 @@ impl HookSet {
         })
     }
 
-    fn has_abort(&self) -> bool {
-        !self.is_empty()
-            && !self
-                .abort
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
+    fn has(&self, kind: Kind) -> bool {
+        self.per_kind[kind as usize].load(Ordering::Acquire) != 0
     }
 }
 
@@ -233,6 +232,7 @@ impl Drop for RemovableHandle {
             Kind::Abort => remove_id(&set.abort, self.id),
         };
         if removed {
+            set.per_kind[self.kind as usize].fetch_sub(1, Ordering::AcqRel);
             set.count.fetch_sub(1, Ordering::AcqRel);
         }
     }
@@ -332,8 +332,7 @@ impl Observer {
             Some(r) if hints.record => Some(r.push(op_id, &desc, hints.tag.as_deref(), now)),
             _ => None,
         };
-        let hooked = !self.hooks.is_empty();
-        if hooked {
+        if self.hooks.has(Kind::Pre) {
             let args = PreHookArgs {
                 op_id,
                 op: desc.op,
@@ -359,7 +358,6 @@ impl Observer {
             op_id,
             op: desc.op,
             rec,
-            hooked,
             issued: now,
             started: None,
             seq: None,
@@ -369,7 +367,7 @@ impl Observer {
     /// The communicator was aborted with `cause` (once): the abort hooks,
     /// then the dump, each bounded in time (HK-3, FR-3).
     pub(crate) async fn aborted(&self, cause: &Error) {
-        if self.hooks.has_abort() {
+        if self.hooks.has(Kind::Abort) {
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();
             let hooks = self.hooks.clone();
             let args = AbortHookArgs {
@@ -418,9 +416,6 @@ pub(crate) struct Tracked {
     op: &'static str,
     /// Its flight-recorder entry.
     rec: Option<u64>,
-    /// Post hooks were registered when it was issued (HK-1: a post event
-    /// only for an op that had a pre event).
-    hooked: bool,
     issued: Instant,
     started: Option<Instant>,
     seq: Option<u64>,
@@ -445,12 +440,12 @@ impl Tracked {
     }
 
     /// It completes with `result` (FR-2: before its `Work` does).
-    pub(crate) fn finish(self: Box<Self>, result: Result<(), &Error>) {
+    pub(crate) fn finish(self, result: Result<(), &Error>) {
         let now = Instant::now();
         if let (Some(r), Some(id)) = (&self.obs.recorder, self.rec) {
             r.finished(id, result.err().map(|e| e.to_string()), now);
         }
-        if self.hooked {
+        if self.obs.hooks.has(Kind::Post) {
             let args = PostHookArgs {
                 op_id: self.op_id,
                 op: self.op,

@@ -97,7 +97,7 @@ impl Completer {
     /// Complete the work (WK-1). The observer hears of it first.
     pub(crate) fn complete(mut self, result: Result<Completion>) {
         if let Some(t) = self.tracked.take() {
-            t.finish(result.as_ref().map(|_| ()));
+            (*t).finish(result.as_ref().map(|_| ()));
         }
         if let Some(state) = self.state.take() {
             let waker = {
