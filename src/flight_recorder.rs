@@ -12,7 +12,7 @@
 //! [`CommOptions::flight_recorder_dir`](crate::CommOptions::flight_recorder_dir)
 //! (`CHORUS_FLIGHT_RECORDER_DIR`) is set, the ring is written there as JSON
 //! ([`dump_file_name`]) before the ops still queued are failed. The format
-//! is described in `docs/flight-recorder.md`.
+//! is described in `docs/observability.md`.
 //!
 //! Invariants:
 //! - FR-1: entries are in issue order with consecutive `id`s; an entry
