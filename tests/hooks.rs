@@ -512,7 +512,8 @@ fn hints_are_checked_kept_and_typed() {
 }
 
 /// Run by [`timeout_env_sets_the_default_op_timeout`] in a child process
-/// with the environment it sets (env vars are process-wide).
+/// with the environment it sets (env vars are process-wide, so only this
+/// child, alone in its process, may change them).
 #[test]
 #[ignore = "run as a child process by timeout_env_sets_the_default_op_timeout"]
 fn timeout_env_child() {
@@ -523,9 +524,21 @@ fn timeout_env_child() {
             other => panic!("expected Config, got {other:?}"),
         }
         assert_eq!(CommOptions::default().timeout, Duration::from_secs(600));
+        std::env::set_var("CHORUS_TIMEOUT_SECONDS", "5");
+        std::env::set_var("CHORUS_FLIGHT_RECORDER_SIZE", "many");
+        match new_comm("cpu", Device::Cpu, "env-bad-size", CommOptions::single()) {
+            Err(Error::Config(m)) => assert!(m.contains("CHORUS_FLIGHT_RECORDER_SIZE"), "{m}"),
+            other => panic!("expected Config, got {other:?}"),
+        }
     } else {
         let want = Duration::from_secs_f64(want.parse().unwrap());
-        assert_eq!(CommOptions::default().timeout, want);
+        let defaults = CommOptions::default();
+        assert_eq!(defaults.timeout, want);
+        assert_eq!(defaults.flight_recorder_size, 7);
+        assert_eq!(
+            defaults.flight_recorder_dir.as_deref(),
+            Some(std::path::Path::new("/nonexistent/fr"))
+        );
         let comm = new_comm("cpu", Device::Cpu, "env-ok", CommOptions::single()).unwrap();
         assert_eq!(comm.timeout(), want);
         assert_eq!(comm.options().timeout, want);
@@ -550,6 +563,8 @@ fn timeout_env_sets_the_default_op_timeout() {
             ])
             .env("CHORUS_TIMEOUT_SECONDS", value)
             .env("CHORUS_TEST_WANT", want)
+            .env("CHORUS_FLIGHT_RECORDER_SIZE", "7")
+            .env("CHORUS_FLIGHT_RECORDER_DIR", "/nonexistent/fr")
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
