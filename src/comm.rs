@@ -12,11 +12,19 @@
 //! Buffers move into the op and come back in its completion: no buffer is
 //! shared between the caller and an op in flight.
 //!
+//! A handle also carries what its ops are issued with: a timeout of its own
+//! ([`Comm::with_timeout`], else the communicator's, [`Comm::set_timeout`])
+//! and hints ([`Comm::with_hints`]). When an op is issued, the handle hands
+//! it to the communicator's observer (hooks, flight recorder:
+//! [`crate::hooks`]), which follows it through its `Work`'s completion.
+//!
 //! Invariants:
 //! - CM-1: every method returns a `Work` that completes exactly once, even when
 //!   the communicator is finalized or aborted.
 //! - CM-2: all ranks must issue collectives in the same order; point-to-point
 //!   ops must be issued in the same relative order by both ends.
+//! - CM-3: an op rejected by its argument checks is no op: it gets no op id,
+//!   no hook call and no flight-recorder entry; every other op gets all three.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -67,6 +67,15 @@
 //! [`Error::PeerFailed`] stamped with the epoch, and [`Comm::reconfigure`]
 //! forms the next epoch from the survivors (and ranks that [`join_comm`]ed),
 //! under a majority rule ([`Error::NoQuorum`]).
+//!
+//! ## Observing ops
+//!
+//! [`Comm::register_pre_hook`], [`Comm::register_post_hook`] and
+//! [`Comm::register_abort_hook`] call your functions when an op is issued,
+//! when it completes, and when the communicator is aborted ([`hooks`]);
+//! [`Comm::flight_record`] returns the last ops with their states, dumped
+//! as JSON on an abort when `CHORUS_FLIGHT_RECORDER_DIR` is set
+//! ([`flight_recorder`]); [`Comm::with_hints`] attaches [`hints`] to ops.
 #![deny(missing_docs)]
 
 use std::sync::Arc;

@@ -257,6 +257,34 @@ fn abort_hook_runs_once_with_the_cause_before_queued_ops_fail_world_2() {
 }
 
 #[test]
+fn a_hung_abort_hook_delays_the_abort_at_most_its_deadline() {
+    let comm = new_comm("cpu", Device::Cpu, "hooks-hung", CommOptions::single()).unwrap();
+    let (release_tx, release_rx) = channel::<()>();
+    let release_rx = Mutex::new(release_rx);
+    let (tx, rx) = channel();
+    let ab_tx = sink(&tx);
+    let _hung = comm.register_abort_hook(move |a| {
+        send(&ab_tx, Ev::Abort(a.clone()));
+        // Hangs until the test lets it go (bounded, so it never outlives it).
+        let _ = release_rx.lock().unwrap().recv_timeout(WAIT);
+    });
+    let queued = comm.barrier_async();
+    let start = Instant::now();
+    comm.abort();
+    let took = start.elapsed();
+    assert!(matches!(take(&rx, 1)[0], Ev::Abort(_)));
+    assert!(
+        took < chorus::hooks::ABORT_HOOK_DEADLINE + Duration::from_secs(5),
+        "the abort waited {took:?} for a hung hook"
+    );
+    assert!(comm.is_aborted());
+    // The barrier either ran before the abort or was failed by it, and
+    // either way completed without the hook's help.
+    let _ = queued.wait();
+    release_tx.send(()).unwrap();
+}
+
+#[test]
 fn flight_record_follows_ops_tags_and_skips_unrecorded_ones_world_2() {
     run_ranks_on(
         "cpu",
@@ -366,6 +394,10 @@ fn set_timeout_bounds_the_next_recv_and_the_failure_is_recorded_and_dumped_world
                 gate.wait();
                 return;
             }
+            let (tx, rx) = channel();
+            let (ab_tx, post_tx) = (sink(&tx), sink(&tx));
+            let _ab = comm.register_abort_hook(move |a| send(&ab_tx, Ev::Abort(a.clone())));
+            let _post = comm.register_post_hook(move |a| send(&post_tx, Ev::Post(a.clone())));
             let old = comm.timeout();
             assert_eq!(old, Duration::from_secs(30), "the test options' timeout");
             let other_handle = comm.clone();
@@ -400,6 +432,22 @@ fn set_timeout_bounds_the_next_recv_and_the_failure_is_recorded_and_dumped_world
                 "{took:?}"
             );
             assert!(comm.is_aborted());
+            // The fatal error is the abort's cause, reported once, before
+            // the op's own failure.
+            let evs = take(&rx, 2);
+            match &evs[..] {
+                [Ev::Abort(a), Ev::Post(p)] => {
+                    assert!(matches!(a.cause, Error::Timeout { .. }), "{}", a.cause);
+                    assert_eq!(p.op, "recv");
+                    assert!(
+                        matches!(p.result, Err(Error::Timeout { .. })),
+                        "{:?}",
+                        p.result
+                    );
+                }
+                other => panic!("expected the abort hook, then the recv's post: {other:?}"),
+            }
+            assert!(rx.try_recv().is_err());
             let fr = comm.flight_record();
             assert_eq!(fr.len(), 2);
             assert_eq!(fr[0].state, FlightState::Completed);

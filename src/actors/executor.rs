@@ -6,7 +6,8 @@
 //! it. An op is one *turn*: `Core::turn` takes `&mut Core` and one
 //! request, and for that op
 //!
-//! 1. stamps its sequence numbers (`Core::stamp`);
+//! 1. stamps its sequence numbers (`Core::stamp`) and marks the op started
+//!    for its hooks and flight-recorder entry ([`crate::hooks`]);
 //! 2. exchanges consistency headers with the participants and checks them
 //!    ([`crate::op`]);
 //! 3. sizes outputs that depend on peers (the list form of all_to_all);
