@@ -465,3 +465,33 @@ impl Tracked {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hk_4_handles_unregister_once_and_outlive_their_set_safely() {
+        let set = Arc::new(HookSet::default());
+        assert!(set.is_empty());
+        let pre = set.add_pre(Arc::new(|_| {}));
+        let post = set.add_post(Arc::new(|_| {}));
+        assert!(set.has(Kind::Pre) && set.has(Kind::Post) && !set.has(Kind::Abort));
+        pre.remove();
+        assert!(!set.has(Kind::Pre) && !set.is_empty());
+        let abort = set.add_abort(Arc::new(|_| {}));
+        drop(post);
+        assert!(set.has(Kind::Abort) && !set.has(Kind::Post));
+        drop(set);
+        // The communicator is gone: dropping its last handle is a no-op.
+        drop(abort);
+    }
+
+    #[test]
+    fn hk_5_a_panic_is_caught() {
+        let mut after = false;
+        call_caught("pre", "c", || panic!("boom"));
+        call_caught("pre", "c", || after = true);
+        assert!(after);
+    }
+}
