@@ -12,12 +12,22 @@
 //! Buffers move into the op and come back in its completion: no buffer is
 //! shared between the caller and an op in flight.
 //!
+//! A handle also carries what its ops are issued with: a timeout of its own
+//! ([`Comm::with_timeout`], else the communicator's, [`Comm::set_timeout`])
+//! and hints ([`Comm::with_hints`]). When an op is issued, the handle hands
+//! it to the communicator's observer (hooks, flight recorder:
+//! [`crate::hooks`]), which follows it through its `Work`'s completion.
+//!
 //! Invariants:
 //! - CM-1: every method returns a `Work` that completes exactly once, even when
 //!   the communicator is finalized or aborted.
 //! - CM-2: all ranks must issue collectives in the same order; point-to-point
 //!   ops must be issued in the same relative order by both ends.
+//! - CM-3: an op rejected by its argument checks is no op: it gets no op id,
+//!   no hook call and no flight-recorder entry; every other op gets all three.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,8 +37,11 @@ use crate::actors::status::{State, Status};
 use crate::actors::{CommMsg, Home, Request};
 use crate::backends::{OpData, P2PTransfer};
 use crate::error::{Error, Result};
+use crate::flight_recorder::{FlightEntry, OpDesc};
+use crate::hints::Hints;
+use crate::hooks::{AbortHookArgs, PostHookArgs, PreHookArgs, RemovableHandle};
 use crate::op::{OpKind, ReduceOp};
-use crate::options::Device;
+use crate::options::{CommOptions, Device};
 use crate::tensor::{DType, Tensor};
 use crate::work::{to_pair, to_tensor, to_tensors, to_unit, Completion, Work};
 
@@ -78,6 +91,12 @@ pub(crate) struct Shared {
     pub(crate) backend: &'static str,
     /// What the backend can do beyond the ops, asked when it started.
     pub(crate) caps: crate::backends::Capabilities,
+    /// The backend's version, asked when it started.
+    pub(crate) backend_version: String,
+    /// The op timeout of handles without their own ([`Comm::set_timeout`]).
+    pub(crate) default_timeout: AtomicDuration,
+    /// The communicator's hints, from its options.
+    pub(crate) hints: Arc<Hints>,
     pub(crate) actor: ActorRef<CommMsg>,
     /// The actor's home: its offer of the core to blocked callers, its abort
     /// signal and status, its runtime.
@@ -94,6 +113,25 @@ pub(crate) struct Shared {
     /// A split's parent, kept alive (not finalized by its handles' drop)
     /// while this child lives.
     pub(crate) _parent: Option<Arc<Shared>>,
+}
+
+/// A `Duration` that can be changed in place (nanoseconds, saturating).
+pub(crate) struct AtomicDuration(AtomicU64);
+
+impl AtomicDuration {
+    pub(crate) fn new(d: Duration) -> AtomicDuration {
+        AtomicDuration(AtomicU64::new(nanos(d)))
+    }
+    fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+    fn set(&self, d: Duration) {
+        self.0.store(nanos(d), Ordering::Relaxed)
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Drop for Shared {
@@ -129,7 +167,11 @@ impl Drop for Shared {
 #[derive(Clone)]
 pub struct Comm {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) timeout: Duration,
+    /// This handle's own op timeout ([`Comm::with_timeout`]); `None`: the
+    /// communicator's ([`Comm::set_timeout`]).
+    pub(crate) timeout: Option<Duration>,
+    /// This handle's hints: the communicator's, overlaid by `with_hints`.
+    pub(crate) hints: Arc<Hints>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -146,8 +188,12 @@ impl std::fmt::Debug for Comm {
 }
 
 impl Comm {
-    pub(crate) fn from_shared(shared: Arc<Shared>, timeout: Duration) -> Comm {
-        Comm { shared, timeout }
+    pub(crate) fn from_shared(shared: Arc<Shared>) -> Comm {
+        Comm {
+            hints: shared.hints.clone(),
+            shared,
+            timeout: None,
+        }
     }
 
     /// This rank, in `0..size()`.
@@ -179,16 +225,122 @@ impl Comm {
     pub fn epoch(&self) -> u64 {
         self.shared.epoch
     }
-    /// The default timeout of ops issued through this handle.
+    /// The timeout of ops issued through this handle: its own
+    /// ([`Comm::with_timeout`]), else the communicator's
+    /// ([`Comm::set_timeout`], [`CommOptions::timeout`]).
     pub fn timeout(&self) -> Duration {
         self.timeout
+            .unwrap_or_else(|| self.shared.default_timeout.get())
     }
 
-    /// A handle on the same communicator whose ops use `timeout`.
+    /// A handle on the same communicator whose ops use `timeout`, whatever
+    /// [`Comm::set_timeout`] later sets.
     pub fn with_timeout(&self, timeout: Duration) -> Comm {
         Comm {
-            shared: self.shared.clone(),
-            timeout,
+            timeout: Some(timeout),
+            ..self.clone()
+        }
+    }
+
+    /// Set the communicator's op timeout in place: ops issued from now on,
+    /// through every handle without a [`Comm::with_timeout`] of its own,
+    /// use `timeout` (TorchComms' `set_timeout`). Ops already issued keep
+    /// the timeout they were issued with.
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.shared.default_timeout.set(timeout);
+    }
+
+    /// The backend's version: the vendor library's (e.g. `nccl 2.21.5`)
+    /// where there is one, else the backend's name and Chorus's version.
+    pub fn backend_version(&self) -> &str {
+        &self.shared.backend_version
+    }
+
+    /// The options the communicator was created with, with its current
+    /// timeout (as [`Comm::set_timeout`] left it) and this handle's hints.
+    pub fn options(&self) -> CommOptions {
+        let mut o = self.shared.ctx.options.clone();
+        o.timeout = self.shared.default_timeout.get();
+        o.hints = (*self.hints.map).clone();
+        o
+    }
+
+    // ---------------------------------------------------------------- hints
+
+    /// A handle on the same communicator whose ops carry `hints`, over
+    /// this handle's (later keys win; see [`crate::hints`]). Known keys
+    /// are checked now; unknown ones are kept and ignored.
+    ///
+    /// ```
+    /// # use chorus::{hints, new_comm, CommOptions, Device};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-hints", CommOptions::single())?;
+    /// let tagged = comm.with_hints([(hints::TAG.to_string(), "warmup".to_string())].into())?;
+    /// assert_eq!(tagged.get_hint::<String>(hints::TAG)?.as_deref(), Some("warmup"));
+    /// assert_eq!(comm.get_hint::<String>(hints::TAG)?, None);
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a malformed value of a known hint.
+    pub fn with_hints(&self, hints: BTreeMap<String, String>) -> Result<Comm> {
+        let hints = self.hints.overlay(hints, self.name(), self.rank())?;
+        Ok(Comm {
+            hints: Arc::new(hints),
+            ..self.clone()
+        })
+    }
+
+    /// Every hint of this handle (the communicator's and its `with_hints`).
+    pub fn hints(&self) -> &BTreeMap<String, String> {
+        &self.hints.map
+    }
+
+    /// Hint `key` of this handle, parsed as a `T`; `None` if it is not set.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the value does not parse as a `T`.
+    pub fn get_hint<T: std::str::FromStr>(&self, key: &str) -> Result<Option<T>> {
+        self.hints.get(key, self.name(), self.rank())
+    }
+
+    // ---------------------------------------------------------------- hooks
+
+    /// Call `hook` with every op issued on this communicator from now on,
+    /// when it is issued ([`crate::hooks`]: on the hook thread, in order,
+    /// never blocking the communicator). Dropping the handle unregisters it.
+    pub fn register_pre_hook(
+        &self,
+        hook: impl Fn(&PreHookArgs) + Send + Sync + 'static,
+    ) -> RemovableHandle {
+        self.shared.home.obs.hooks.add_pre(Arc::new(hook))
+    }
+
+    /// Call `hook` with every op of this communicator when it completes:
+    /// the op id its pre hook saw, its duration and its result.
+    pub fn register_post_hook(
+        &self,
+        hook: impl Fn(&PostHookArgs) + Send + Sync + 'static,
+    ) -> RemovableHandle {
+        self.shared.home.obs.hooks.add_post(Arc::new(hook))
+    }
+
+    /// Call `hook` once, with the cause, when this communicator is aborted
+    /// (by a failure or by [`Comm::abort`]), before its outstanding ops are
+    /// failed (waiting for it at most [`crate::hooks::ABORT_HOOK_DEADLINE`]).
+    pub fn register_abort_hook(
+        &self,
+        hook: impl Fn(&AbortHookArgs) + Send + Sync + 'static,
+    ) -> RemovableHandle {
+        self.shared.home.obs.hooks.add_abort(Arc::new(hook))
+    }
+
+    /// The flight recorder: the last
+    /// [`CommOptions::flight_recorder_size`] ops of this communicator,
+    /// oldest first ([`crate::flight_recorder`]). Empty when it is off.
+    pub fn flight_record(&self) -> Vec<FlightEntry> {
+        match &self.shared.home.obs.recorder {
+            Some(r) => r.snapshot().0,
+            None => Vec::new(),
         }
     }
 
@@ -285,10 +437,13 @@ impl Comm {
             Ok(r) => r,
             Err(e) => return Work::ready(map, Err(e)),
         };
-        let (work, completer) = Work::new(map);
-        req.timeout = self.timeout;
-        req.completer = Some(completer);
+        let (work, mut completer) = Work::new(map);
         let home = &self.shared.home;
+        if home.obs.watching(&self.hints) {
+            completer.track(home.obs.issue(describe(&req), &self.hints));
+        }
+        req.timeout = self.timeout();
+        req.completer = Some(completer);
         if home.status.state() != State::Active {
             if let Some(c) = req.completer.take() {
                 c.complete(Err(self.closed_error()));
@@ -1193,6 +1348,32 @@ impl Comm {
     /// The communicator's status: whether it runs ops, and what aborted it.
     pub fn status(&self) -> Status {
         self.shared.home.status.get()
+    }
+}
+
+/// What hooks and the flight recorder are told about `req`.
+fn describe(req: &Request) -> OpDesc {
+    let (op, count, peers) = match &req.data {
+        OpData::P2P { ops } => {
+            let mut peers: Vec<usize> = ops.iter().map(|t| t.peer).collect();
+            peers.sort_unstable();
+            peers.dedup();
+            let name = match ops.as_slice() {
+                [t] if t.send => "send",
+                [_] => "recv",
+                _ => "batch_p2p",
+            };
+            (name, ops.iter().map(|t| t.buf.len()).sum(), peers)
+        }
+        _ => (req.kind.name(), req.count, vec![]),
+    };
+    OpDesc {
+        op,
+        dtype: req.dtype,
+        count,
+        bytes: count.saturating_mul(req.dtype.size()),
+        root: req.root,
+        peers,
     }
 }
 

@@ -67,6 +67,15 @@
 //! [`Error::PeerFailed`] stamped with the epoch, and [`Comm::reconfigure`]
 //! forms the next epoch from the survivors (and ranks that [`join_comm`]ed),
 //! under a majority rule ([`Error::NoQuorum`]).
+//!
+//! ## Observing ops
+//!
+//! [`Comm::register_pre_hook`], [`Comm::register_post_hook`] and
+//! [`Comm::register_abort_hook`] call your functions when an op is issued,
+//! when it completes, and when the communicator is aborted ([`hooks`]);
+//! [`Comm::flight_record`] returns the last ops with their states, dumped
+//! as JSON on an abort when `CHORUS_FLIGHT_RECORDER_DIR` is set
+//! ([`flight_recorder`]); [`Comm::with_hints`] attaches [`hints`] to ops.
 #![deny(missing_docs)]
 
 use std::sync::Arc;
@@ -80,6 +89,9 @@ mod comm;
 pub mod debug;
 mod elastic;
 pub mod error;
+pub mod flight_recorder;
+pub mod hints;
+pub mod hooks;
 pub mod kernels;
 pub mod op;
 mod options;
@@ -95,8 +107,12 @@ pub use elastic::{
     join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
 };
 pub use error::{Error, Result};
+pub use flight_recorder::{FlightEntry, FlightState};
+pub use hooks::{AbortHookArgs, PostHookArgs, PreHookArgs, RemovableHandle};
 pub use op::{OpKind, ReduceOp};
-pub use options::{CommOptions, Device, Rendezvous};
+pub use options::{
+    parse_flight_recorder_size, parse_timeout_seconds, CommOptions, Device, Rendezvous,
+};
 pub use tensor::{DType, Element, Tensor};
 pub use work::Work;
 
@@ -145,6 +161,8 @@ async fn create(
     options: CommOptions,
 ) -> Result<Comm> {
     let (rank, size) = bootstrap::rank_size(&options)?;
+    options::check_env()?;
+    hints::Hints::parse(options.hints.clone(), &name, rank)?;
     if let Err(reason) = backends::check_device(&backend, device) {
         return Err(Error::InvalidArgument {
             comm: name,
@@ -283,6 +301,17 @@ pub(crate) async fn start_with_backend(
     let options = &ctx.options;
     let backend_name = backend_impl.name();
     let caps = backend_impl.capabilities();
+    let backend_version = backend_impl.version();
+    let hints = Arc::new(hints::Hints::parse(options.hints.clone(), &name, rank)?);
+    let observer = Arc::new(hooks::Observer::new(
+        &name,
+        rank,
+        size,
+        epoch,
+        backend_name,
+        options.flight_recorder_size,
+        options.flight_recorder_dir.clone(),
+    ));
     let info = actors::CommInfo {
         name: name.clone(),
         rank,
@@ -300,6 +329,7 @@ pub(crate) async fn start_with_backend(
         status,
         runtime::handle_for(options),
         runtime::is_own(options),
+        observer,
     ));
     let args = actors::CommArgs {
         backend: backend_impl,
@@ -341,6 +371,9 @@ pub(crate) async fn start_with_backend(
         device,
         backend: backend_name,
         caps,
+        backend_version,
+        default_timeout: comm::AtomicDuration::new(options.timeout),
+        hints,
         actor,
         home,
         _server: ctx.server.clone(),
@@ -350,6 +383,5 @@ pub(crate) async fn start_with_backend(
         splits: std::sync::atomic::AtomicU64::new(0),
         _parent: parent,
     });
-    let timeout = shared.ctx.options.timeout;
-    Ok(Comm::from_shared(shared, timeout))
+    Ok(Comm::from_shared(shared))
 }

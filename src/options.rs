@@ -2,8 +2,18 @@
 //! [`Rendezvous`] and [`CommOptions`]. Every layer may read them (the
 //! bootstrap, the backends); they depend on nothing but the transport's
 //! `Store` trait.
+//!
+//! Defaults that the environment can change are read by
+//! `CommOptions::default()`: `CHORUS_TIMEOUT_SECONDS` (the op timeout),
+//! `CHORUS_FLIGHT_RECORDER_SIZE` and `CHORUS_FLIGHT_RECORDER_DIR`. A
+//! malformed value there leaves the built-in default in place, and
+//! [`new_comm`](crate::new_comm) then refuses to start with
+//! [`Error::Config`] naming the variable, so a typo is never silently
+//! ignored.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,6 +82,67 @@ impl std::fmt::Debug for Rendezvous {
     }
 }
 
+/// The environment variable that sets the default op timeout, in seconds
+/// (TorchComms: `TORCHCOMM_TIMEOUT_SECONDS`).
+pub const TIMEOUT_ENV: &str = "CHORUS_TIMEOUT_SECONDS";
+/// The environment variable that sets the flight recorder's size (0: off).
+pub const FLIGHT_RECORDER_SIZE_ENV: &str = "CHORUS_FLIGHT_RECORDER_SIZE";
+/// The environment variable naming the directory of flight-recorder dumps.
+pub const FLIGHT_RECORDER_DIR_ENV: &str = "CHORUS_FLIGHT_RECORDER_DIR";
+
+/// The built-in op timeout, when `CHORUS_TIMEOUT_SECONDS` is not set.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Parse a `CHORUS_TIMEOUT_SECONDS` value: a positive number of seconds,
+/// fractions allowed (`"30"`, `"2.5"`).
+///
+/// # Errors
+/// [`Error::Config`] for anything else.
+pub fn parse_timeout_seconds(v: &str) -> Result<Duration> {
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "{TIMEOUT_ENV}={v:?} is not a positive number of seconds"
+            ))
+        })
+}
+
+/// Parse a `CHORUS_FLIGHT_RECORDER_SIZE` value: a number of entries, 0 to
+/// turn the recorder off.
+///
+/// # Errors
+/// [`Error::Config`] for anything else.
+pub fn parse_flight_recorder_size(v: &str) -> Result<usize> {
+    v.trim().parse::<usize>().map_err(|_| {
+        Error::Config(format!(
+            "{FLIGHT_RECORDER_SIZE_ENV}={v:?} is not a number of entries"
+        ))
+    })
+}
+
+/// The environment's value of `key`, parsed; `None` when unset.
+fn env_parsed<T>(key: &str, parse: fn(&str) -> Result<T>) -> Option<Result<T>> {
+    std::env::var(key).ok().map(|v| parse(&v))
+}
+
+/// Check the environment defaults `CommOptions::default()` read.
+///
+/// # Errors
+/// [`Error::Config`] naming the first malformed variable.
+pub(crate) fn check_env() -> Result<()> {
+    if let Some(Err(e)) = env_parsed(TIMEOUT_ENV, parse_timeout_seconds) {
+        return Err(e);
+    }
+    if let Some(Err(e)) = env_parsed(FLIGHT_RECORDER_SIZE_ENV, parse_flight_recorder_size) {
+        return Err(e);
+    }
+    Ok(())
+}
+
 /// Options of [`new_comm`](crate::new_comm).
 ///
 /// ```
@@ -82,7 +153,9 @@ impl std::fmt::Debug for Rendezvous {
 /// ```
 #[derive(Debug, Clone)]
 pub struct CommOptions {
-    /// Default timeout of every op (10 minutes); override per op with
+    /// Default timeout of every op: `CHORUS_TIMEOUT_SECONDS` if set, else
+    /// 10 minutes. Change it later with
+    /// [`Comm::set_timeout`](crate::Comm::set_timeout), or per handle with
     /// [`Comm::with_timeout`](crate::Comm::with_timeout).
     pub timeout: Duration,
     /// How long bootstrap (store connection, connecting to every peer) may take.
@@ -112,12 +185,26 @@ pub struct CommOptions {
     /// Chorus. A current-thread runtime works for the async API only:
     /// blocking methods called on its thread return [`Error::WouldBlock`].
     pub runtime: Option<tokio::runtime::Handle>,
+    /// Hints for every op of the communicator (see [`crate::hints`]):
+    /// known keys are checked by `new_comm` ([`Error::InvalidArgument`]
+    /// for a malformed value), unknown ones are kept and ignored.
+    pub hints: BTreeMap<String, String>,
+    /// How many recent ops the flight recorder keeps
+    /// ([`Comm::flight_record`](crate::Comm::flight_record)):
+    /// `CHORUS_FLIGHT_RECORDER_SIZE` if set, else 2000; 0 turns it off.
+    pub flight_recorder_size: usize,
+    /// Where the flight recorder is written as JSON when the communicator
+    /// is aborted: `CHORUS_FLIGHT_RECORDER_DIR` if set, else nowhere. See
+    /// [`crate::flight_recorder`].
+    pub flight_recorder_dir: Option<PathBuf>,
 }
 
 impl Default for CommOptions {
     fn default() -> Self {
         CommOptions {
-            timeout: Duration::from_secs(600),
+            timeout: env_parsed(TIMEOUT_ENV, parse_timeout_seconds)
+                .and_then(Result::ok)
+                .unwrap_or(DEFAULT_TIMEOUT),
             connect_timeout: Duration::from_secs(120),
             rendezvous: Rendezvous::Env,
             secret: None,
@@ -127,6 +214,13 @@ impl Default for CommOptions {
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(10),
             runtime: None,
+            hints: BTreeMap::new(),
+            flight_recorder_size: env_parsed(FLIGHT_RECORDER_SIZE_ENV, parse_flight_recorder_size)
+                .and_then(Result::ok)
+                .unwrap_or(crate::flight_recorder::DEFAULT_FLIGHT_RECORDER_SIZE),
+            flight_recorder_dir: std::env::var_os(FLIGHT_RECORDER_DIR_ENV)
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from),
         }
     }
 }
@@ -187,5 +281,56 @@ impl CommOptions {
         self.heartbeat_interval = interval;
         self.heartbeat_timeout = timeout;
         self
+    }
+
+    /// Set one hint for every op of the communicator (see [`crate::hints`]).
+    pub fn with_hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.hints.insert(key.into(), value.into());
+        self
+    }
+
+    /// Set the flight recorder's size (0 turns it off).
+    pub fn with_flight_recorder_size(mut self, entries: usize) -> Self {
+        self.flight_recorder_size = entries;
+        self
+    }
+
+    /// Dump the flight recorder into `dir` when the communicator is aborted.
+    pub fn with_flight_recorder_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.flight_recorder_dir = Some(dir.into());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_seconds_parse_positive_numbers_only() {
+        assert_eq!(
+            parse_timeout_seconds("30").unwrap(),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            parse_timeout_seconds(" 2.5 ").unwrap(),
+            Duration::from_millis(2500)
+        );
+        for bad in ["", "0", "-1", "ten", "1e400", "NaN", "inf"] {
+            match parse_timeout_seconds(bad) {
+                Err(Error::Config(m)) => assert!(m.contains(TIMEOUT_ENV), "{m}"),
+                other => panic!("{bad:?}: expected Config, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn flight_recorder_size_parses_counts_and_zero() {
+        assert_eq!(parse_flight_recorder_size("0").unwrap(), 0);
+        assert_eq!(parse_flight_recorder_size("64").unwrap(), 64);
+        assert!(matches!(
+            parse_flight_recorder_size("-3"),
+            Err(Error::Config(_))
+        ));
     }
 }

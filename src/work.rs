@@ -25,6 +25,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::hooks::Tracked;
 use crate::tensor::Tensor;
 
 /// What an op produces.
@@ -61,6 +62,8 @@ impl State {
 /// The sending half: completes one [`Work`] exactly once.
 pub(crate) struct Completer {
     state: Option<Arc<State>>,
+    /// The op as its communicator's hooks and flight recorder follow it.
+    tracked: Option<Box<Tracked>>,
 }
 
 impl std::fmt::Debug for Completer {
@@ -72,8 +75,30 @@ impl std::fmt::Debug for Completer {
 }
 
 impl Completer {
-    /// Complete the work (WK-1).
+    /// Have the observer follow this op (hooks, flight recorder).
+    pub(crate) fn track(&mut self, tracked: Box<Tracked>) {
+        self.tracked = Some(tracked);
+    }
+
+    /// The op's turn started, with sequence number `seq`.
+    pub(crate) fn started(&mut self, seq: Option<u64>) {
+        if let Some(t) = &mut self.tracked {
+            t.started(seq);
+        }
+    }
+
+    /// Record, ahead of completing it, that the op fails with `error`.
+    pub(crate) fn failing(&self, error: &Error) {
+        if let Some(t) = &self.tracked {
+            t.failed(error);
+        }
+    }
+
+    /// Complete the work (WK-1). The observer hears of it first.
     pub(crate) fn complete(mut self, result: Result<Completion>) {
+        if let Some(t) = self.tracked.take() {
+            (*t).finish(result.as_ref().map(|_| ()));
+        }
         if let Some(state) = self.state.take() {
             let waker = {
                 let mut slot = state.lock();
@@ -94,6 +119,7 @@ impl Drop for Completer {
         if self.state.is_some() {
             let me = Completer {
                 state: self.state.take(),
+                tracked: self.tracked.take(),
             };
             me.complete(Err(Error::Internal(
                 "operation dropped by the communicator without a completion".into(),
@@ -135,7 +161,10 @@ impl<T> Work<T> {
                 state: state.clone(),
                 map,
             },
-            Completer { state: Some(state) },
+            Completer {
+                state: Some(state),
+                tracked: None,
+            },
         )
     }
 

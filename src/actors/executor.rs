@@ -6,7 +6,8 @@
 //! it. An op is one *turn*: `Core::turn` takes `&mut Core` and one
 //! request, and for that op
 //!
-//! 1. stamps its sequence numbers (`Core::stamp`);
+//! 1. stamps its sequence numbers (`Core::stamp`) and marks the op started
+//!    for its hooks and flight-recorder entry ([`crate::hooks`]);
 //! 2. exchanges consistency headers with the participants and checks them
 //!    ([`crate::op`]);
 //! 3. sizes outputs that depend on peers (the list form of all_to_all);
@@ -177,10 +178,14 @@ impl Core {
         signal: &AbortSignal,
         may_block: bool,
     ) -> TurnEnd {
-        let Some(completer) = req.completer.take() else {
+        let Some(mut completer) = req.completer.take() else {
             return TurnEnd::Done;
         };
         self.stamp(&mut req);
+        completer.started(Some(match &req.data {
+            OpData::P2P { ops } => ops.first().map(|t| t.seq).unwrap_or(0),
+            _ => req.seq,
+        }));
         let ctx = OpCtx {
             comm: self.info.name.clone(),
             rank: self.info.rank,

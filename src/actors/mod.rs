@@ -247,6 +247,8 @@ pub(crate) struct Home {
     /// `rt` is Chorus's own runtime, whose workers may sleep in the kernel
     /// during a turn; a caller's runtime only ever gets turns that yield.
     pub(crate) own_rt: bool,
+    /// The communicator's hooks and flight recorder.
+    pub(crate) obs: Arc<crate::hooks::Observer>,
 }
 
 impl Home {
@@ -256,10 +258,12 @@ impl Home {
         status: StatusReader,
         rt: tokio::runtime::Handle,
         own_rt: bool,
+        obs: Arc<crate::hooks::Observer>,
     ) -> Home {
         Home {
             rt,
             own_rt,
+            obs,
             slot: Mutex::new(Slot::default()),
             returned: tokio::sync::Notify::new(),
             signal,
@@ -482,8 +486,16 @@ impl CommState {
             error,
             completer,
         } = *f;
-        self.status.abort(cause.clone());
+        let first = self.status.abort(cause.clone());
         self.home.signal.raise(cause.clone());
+        if first {
+            // HK-3: the abort hooks and the flight recorder's dump come
+            // before any op is failed; the dump shows this op failed.
+            if let Some(c) = &completer {
+                c.failing(&error);
+            }
+            self.home.obs.aborted(&cause).await;
+        }
         if let Some(c) = completer {
             c.complete(Err(error));
         }
@@ -502,8 +514,12 @@ impl CommState {
             .cause(&info.name, info.rank, info.epoch)
             .unwrap_or_else(|| executor::revoked_error(&info, None));
         self.home.signal.raise(cause.clone());
-        self.status.abort(cause.clone());
+        let first = self.status.abort(cause.clone());
         tracing::warn!(comm = %info.name, rank = info.rank, epoch = info.epoch, %cause, "aborting communicator");
+        if first {
+            // HK-3: before the op in flight and the queued ones are failed.
+            self.home.obs.aborted(&cause).await;
+        }
         let core = match core {
             Some(c) => Some(c),
             None => self.take_core(myself, false).await,
@@ -806,7 +822,9 @@ impl Actor for CommActor {
                 .signal
                 .cause(&info.name, info.rank, info.epoch)
                 .unwrap_or_else(|| executor::revoked_error(&info, None));
-            state.status.abort(cause.clone());
+            if state.status.abort(cause.clone()) {
+                state.home.obs.aborted(&cause).await;
+            }
             let core = state.home.slot().core.take();
             state.done = true;
             if let Some(mut core) = core {

@@ -423,6 +423,13 @@ pub trait Backend: Send {
     /// Backend name, as given to `new_comm`.
     fn name(&self) -> &'static str;
 
+    /// The backend's version, as [`Comm::backend_version`](crate::Comm::backend_version)
+    /// reports it: the vendor library's where there is one. Asked once,
+    /// when the communicator starts.
+    fn version(&self) -> String {
+        format!("{} (chorus {})", self.name(), env!("CARGO_PKG_VERSION"))
+    }
+
     /// For each `(peer, seq, header)` in `outgoing`, send `header` to `peer`
     /// and receive one header from `peer`, all concurrently. `seq` is stamped
     /// on the frames and must match on the received one (the collective

@@ -1115,6 +1115,18 @@ impl Backend for XcclBackend {
         self.flavor.name()
     }
 
+    fn version(&self) -> String {
+        // NCCL's code: major * 10000 + minor * 100 + patch (2.9 and later).
+        let v = self.api.version();
+        format!(
+            "{} {}.{}.{}",
+            self.flavor.name(),
+            v / 10000,
+            v / 100 % 100,
+            v % 100
+        )
+    }
+
     async fn exchange_headers(
         &mut self,
         ctx: &OpCtx,

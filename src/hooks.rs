@@ -1,0 +1,497 @@
+//! Hooks: user callbacks that observe a communicator's ops and its abort,
+//! like TorchComms' `register_pre_hook`, `register_post_hook` and
+//! `register_abort_hook`.
+//!
+//! Every op issued on a communicator (every call that returned a `Work`
+//! not already failed by argument checks) gets a process-wide, increasing
+//! *op id* when it is issued. Pre hooks are called with it and the op's
+//! description ([`PreHookArgs`]); post hooks with the same id, how long the
+//! op took and its result ([`PostHookArgs`]); abort hooks once, with the
+//! cause, when the communicator is aborted ([`AbortHookArgs`]).
+//!
+//! Hooks never run on a thread that runs or owns the communicator's core:
+//! they run on one process-wide hook thread (`chorus-hooks`), in the order
+//! the events happened, so a slow hook delays only later hooks. A hook that
+//! panics is caught and logged (`tracing` error), and the op is unaffected.
+//! Registering returns a [`RemovableHandle`]; dropping it or calling
+//! [`RemovableHandle::remove`] unregisters the hook.
+//!
+//! This module also holds the per-communicator `Observer` that the
+//! completion path (`crate::work`) reports to: hooks and the flight
+//! recorder ([`crate::flight_recorder`]).
+//!
+//! Invariants:
+//!
+//! | tag | rule |
+//! |-----|------|
+//! | HK-1 | each issued op is reported once to the pre hooks (when issued) and once to the post hooks (when completed), with the same op id, the pre call first; a communicator's events reach the hooks in the order they happened. |
+//! | HK-2 | with no hook registered and the flight recorder off, issuing an op costs one atomic load and an empty check, and nothing is allocated. |
+//! | HK-3 | abort hooks are called once per communicator, with the cause, before the ops still outstanding are failed; the abort waits for them at most [`ABORT_HOOK_DEADLINE`]. |
+//! | HK-4 | once [`RemovableHandle::remove`] returned (or the handle was dropped), the hook is not called again, except for a call already running. |
+//! | HK-5 | a panicking hook is caught and logged; it never reaches an op, a caller or the hook thread. |
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::error::Error;
+use crate::flight_recorder::{DumpId, FlightRecorder, OpDesc};
+use crate::hints::Hints;
+use crate::tensor::DType;
+
+/// How long an aborting communicator waits for its abort hooks (HK-3).
+pub const ABORT_HOOK_DEADLINE: Duration = Duration::from_secs(2);
+
+/// What a pre hook sees: an op, when it is issued.
+#[derive(Debug, Clone)]
+pub struct PreHookArgs {
+    /// Process-wide and increasing, in issue order (per issuing thread).
+    pub op_id: u64,
+    /// The op's name (`all_reduce`, `send`, `recv`, `batch_p2p`, ...).
+    pub op: &'static str,
+    /// The communicator's name.
+    pub comm: String,
+    /// This rank.
+    pub rank: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// This rank's element count (for point-to-point, of all transfers).
+    pub count: usize,
+    /// This rank's payload in bytes.
+    pub bytes: usize,
+    /// The root of a rooted collective.
+    pub root: Option<usize>,
+    /// The peers of a point-to-point op (empty for collectives).
+    pub peers: Vec<usize>,
+    /// The [`crate::hints::TAG`] hint of the handle that issued it.
+    pub tag: Option<String>,
+    /// Every hint of the handle that issued it.
+    pub hints: Arc<BTreeMap<String, String>>,
+}
+
+/// What a post hook sees: an op, when it completed.
+#[derive(Debug, Clone)]
+pub struct PostHookArgs {
+    /// The op id its pre hook saw.
+    pub op_id: u64,
+    /// The op's name.
+    pub op: &'static str,
+    /// The communicator's name.
+    pub comm: String,
+    /// This rank.
+    pub rank: usize,
+    /// Its sequence number, if its turn started (see
+    /// [`crate::FlightEntry::seq`]).
+    pub seq: Option<u64>,
+    /// From issue to completion.
+    pub duration: Duration,
+    /// From the start of its turn to completion; `None` if it never ran
+    /// (failed while queued).
+    pub run_duration: Option<Duration>,
+    /// What the op's `Work` completes with (without the buffers).
+    pub result: Result<(), Error>,
+}
+
+/// What an abort hook sees.
+#[derive(Debug, Clone)]
+pub struct AbortHookArgs {
+    /// The communicator's name.
+    pub comm: String,
+    /// This rank.
+    pub rank: usize,
+    /// The communicator's epoch.
+    pub epoch: u64,
+    /// Why it is aborted.
+    pub cause: Error,
+}
+
+type PreFn = dyn Fn(&PreHookArgs) + Send + Sync;
+type PostFn = dyn Fn(&PostHookArgs) + Send + Sync;
+type AbortFn = dyn Fn(&AbortHookArgs) + Send + Sync;
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Pre,
+    Post,
+    Abort,
+}
+
+/// One communicator's registered hooks.
+#[derive(Default)]
+pub(crate) struct HookSet {
+    /// How many hooks are registered, of any kind (HK-2).
+    count: AtomicUsize,
+    /// How many of each kind ([`Kind`] as index): an event nobody listens
+    /// to is not sent to the hook thread (each send may wake it, ~µs).
+    per_kind: [AtomicUsize; 3],
+    next: AtomicU64,
+    pre: RwLock<Vec<(u64, Arc<PreFn>)>>,
+    post: RwLock<Vec<(u64, Arc<PostFn>)>>,
+    abort: RwLock<Vec<(u64, Arc<AbortFn>)>>,
+}
+
+fn read<T: Clone>(l: &RwLock<Vec<(u64, T)>>) -> Vec<T> {
+    l.read()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(_, f)| f.clone())
+        .collect()
+}
+
+fn remove_id<T>(l: &RwLock<Vec<(u64, T)>>, id: u64) -> bool {
+    let mut v = l.write().unwrap_or_else(|e| e.into_inner());
+    let before = v.len();
+    v.retain(|(i, _)| *i != id);
+    v.len() != before
+}
+
+impl HookSet {
+    fn is_empty(&self) -> bool {
+        self.count.load(Ordering::Acquire) == 0
+    }
+
+    fn add(self: &Arc<Self>, kind: Kind, push: impl FnOnce(u64)) -> RemovableHandle {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        push(id);
+        self.per_kind[kind as usize].fetch_add(1, Ordering::AcqRel);
+        self.count.fetch_add(1, Ordering::AcqRel);
+        RemovableHandle {
+            set: Arc::downgrade(self),
+            kind,
+            id,
+        }
+    }
+
+    pub(crate) fn add_pre(self: &Arc<Self>, f: Arc<PreFn>) -> RemovableHandle {
+        self.add(Kind::Pre, |id| {
+            self.pre
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, f))
+        })
+    }
+
+    pub(crate) fn add_post(self: &Arc<Self>, f: Arc<PostFn>) -> RemovableHandle {
+        self.add(Kind::Post, |id| {
+            self.post
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, f))
+        })
+    }
+
+    pub(crate) fn add_abort(self: &Arc<Self>, f: Arc<AbortFn>) -> RemovableHandle {
+        self.add(Kind::Abort, |id| {
+            self.abort
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, f))
+        })
+    }
+
+    fn has(&self, kind: Kind) -> bool {
+        self.per_kind[kind as usize].load(Ordering::Acquire) != 0
+    }
+}
+
+/// A registered hook; dropping it, or [`RemovableHandle::remove`],
+/// unregisters the hook (HK-4). Like TorchComms' `RemovableHandle`.
+#[must_use = "dropping the handle unregisters the hook at once"]
+pub struct RemovableHandle {
+    set: Weak<HookSet>,
+    kind: Kind,
+    id: u64,
+}
+
+impl std::fmt::Debug for RemovableHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemovableHandle")
+            .field("kind", &self.kind)
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+impl RemovableHandle {
+    /// Unregister the hook now (the same as dropping the handle).
+    pub fn remove(self) {
+        drop(self)
+    }
+}
+
+impl Drop for RemovableHandle {
+    fn drop(&mut self) {
+        let Some(set) = self.set.upgrade() else {
+            return;
+        };
+        let removed = match self.kind {
+            Kind::Pre => remove_id(&set.pre, self.id),
+            Kind::Post => remove_id(&set.post, self.id),
+            Kind::Abort => remove_id(&set.abort, self.id),
+        };
+        if removed {
+            set.per_kind[self.kind as usize].fetch_sub(1, Ordering::AcqRel);
+            set.count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+// ------------------------------------------------------------ hook thread
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Run `job` on the hook thread (started on first use). If the thread
+/// cannot be started, the job is dropped and that is logged once.
+fn dispatch(job: Job) {
+    static TX: OnceLock<Option<std::sync::mpsc::Sender<Job>>> = OnceLock::new();
+    let tx = TX.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        match std::thread::Builder::new()
+            .name("chorus-hooks".into())
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            }) {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the hook thread; hooks will not run");
+                None
+            }
+        }
+    });
+    if let Some(tx) = tx {
+        let _ = tx.send(job);
+    }
+}
+
+/// Call `f`, catching and logging a panic (HK-5).
+fn call_caught(what: &'static str, comm: &str, f: impl FnOnce()) {
+    if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "(non-string panic payload)".into());
+        tracing::error!(comm, hook = what, panic = %msg, "a hook panicked; ignored");
+    }
+}
+
+// ------------------------------------------------------------ observer
+
+/// The op ids: process-wide and increasing.
+static NEXT_OP_ID: AtomicU64 = AtomicU64::new(0);
+
+/// What watches one communicator's ops: its hooks and its flight recorder.
+/// Shared by its handles and its actor.
+pub(crate) struct Observer {
+    pub(crate) hooks: Arc<HookSet>,
+    pub(crate) recorder: Option<FlightRecorder>,
+    /// Where the recorder is dumped when the communicator is aborted.
+    dump_dir: Option<PathBuf>,
+    id: DumpId,
+}
+
+impl Observer {
+    pub(crate) fn new(
+        comm: &str,
+        rank: usize,
+        size: usize,
+        epoch: u64,
+        backend: &'static str,
+        recorder_size: usize,
+        dump_dir: Option<PathBuf>,
+    ) -> Observer {
+        Observer {
+            hooks: Arc::default(),
+            recorder: FlightRecorder::new(recorder_size),
+            dump_dir,
+            id: DumpId {
+                comm: comm.to_string(),
+                rank,
+                size,
+                epoch,
+                backend,
+            },
+        }
+    }
+
+    /// Whether an op issued with `hints` needs tracking at all (HK-2).
+    pub(crate) fn watching(&self, hints: &Hints) -> bool {
+        !self.hooks.is_empty() || (self.recorder.is_some() && hints.record)
+    }
+
+    /// An op was issued: give it an op id, record it, tell the pre hooks.
+    /// Call only when [`Observer::watching`].
+    pub(crate) fn issue(self: &Arc<Self>, desc: OpDesc, hints: &Hints) -> Box<Tracked> {
+        let op_id = NEXT_OP_ID.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let rec = match &self.recorder {
+            Some(r) if hints.record => Some(r.push(op_id, &desc, hints.tag.as_deref(), now)),
+            _ => None,
+        };
+        if self.hooks.has(Kind::Pre) {
+            let args = PreHookArgs {
+                op_id,
+                op: desc.op,
+                comm: self.id.comm.clone(),
+                rank: self.id.rank,
+                dtype: desc.dtype,
+                count: desc.count,
+                bytes: desc.bytes,
+                root: desc.root,
+                peers: desc.peers,
+                tag: hints.tag.as_deref().map(str::to_string),
+                hints: hints.map.clone(),
+            };
+            let hooks = self.hooks.clone();
+            dispatch(Box::new(move || {
+                for f in read(&hooks.pre) {
+                    call_caught("pre", &args.comm, || f(&args));
+                }
+            }));
+        }
+        Box::new(Tracked {
+            obs: self.clone(),
+            op_id,
+            op: desc.op,
+            rec,
+            issued: now,
+            started: None,
+            seq: None,
+        })
+    }
+
+    /// The communicator was aborted with `cause` (once): the abort hooks,
+    /// then the dump, each bounded in time (HK-3, FR-3).
+    pub(crate) async fn aborted(&self, cause: &Error) {
+        if self.hooks.has(Kind::Abort) {
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            let hooks = self.hooks.clone();
+            let args = AbortHookArgs {
+                comm: self.id.comm.clone(),
+                rank: self.id.rank,
+                epoch: self.id.epoch,
+                cause: cause.clone(),
+            };
+            dispatch(Box::new(move || {
+                for f in read(&hooks.abort) {
+                    call_caught("abort", &args.comm, || f(&args));
+                }
+                let _ = tx.send(());
+            }));
+            if tokio::time::timeout(ABORT_HOOK_DEADLINE, rx).await.is_err() {
+                tracing::warn!(comm = %self.id.comm, rank = self.id.rank,
+                    "abort hooks did not return within {ABORT_HOOK_DEADLINE:?}; aborting without them");
+            }
+        }
+        if let (Some(r), Some(dir)) = (&self.recorder, &self.dump_dir) {
+            let dump = r.dump(&self.id, Some(cause.to_string()));
+            let dir = dir.clone();
+            let write = tokio::task::spawn_blocking(move || {
+                crate::flight_recorder::write_dump(&dir, &dump)
+            });
+            match tokio::time::timeout(crate::flight_recorder::DUMP_DEADLINE, write).await {
+                Ok(Ok(Ok(path))) => tracing::warn!(comm = %self.id.comm, rank = self.id.rank,
+                    path = %path.display(), "flight recorder dumped"),
+                Ok(Ok(Err(e))) => tracing::error!(comm = %self.id.comm, rank = self.id.rank,
+                    error = %e, "cannot write the flight recorder dump"),
+                Ok(Err(e)) => tracing::error!(comm = %self.id.comm, error = %e,
+                    "the flight recorder dump task failed"),
+                Err(_) => tracing::error!(comm = %self.id.comm,
+                    "the flight recorder dump did not finish within {:?}",
+                    crate::flight_recorder::DUMP_DEADLINE),
+            }
+        }
+    }
+}
+
+/// One issued op, as its observer follows it; carried by the op's
+/// [`Completer`](crate::work::Completer).
+pub(crate) struct Tracked {
+    obs: Arc<Observer>,
+    op_id: u64,
+    op: &'static str,
+    /// Its flight-recorder entry.
+    rec: Option<u64>,
+    issued: Instant,
+    started: Option<Instant>,
+    seq: Option<u64>,
+}
+
+impl Tracked {
+    /// Its turn started, with sequence number `seq`.
+    pub(crate) fn started(&mut self, seq: Option<u64>) {
+        let now = Instant::now();
+        self.started = Some(now);
+        self.seq = seq;
+        if let (Some(r), Some(id)) = (&self.obs.recorder, self.rec) {
+            r.started(id, seq, now);
+        }
+    }
+
+    /// Record a failure before the op completes (the abort's dump shows it).
+    pub(crate) fn failed(&self, error: &Error) {
+        if let (Some(r), Some(id)) = (&self.obs.recorder, self.rec) {
+            r.finished(id, Some(error.to_string()), Instant::now());
+        }
+    }
+
+    /// It completes with `result` (FR-2: before its `Work` does).
+    pub(crate) fn finish(self, result: Result<(), &Error>) {
+        let now = Instant::now();
+        if let (Some(r), Some(id)) = (&self.obs.recorder, self.rec) {
+            r.finished(id, result.err().map(|e| e.to_string()), now);
+        }
+        if self.obs.hooks.has(Kind::Post) {
+            let args = PostHookArgs {
+                op_id: self.op_id,
+                op: self.op,
+                comm: self.obs.id.comm.clone(),
+                rank: self.obs.id.rank,
+                seq: self.seq,
+                duration: now.saturating_duration_since(self.issued),
+                run_duration: self.started.map(|s| now.saturating_duration_since(s)),
+                result: result.map_err(Error::clone),
+            };
+            let hooks = self.obs.hooks.clone();
+            dispatch(Box::new(move || {
+                for f in read(&hooks.post) {
+                    call_caught("post", &args.comm, || f(&args));
+                }
+            }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hk_4_handles_unregister_once_and_outlive_their_set_safely() {
+        let set = Arc::new(HookSet::default());
+        assert!(set.is_empty());
+        let pre = set.add_pre(Arc::new(|_| {}));
+        let post = set.add_post(Arc::new(|_| {}));
+        assert!(set.has(Kind::Pre) && set.has(Kind::Post) && !set.has(Kind::Abort));
+        pre.remove();
+        assert!(!set.has(Kind::Pre) && !set.is_empty());
+        let abort = set.add_abort(Arc::new(|_| {}));
+        drop(post);
+        assert!(set.has(Kind::Abort) && !set.has(Kind::Post));
+        drop(set);
+        // The communicator is gone: dropping its last handle is a no-op.
+        drop(abort);
+    }
+
+    #[test]
+    fn hk_5_a_panic_is_caught() {
+        let mut after = false;
+        call_caught("pre", "c", || panic!("boom"));
+        call_caught("pre", "c", || after = true);
+        assert!(after);
+    }
+}
