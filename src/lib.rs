@@ -95,7 +95,7 @@ pub use elastic::{join_comm, join_comm_async, Health, Hierarchy, RankMap, Reconf
 pub use error::{Error, Result};
 pub use op::{OpKind, ReduceOp};
 pub use options::{CommOptions, Device, Rendezvous};
-pub use tensor::{DType, Element, Tensor};
+pub use tensor::{DType, Element, ExternalError, Tensor};
 pub use work::Work;
 
 /// Create a communicator: connect this rank to the others and start its actor.
