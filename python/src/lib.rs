@@ -565,9 +565,9 @@ impl PyComm {
     fn reduce_scatter_single(&self, py: Python<'_>, output: &Bound<'_, PyAny>, input: &Bound<'_, PyAny>, dtype: u8, op: u8, factor: f64, timeout: Option<f64>) -> PyResult<PyWork> {
         let op = reduce_op(op, factor)?;
         let (out, dest) = Buf::get(output, dtype)?.output()?;
-        let input = Buf::get(input, dtype)?;
-        // PREMUL_SUM scales the input in place: keep the caller's intact.
-        let input = if matches!(op, ReduceOp::PremulSum(_)) { input.copy() } else { input.tensor() };
+        // The cpu backend reduces into its input (and PREMUL_SUM scales it):
+        // work on a copy, so the caller's input stays as it was.
+        let input = Buf::get(input, dtype)?.copy();
         self.submit(py, timeout, move |c| c.reduce_scatter_into_async(input, out, op), move |(out, _)| dest.fill(&out))
     }
 
