@@ -24,7 +24,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chorus::{CommOptions, DType, Device, P2POp, ReduceOp, ReconfigureOptions, Rendezvous, Tensor};
+use chorus::{CommOptions, DType, Device, P2POp, ReconfigureOptions, ReduceOp, Rendezvous, Tensor};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -95,7 +95,8 @@ struct Buf {
 }
 
 fn dtype_of(code: u8) -> PyResult<DType> {
-    DType::from_code(code).ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {code}")))
+    DType::from_code(code)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown dtype code {code}")))
 }
 
 impl Buf {
@@ -148,7 +149,12 @@ impl Buf {
         // touch the array while the op runs (documented in docs/python.md,
         // as for TorchComms' tensors).
         match unsafe {
-            Tensor::from_external(self.dtype, self.addr as *mut u8, self.len(), Box::new(self.export.clone()))
+            Tensor::from_external(
+                self.dtype,
+                self.addr as *mut u8,
+                self.len(),
+                Box::new(self.export.clone()),
+            )
         } {
             Ok(t) => t,
             Err(_) => self.copy(),
@@ -386,13 +392,18 @@ fn reduce_op(code: u8, factor: f64) -> PyResult<ReduceOp> {
         6 => ReduceOp::BOr,
         7 => ReduceOp::BXor,
         8 => ReduceOp::PremulSum(factor),
-        _ => return Err(PyValueError::new_err(format!("unknown reduce op code {code}"))),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "unknown reduce op code {code}"
+            )))
+        }
     })
 }
 
 fn duration(secs: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(secs)
-        .map_err(|_| PyValueError::new_err(format!("timeout {secs} s is not a non-negative duration")))
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        PyValueError::new_err(format!("timeout {secs} s is not a non-negative duration"))
+    })
 }
 
 /// A communicator (TorchComms' `TorchComm`), low-level form.
@@ -411,7 +422,13 @@ impl PyComm {
     }
 
     /// Submit `op` without the GIL and wrap its work.
-    fn submit<T, S, F>(&self, py: Python<'_>, timeout: Option<f64>, op: S, deliver: F) -> PyResult<PyWork>
+    fn submit<T, S, F>(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+        op: S,
+        deliver: F,
+    ) -> PyResult<PyWork>
     where
         T: Send + 'static,
         S: FnOnce(&chorus::Comm) -> chorus::Work<T> + Send,
@@ -458,7 +475,8 @@ impl PyComm {
     fn finalize(&self, py: Python<'_>) -> PyResult<()> {
         drain_releases(py);
         let comm = self.comm.clone();
-        py.detach(move || comm.finalize()).map_err(|e| chorus_err(py, e))
+        py.detach(move || comm.finalize())
+            .map_err(|e| chorus_err(py, e))
     }
 
     #[pyo3(signature = (reason=None))]
@@ -484,7 +502,13 @@ impl PyComm {
     }
 
     #[pyo3(signature = (ranks, name, timeout=None))]
-    fn split(&self, py: Python<'_>, ranks: Vec<usize>, name: String, timeout: Option<f64>) -> PyResult<Option<PyComm>> {
+    fn split(
+        &self,
+        py: Python<'_>,
+        ranks: Vec<usize>,
+        name: String,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<PyComm>> {
         drain_releases(py);
         let comm = self.with(timeout)?;
         py.detach(move || comm.split(&ranks, &name))
@@ -510,7 +534,9 @@ impl PyComm {
             opts.timeout = duration(t)?;
         }
         let comm = self.comm.clone();
-        let (next, map) = py.detach(move || comm.reconfigure(opts)).map_err(|e| chorus_err(py, e))?;
+        let (next, map) = py
+            .detach(move || comm.reconfigure(opts))
+            .map_err(|e| chorus_err(py, e))?;
         let d = PyDict::new(py);
         d.set_item("epoch", map.epoch)?;
         d.set_item("size", map.size)?;
@@ -522,60 +548,146 @@ impl PyComm {
     // -------------------------------------------------------------- collectives
 
     #[pyo3(signature = (tensor, dtype, op, factor, timeout=None))]
-    fn all_reduce(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, dtype: u8, op: u8, factor: f64, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        dtype: u8,
+        op: u8,
+        factor: f64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let op = reduce_op(op, factor)?;
         let (t, dest) = Buf::get(tensor, dtype)?.output()?;
-        self.submit(py, timeout, move |c| c.all_reduce_async(t, op), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.all_reduce_async(t, op),
+            move |t| dest.fill(&t),
+        )
     }
 
     #[pyo3(signature = (tensor, dtype, root, op, factor, timeout=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, dtype: u8, root: usize, op: u8, factor: f64, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        dtype: u8,
+        root: usize,
+        op: u8,
+        factor: f64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let op = reduce_op(op, factor)?;
         let (t, dest) = Buf::get(tensor, dtype)?.output()?;
-        self.submit(py, timeout, move |c| c.reduce_async(t, op, root), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.reduce_async(t, op, root),
+            move |t| dest.fill(&t),
+        )
     }
 
     #[pyo3(signature = (tensor, dtype, root, timeout=None))]
-    fn broadcast(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, dtype: u8, root: usize, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        dtype: u8,
+        root: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let (t, dest) = Buf::get(tensor, dtype)?.output()?;
-        self.submit(py, timeout, move |c| c.broadcast_async(t, root), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.broadcast_async(t, root),
+            move |t| dest.fill(&t),
+        )
     }
 
     #[pyo3(signature = (output, input, dtype, timeout=None))]
-    fn all_gather_single(&self, py: Python<'_>, output: &Bound<'_, PyAny>, input: &Bound<'_, PyAny>, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn all_gather_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let (out, dest) = Buf::get(output, dtype)?.output()?;
         let input = Buf::get(input, dtype)?.tensor();
-        self.submit(py, timeout, move |c| c.all_gather_into_async(input, out), move |(out, _)| dest.fill(&out))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.all_gather_into_async(input, out),
+            move |(out, _)| dest.fill(&out),
+        )
     }
 
     /// `all_gather` and `all_gather_v`: `outputs` lists one buffer per rank
     /// (equal sizes, or any sizes for the `v` form).
     #[pyo3(signature = (outputs, input, dtype, timeout=None))]
-    fn all_gather_v(&self, py: Python<'_>, outputs: &Bound<'_, PyList>, input: &Bound<'_, PyAny>, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn all_gather_v(
+        &self,
+        py: Python<'_>,
+        outputs: &Bound<'_, PyList>,
+        input: &Bound<'_, PyAny>,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let outs = bufs(outputs, dtype)?;
         let counts: Vec<usize> = outs.iter().map(Buf::len).collect();
         let dests = dests(&outs)?;
         let input = Buf::get(input, dtype)?.tensor();
-        self.submit(py, timeout, move |c| c.all_gather_v_async(input, &counts), move |t| fill_split(&dests, &t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.all_gather_v_async(input, &counts),
+            move |t| fill_split(&dests, &t),
+        )
     }
 
     #[pyo3(signature = (output, input, dtype, op, factor, timeout=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter_single(&self, py: Python<'_>, output: &Bound<'_, PyAny>, input: &Bound<'_, PyAny>, dtype: u8, op: u8, factor: f64, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn reduce_scatter_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        dtype: u8,
+        op: u8,
+        factor: f64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let op = reduce_op(op, factor)?;
         let (out, dest) = Buf::get(output, dtype)?.output()?;
         // The cpu backend reduces into its input (and PREMUL_SUM scales it):
         // work on a copy, so the caller's input stays as it was.
         let input = Buf::get(input, dtype)?.copy();
-        self.submit(py, timeout, move |c| c.reduce_scatter_into_async(input, out, op), move |(out, _)| dest.fill(&out))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.reduce_scatter_into_async(input, out, op),
+            move |(out, _)| dest.fill(&out),
+        )
     }
 
     /// `reduce_scatter` and `reduce_scatter_v`: `inputs` lists one buffer
     /// per rank (equal sizes, or any sizes for the `v` form).
     #[pyo3(signature = (output, inputs, dtype, op, factor, timeout=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter_v(&self, py: Python<'_>, output: &Bound<'_, PyAny>, inputs: &Bound<'_, PyList>, dtype: u8, op: u8, factor: f64, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn reduce_scatter_v(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        inputs: &Bound<'_, PyList>,
+        dtype: u8,
+        op: u8,
+        factor: f64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let op = reduce_op(op, factor)?;
         let (_, dest) = Buf::get(output, dtype)?.output()?;
         let ins = bufs(inputs, dtype)?;
@@ -583,14 +695,31 @@ impl PyComm {
         let parts: Vec<Tensor> = ins.iter().map(Buf::copy).collect();
         let input = Tensor::concat(dtype_of(dtype)?, &parts)
             .ok_or_else(|| PyValueError::new_err("no memory for the concatenated inputs"))?;
-        self.submit(py, timeout, move |c| c.reduce_scatter_v_async(input, &counts, op), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.reduce_scatter_v_async(input, &counts, op),
+            move |t| dest.fill(&t),
+        )
     }
 
     #[pyo3(signature = (output, input, dtype, timeout=None))]
-    fn all_to_all_single(&self, py: Python<'_>, output: &Bound<'_, PyAny>, input: &Bound<'_, PyAny>, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn all_to_all_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let dest = Buf::get(output, dtype)?.output()?.1;
         let input = Buf::get(input, dtype)?.tensor();
-        self.submit(py, timeout, move |c| c.all_to_all_single_async(input), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.all_to_all_single_async(input),
+            move |t| dest.fill(&t),
+        )
     }
 
     #[pyo3(signature = (output, input, output_split_sizes, input_split_sizes, dtype, timeout=None))]
@@ -616,15 +745,31 @@ impl PyComm {
     }
 
     #[pyo3(signature = (outputs, inputs, dtype, timeout=None))]
-    fn all_to_all(&self, py: Python<'_>, outputs: &Bound<'_, PyList>, inputs: &Bound<'_, PyList>, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        outputs: &Bound<'_, PyList>,
+        inputs: &Bound<'_, PyList>,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let dests = dests(&bufs(outputs, dtype)?)?;
         let inputs: Vec<Tensor> = bufs(inputs, dtype)?.iter().map(Buf::tensor).collect();
-        self.submit(py, timeout, move |c| c.all_to_all_async(inputs), move |ts: Vec<Tensor>| {
-            if ts.len() != dests.len() {
-                return Err(Failure::Value(format!("{} results for {} output buffers", ts.len(), dests.len())));
-            }
-            dests.iter().zip(&ts).try_for_each(|(d, t)| d.fill(t))
-        })
+        self.submit(
+            py,
+            timeout,
+            move |c| c.all_to_all_async(inputs),
+            move |ts: Vec<Tensor>| {
+                if ts.len() != dests.len() {
+                    return Err(Failure::Value(format!(
+                        "{} results for {} output buffers",
+                        ts.len(),
+                        dests.len()
+                    )));
+                }
+                dests.iter().zip(&ts).try_for_each(|(d, t)| d.fill(t))
+            },
+        )
     }
 
     #[pyo3(signature = (timeout=None))]
@@ -634,63 +779,131 @@ impl PyComm {
 
     /// `inputs` is `None` on ranks other than `root`.
     #[pyo3(signature = (output, inputs, root, dtype, timeout=None))]
-    fn scatter(&self, py: Python<'_>, output: &Bound<'_, PyAny>, inputs: Option<&Bound<'_, PyList>>, root: usize, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        inputs: Option<&Bound<'_, PyList>>,
+        root: usize,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let (out, dest) = Buf::get(output, dtype)?.output()?;
         let inputs = match inputs {
             Some(l) => Some(bufs(l, dtype)?.iter().map(Buf::copy).collect::<Vec<_>>()),
             None => None,
         };
-        self.submit(py, timeout, move |c| c.scatter_async(out, inputs, root), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.scatter_async(out, inputs, root),
+            move |t| dest.fill(&t),
+        )
     }
 
     /// `outputs` (one buffer per rank) is only used on `root`.
     #[pyo3(signature = (outputs, input, root, dtype, timeout=None))]
-    fn gather(&self, py: Python<'_>, outputs: &Bound<'_, PyList>, input: &Bound<'_, PyAny>, root: usize, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn gather(
+        &self,
+        py: Python<'_>,
+        outputs: &Bound<'_, PyList>,
+        input: &Bound<'_, PyAny>,
+        root: usize,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let dests = dests(&bufs(outputs, dtype)?)?;
         let input = Buf::get(input, dtype)?.tensor();
-        self.submit(py, timeout, move |c| c.gather_async(input, root), move |ts: Vec<Tensor>| {
-            if ts.is_empty() {
-                return Ok(()); // not the root
-            }
-            if ts.len() != dests.len() {
-                return Err(Failure::Value(format!("{} results for {} output buffers", ts.len(), dests.len())));
-            }
-            dests.iter().zip(&ts).try_for_each(|(d, t)| d.fill(t))
-        })
+        self.submit(
+            py,
+            timeout,
+            move |c| c.gather_async(input, root),
+            move |ts: Vec<Tensor>| {
+                if ts.is_empty() {
+                    return Ok(()); // not the root
+                }
+                if ts.len() != dests.len() {
+                    return Err(Failure::Value(format!(
+                        "{} results for {} output buffers",
+                        ts.len(),
+                        dests.len()
+                    )));
+                }
+                dests.iter().zip(&ts).try_for_each(|(d, t)| d.fill(t))
+            },
+        )
     }
 
     /// `gather` into one buffer (rank order) on `root`.
     #[pyo3(signature = (output, input, root, dtype, timeout=None))]
-    fn gather_single(&self, py: Python<'_>, output: &Bound<'_, PyAny>, input: &Bound<'_, PyAny>, root: usize, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn gather_single(
+        &self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        input: &Bound<'_, PyAny>,
+        root: usize,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let dtype_ = dtype_of(dtype)?;
         let dest = Buf::get(output, dtype)?.output()?.1;
         let input = Buf::get(input, dtype)?.tensor();
-        self.submit(py, timeout, move |c| c.gather_async(input, root), move |ts: Vec<Tensor>| {
-            if ts.is_empty() {
-                return Ok(());
-            }
-            let all = Tensor::concat(dtype_, &ts).ok_or_else(|| Failure::Value("no memory to gather into".into()))?;
-            dest.fill(&all)
-        })
+        self.submit(
+            py,
+            timeout,
+            move |c| c.gather_async(input, root),
+            move |ts: Vec<Tensor>| {
+                if ts.is_empty() {
+                    return Ok(());
+                }
+                let all = Tensor::concat(dtype_, &ts)
+                    .ok_or_else(|| Failure::Value("no memory to gather into".into()))?;
+                dest.fill(&all)
+            },
+        )
     }
 
     // -------------------------------------------------------------- p2p
 
     #[pyo3(signature = (tensor, dst, dtype, timeout=None))]
-    fn send(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, dst: usize, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn send(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        dst: usize,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let t = Buf::get(tensor, dtype)?.tensor();
         self.submit(py, timeout, move |c| c.send_async(t, dst), |_| Ok(()))
     }
 
     #[pyo3(signature = (tensor, src, dtype, timeout=None))]
-    fn recv(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>, src: usize, dtype: u8, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn recv(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        src: usize,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let (t, dest) = Buf::get(tensor, dtype)?.output()?;
-        self.submit(py, timeout, move |c| c.recv_async(t, src), move |t| dest.fill(&t))
+        self.submit(
+            py,
+            timeout,
+            move |c| c.recv_async(t, src),
+            move |t| dest.fill(&t),
+        )
     }
 
     /// `ops`: `(is_send, buffer, dtype, peer)` tuples, issued as one batch.
     #[pyo3(signature = (ops, timeout=None))]
-    fn batch_p2p(&self, py: Python<'_>, ops: Vec<(bool, Bound<'_, PyAny>, u8, usize)>, timeout: Option<f64>) -> PyResult<PyWork> {
+    fn batch_p2p(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(bool, Bound<'_, PyAny>, u8, usize)>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
         let mut p2p = Vec::with_capacity(ops.len());
         let mut dests: Vec<Option<Dest>> = Vec::with_capacity(ops.len());
         for (is_send, obj, dtype, peer) in &ops {
@@ -704,17 +917,26 @@ impl PyComm {
                 dests.push(Some(d));
             }
         }
-        self.submit(py, timeout, move |c| c.batch_p2p_async(p2p), move |ts: Vec<Tensor>| {
-            if ts.len() != dests.len() {
-                return Err(Failure::Value(format!("{} results for {} ops", ts.len(), dests.len())));
-            }
-            for (d, t) in dests.iter().zip(&ts) {
-                if let Some(d) = d {
-                    d.fill(t)?;
+        self.submit(
+            py,
+            timeout,
+            move |c| c.batch_p2p_async(p2p),
+            move |ts: Vec<Tensor>| {
+                if ts.len() != dests.len() {
+                    return Err(Failure::Value(format!(
+                        "{} results for {} ops",
+                        ts.len(),
+                        dests.len()
+                    )));
                 }
-            }
-            Ok(())
-        })
+                for (d, t) in dests.iter().zip(&ts) {
+                    if let Some(d) = d {
+                        d.fill(t)?;
+                    }
+                }
+                Ok(())
+            },
+        )
     }
 
     fn __repr__(&self) -> String {
@@ -759,7 +981,9 @@ fn new_comm(
         let sa = std::net::ToSocketAddrs::to_socket_addrs(&addr)
             .ok()
             .and_then(|mut a| a.next())
-            .ok_or_else(|| PyValueError::new_err(format!("store {addr:?} is not a host:port address")))?;
+            .ok_or_else(|| {
+                PyValueError::new_err(format!("store {addr:?} is not a host:port address"))
+            })?;
         opts.rendezvous = Rendezvous::Server(sa);
     }
     if let Some(s) = secret {
