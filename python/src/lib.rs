@@ -21,6 +21,7 @@
 //!   next call into this module (never blocking a runtime thread on the GIL).
 //! - The GIL is released while an op is submitted and while it is waited on.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,6 +32,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 // ------------------------------------------------------------------ buffers
+
+/// Bytes copied into Chorus tensors from callers' buffers, and out of
+/// results into them: the zero-copy path leaves both unchanged (tests read
+/// them through `_copy_stats()`).
+static COPIED_IN: AtomicU64 = AtomicU64::new(0);
+static COPIED_OUT: AtomicU64 = AtomicU64::new(0);
 
 /// Buffer exports dropped off the Python thread, released under the GIL.
 static RELEASES: Mutex<Vec<PyBuffer<u8>>> = Mutex::new(Vec::new());
@@ -80,6 +87,7 @@ impl Dest {
             unsafe {
                 std::ptr::copy_nonoverlapping(t.as_ptr(), self.addr as *mut u8, self.len_bytes)
             };
+            COPIED_OUT.fetch_add(self.len_bytes as u64, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -127,6 +135,25 @@ impl Buf {
         self.len_bytes / self.dtype.size()
     }
 
+    /// Whether the two buffers share any byte.
+    fn overlaps(&self, other: &Buf) -> bool {
+        self.len_bytes > 0
+            && other.len_bytes > 0
+            && self.addr < other.addr + other.len_bytes
+            && other.addr < self.addr + self.len_bytes
+    }
+
+    /// The tensor of an input read while `outputs` are written: over the
+    /// caller's memory unless it overlaps one of them (then a copy, so no
+    /// two tensors ever alias one buffer).
+    fn input_beside(&self, outputs: &[&Buf]) -> Tensor {
+        if outputs.iter().any(|o| self.overlaps(o)) {
+            self.copy()
+        } else {
+            self.tensor()
+        }
+    }
+
     /// An owned copy of the bytes.
     fn copy(&self) -> Tensor {
         let mut t = Tensor::zeros(self.dtype, self.len());
@@ -134,6 +161,7 @@ impl Buf {
             // SAFETY: the export keeps `addr` valid for `len_bytes` bytes.
             let src = unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len_bytes) };
             t.as_bytes_mut().copy_from_slice(src);
+            COPIED_IN.fetch_add(self.len_bytes as u64, Ordering::Relaxed);
         }
         t
     }
@@ -616,8 +644,9 @@ impl PyComm {
         dtype: u8,
         timeout: Option<f64>,
     ) -> PyResult<PyWork> {
-        let (out, dest) = Buf::get(output, dtype)?.output()?;
-        let input = Buf::get(input, dtype)?.tensor();
+        let out_buf = Buf::get(output, dtype)?;
+        let (out, dest) = out_buf.output()?;
+        let input = Buf::get(input, dtype)?.input_beside(&[&out_buf]);
         self.submit(
             py,
             timeout,
@@ -904,12 +933,30 @@ impl PyComm {
         ops: Vec<(bool, Bound<'_, PyAny>, u8, usize)>,
         timeout: Option<f64>,
     ) -> PyResult<PyWork> {
+        let bufs = ops
+            .iter()
+            .map(|(_, obj, dtype, _)| Buf::get(obj, *dtype))
+            .collect::<PyResult<Vec<Buf>>>()?;
+        let recvs: Vec<&Buf> = bufs
+            .iter()
+            .zip(&ops)
+            .filter(|(_, op)| !op.0)
+            .map(|(b, _)| b)
+            .collect();
+        if recvs
+            .iter()
+            .enumerate()
+            .any(|(i, a)| recvs[i + 1..].iter().any(|b| a.overlaps(b)))
+        {
+            return Err(PyValueError::new_err(
+                "two receives of one batch write into the same memory",
+            ));
+        }
         let mut p2p = Vec::with_capacity(ops.len());
         let mut dests: Vec<Option<Dest>> = Vec::with_capacity(ops.len());
-        for (is_send, obj, dtype, peer) in &ops {
-            let b = Buf::get(obj, *dtype)?;
+        for (b, (is_send, _, _, peer)) in bufs.iter().zip(&ops) {
             if *is_send {
-                p2p.push(P2POp::send(b.tensor(), *peer));
+                p2p.push(P2POp::send(b.input_beside(&recvs), *peer));
                 dests.push(None);
             } else {
                 let (t, d) = b.output()?;
@@ -1006,12 +1053,22 @@ fn _release_parked(py: Python<'_>) {
     drain_releases(py);
 }
 
+/// `(bytes copied in, bytes copied out)` by this process so far.
+#[pyfunction]
+fn _copy_stats() -> (u64, u64) {
+    (
+        COPIED_IN.load(Ordering::Relaxed),
+        COPIED_OUT.load(Ordering::Relaxed),
+    )
+}
+
 #[pymodule]
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(new_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;
+    m.add_function(wrap_pyfunction!(_copy_stats, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -256,6 +256,19 @@ def buffers(comm):
         raise AssertionError("BXOR on f32 did not raise")
     except chorus.UnsupportedOpError as e:
         assert isinstance(e, ValueError) and not e.fatal
+    # In-place all_gather: the input is this rank's block of the output.
+    n = 4
+    out = np.zeros(n * size, dtype=np.float32)
+    out[rank * n : (rank + 1) * n] = rank + 1
+    comm.all_gather_single(out, out[rank * n : (rank + 1) * n])
+    check(out, np.repeat(np.arange(1, size + 1, dtype=np.float32), n), "in-place all_gather")
+    # A ring shift in place: send and receive the same array in one batch.
+    a = np.full(5, rank, dtype=np.int32)
+    batch = comm.batch_op_create()
+    batch.send(a, (rank + 1) % size)
+    batch.recv(a, (rank - 1) % size)
+    batch.issue()
+    assert (a == (rank - 1) % size).all(), a
     # The arrays of an async op stay alive even when the caller drops them.
     w = comm.all_reduce(np.ones(1 << 16, dtype=np.float32), ReduceOp.SUM, async_op=True)
     w.wait()

@@ -105,3 +105,29 @@ def test_an_in_flight_op_keeps_its_array_alive_until_waited_on(comm):
     chorus._chorus._release_parked()
     gc.collect()
     assert ref() is None, "the op kept the array after it was waited on"
+
+
+def copies():
+    return chorus._chorus._copy_stats()
+
+
+def test_in_place_ops_on_aligned_arrays_copy_nothing(comm):
+    a = np.ones(1 << 16, dtype=np.float32)
+    before = copies()
+    comm.all_reduce(a, ReduceOp.SUM)
+    comm.broadcast(a, 0)
+    out = np.zeros(1 << 16, dtype=np.float32)
+    comm.all_gather_single(out, a)
+    assert copies() == before, "an aligned, writable array was copied"
+    assert (out == 1).all()
+
+
+def test_unaligned_views_are_copied_in_and_back_out(comm):
+    base = np.zeros(9, dtype=np.int8)
+    view = base[1:]
+    view[:] = 7
+    before = copies()
+    comm.all_reduce(view, ReduceOp.SUM)
+    after = copies()
+    assert (after[0] - before[0], after[1] - before[1]) == (8, 8)
+    assert base[0] == 0 and (view == 7).all()
