@@ -33,6 +33,7 @@ from ._errors import ConfigError, __all__ as _error_names
 
 __all__ = [
     "new_comm",
+    "join_comm",
     "Comm",
     "Work",
     "ReduceOp",
@@ -595,3 +596,27 @@ def new_comm(
         size=size,
     )
     return Comm(native)
+
+
+def join_comm(backend, device, name, timeout=None, *, connect_timeout=None, store=None, secret=None):
+    """Chorus only: join the running communicator ``name`` as a new rank.
+
+    Registers for its next epoch and blocks until the survivors call
+    ``reconfigure()`` with this rank admitted (at most ``connect_timeout``,
+    120 s by default); returns the new epoch's communicator. The store is
+    found as for :func:`new_comm`. Raises ``ExcludedError`` when no epoch
+    admitted this rank in time.
+    """
+    if secret is None and _torchrun_without_secret():
+        raise ConfigError("no job secret: set CHORUS_SECRET to the job's secret before join_comm")
+    return Comm(
+        _chorus.join_comm(
+            backend,
+            str(device),
+            name,
+            timeout=_seconds(timeout),
+            connect_timeout=_seconds(connect_timeout),
+            store=store,
+            secret=secret,
+        )
+    )

@@ -998,25 +998,15 @@ impl PyComm {
     }
 }
 
-/// Create a communicator (blocking, without the GIL, until every rank has
-/// joined or `connect_timeout` passed).
-#[pyfunction]
-#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None))]
-#[allow(clippy::too_many_arguments)]
-fn new_comm(
-    py: Python<'_>,
-    backend: String,
-    device: String,
-    name: String,
+/// Options from `new_comm`'s / `join_comm`'s keywords.
+fn options(
     timeout: Option<f64>,
     connect_timeout: Option<f64>,
     store: Option<String>,
     secret: Option<String>,
     rank: Option<usize>,
     size: Option<usize>,
-) -> PyResult<PyComm> {
-    drain_releases(py);
-    let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
+) -> PyResult<CommOptions> {
     let mut opts = CommOptions::default();
     if let Some(t) = timeout {
         opts.timeout = duration(t)?;
@@ -1041,7 +1031,53 @@ fn new_comm(
         (None, None) => {}
         _ => return Err(PyValueError::new_err("pass both rank and size, or neither")),
     }
+    Ok(opts)
+}
+
+/// Create a communicator (blocking, without the GIL, until every rank has
+/// joined or `connect_timeout` passed).
+#[pyfunction]
+#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None))]
+#[allow(clippy::too_many_arguments)]
+fn new_comm(
+    py: Python<'_>,
+    backend: String,
+    device: String,
+    name: String,
+    timeout: Option<f64>,
+    connect_timeout: Option<f64>,
+    store: Option<String>,
+    secret: Option<String>,
+    rank: Option<usize>,
+    size: Option<usize>,
+) -> PyResult<PyComm> {
+    drain_releases(py);
+    let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
+    let opts = options(timeout, connect_timeout, store, secret, rank, size)?;
     py.detach(move || chorus::new_comm(&backend, device, &name, opts))
+        .map(|comm| PyComm { comm })
+        .map_err(|e| chorus_err(py, e))
+}
+
+/// Join a running communicator as a new rank: blocks (without the GIL)
+/// until the survivors `reconfigure` with this rank admitted.
+#[pyfunction]
+#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None))]
+#[allow(clippy::too_many_arguments)]
+fn join_comm(
+    py: Python<'_>,
+    backend: String,
+    device: String,
+    name: String,
+    timeout: Option<f64>,
+    connect_timeout: Option<f64>,
+    store: Option<String>,
+    secret: Option<String>,
+) -> PyResult<PyComm> {
+    drain_releases(py);
+    let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
+    let opts = options(timeout, connect_timeout, store, secret, None, None)?;
+    py.detach(move || chorus::join_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))
 }
@@ -1067,6 +1103,7 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(new_comm, m)?)?;
+    m.add_function(wrap_pyfunction!(join_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;
     m.add_function(wrap_pyfunction!(_copy_stats, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -359,6 +359,31 @@ def killed(comm):
     nxt.finalize()
 
 
+def rejoin(comm):
+    """The last rank dies; a new process joins; the next epoch has the two
+    survivors and the joiner."""
+    rank, size = comm.get_rank(), comm.get_size()
+    victim = size - 1
+    comm.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM, timeout=60)
+        raise AssertionError("all_reduce with a dead peer did not raise")
+    except (chorus.PeerFailedError, chorus.AbortedError):
+        pass
+    nxt, rank_map = comm.reconfigure(timeout=60, wait_joiners=1)
+    assert nxt.get_size() == size and len(rank_map["joined"]) == 1, rank_map
+    after_reconfigure(nxt)
+
+
+def after_reconfigure(nxt):
+    t = np.ones(16, dtype=np.float32)
+    nxt.all_reduce(t, ReduceOp.SUM)
+    assert (t == nxt.get_size()).all(), t
+    nxt.finalize()
+
+
 def timeout(comm):
     rank = comm.get_rank()
     # A second, independent communicator: rank 1 waits on it, so that it
@@ -427,6 +452,7 @@ SCENARIOS = {
     "abort": abort,
     "killed": killed,
     "timeout": timeout,
+    "rejoin": rejoin,
     "gil": gil,
     "torch": torch_tensors,
 }
@@ -434,6 +460,12 @@ SCENARIOS = {
 
 def main():
     scenario, *args = sys.argv[1:]
+    if os.environ.get("CHORUS_TEST_JOINER"):
+        nxt = chorus.join_comm("cpu", "cpu", f"test-{scenario}", connect_timeout=60)
+        assert nxt.get_epoch() == 1, nxt.get_epoch()
+        after_reconfigure(nxt)
+        print(f"OK {scenario}", flush=True)
+        return
     comm = chorus.new_comm("cpu", "cpu", f"test-{scenario}", connect_timeout=60)
     SCENARIOS[scenario](comm, *args)
     if not comm.is_aborted():

@@ -30,14 +30,18 @@ class Ranks:
             )
 
 
-def spawn_ranks(n, *args, extra_env=None, timeout=RANK_TIMEOUT, port=None):
-    """Run `_worker.py args...` on `n` ranks; kill them all on timeout."""
+def spawn_ranks(n, *args, extra_env=None, timeout=RANK_TIMEOUT, port=None, joiners=0):
+    """Run `_worker.py args...` on `n` ranks (plus `joiners` processes with
+    CHORUS_TEST_JOINER=1 and the last rank's environment); kill them all on
+    timeout."""
     port = port or free_port()
     secret, job = secrets.token_hex(16), secrets.token_hex(8)
     procs = []
-    for r in range(n):
-        env = rank_env(r, n, port, secret, job)
+    for r in range(n + joiners):
+        env = rank_env(min(r, n - 1), n, port, secret, job)
         env.update(extra_env or {})
+        if r >= n:
+            env["CHORUS_TEST_JOINER"] = "1"
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), *args],

@@ -30,6 +30,12 @@ def test_killed_rank_is_peer_failed_then_survivors_reconfigure(ranks):
     assert res.procs[2][0] == -9, res.procs[2]
 
 
+def test_a_new_process_joins_the_survivors_epoch(ranks):
+    res = ranks(3, "rejoin", joiners=1)
+    res.assert_ok("rejoin", ranks=[0, 1, 3])
+    assert res.procs[2][0] == -9, res.procs[2]
+
+
 def test_op_timeout_raises_chorus_and_builtin_timeout_error(ranks):
     ranks(2, "timeout").assert_ok("timeout")
 
