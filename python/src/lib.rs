@@ -306,8 +306,9 @@ fn chorus_err(py: Python<'_>, e: chorus::Error) -> PyErr {
 /// An op in flight, type-erased.
 trait Pending: Send {
     fn is_completed(&self) -> bool;
-    /// Wait for the op and deliver its result into the callers' buffers.
-    fn finish(self: Box<Self>) -> Result<(), Failure>;
+    /// Wait up to `d` for the op; once done, deliver its result into the
+    /// callers' buffers. Gives itself back if the op is still running.
+    fn wait_for(self: Box<Self>, d: Duration) -> Result<Result<(), Failure>, Box<dyn Pending>>;
 }
 
 struct Op<T, F> {
@@ -315,15 +316,26 @@ struct Op<T, F> {
     deliver: F,
 }
 
-impl<T: Send, F: FnOnce(T) -> Result<(), Failure> + Send> Pending for Op<T, F> {
+impl<T, F> Pending for Op<T, F>
+where
+    T: Send + 'static,
+    F: FnOnce(T) -> Result<(), Failure> + Send + 'static,
+{
     fn is_completed(&self) -> bool {
         self.work.is_completed()
     }
-    fn finish(self: Box<Self>) -> Result<(), Failure> {
-        let value = self.work.wait()?;
-        (self.deliver)(value)
+    fn wait_for(self: Box<Self>, d: Duration) -> Result<Result<(), Failure>, Box<dyn Pending>> {
+        let Op { work, deliver } = *self;
+        match work.wait_timeout(d) {
+            Ok(Ok(value)) => Ok(deliver(value)),
+            Ok(Err(e)) => Ok(Err(Failure::Chorus(e))),
+            Err(work) => Err(Box::new(Op { work, deliver })),
+        }
     }
 }
+
+/// How long `wait()` blocks between checks for Python signals (Ctrl-C).
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
 enum WorkState {
     Pending(Box<dyn Pending>),
@@ -350,20 +362,37 @@ impl PyWork {
         }
     }
 
-    /// Finish the op if it is pending (blocking without the GIL).
-    fn settle(&self, py: Python<'_>) -> Result<(), Failure> {
-        let result = py.detach(|| {
-            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let placeholder = WorkState::Done(Ok(()));
-            let result = match std::mem::replace(&mut *state, placeholder) {
-                WorkState::Pending(p) => p.finish(),
-                WorkState::Done(r) => r,
-            };
-            *state = WorkState::Done(result.clone());
-            result
-        });
-        drain_releases(py);
-        result
+    /// Finish the op if it is pending: wait without the GIL, checking for
+    /// Python signals every [`SIGNAL_POLL`] (a `KeyboardInterrupt` leaves
+    /// the op pending; a later `wait()` resumes).
+    fn settle(&self, py: Python<'_>) -> PyResult<Result<(), Failure>> {
+        loop {
+            let step = py.detach(|| {
+                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let placeholder = WorkState::Done(Ok(()));
+                match std::mem::replace(&mut *state, placeholder) {
+                    WorkState::Pending(p) => match p.wait_for(SIGNAL_POLL) {
+                        Ok(result) => {
+                            *state = WorkState::Done(result.clone());
+                            Some(result)
+                        }
+                        Err(p) => {
+                            *state = WorkState::Pending(p);
+                            None
+                        }
+                    },
+                    WorkState::Done(r) => {
+                        *state = WorkState::Done(r.clone());
+                        Some(r)
+                    }
+                }
+            });
+            drain_releases(py);
+            match step {
+                Some(result) => return Ok(result),
+                None => py.check_signals()?,
+            }
+        }
     }
 }
 
@@ -371,24 +400,27 @@ impl PyWork {
 impl PyWork {
     /// Whether the op has finished (successfully or not). Once true, the
     /// results are in the output buffers and `wait()` does not block.
-    fn is_completed(&self, py: Python<'_>) -> bool {
+    fn is_completed(&self, py: Python<'_>) -> PyResult<bool> {
         let done = {
-            let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            // Busy: another thread is waiting on it, so it was not done.
+            let Ok(state) = self.state.try_lock() else {
+                return Ok(false);
+            };
             match &*state {
                 WorkState::Pending(p) => p.is_completed(),
-                WorkState::Done(_) => return true,
+                WorkState::Done(_) => return Ok(true),
             }
         };
         if done {
             // Deliver the results now, so the buffers hold them (no wait).
-            let _ = self.settle(py);
+            let _ = self.settle(py)?;
         }
-        done
+        Ok(done)
     }
 
     /// Block (without the GIL) until the op has finished; raise its error.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
-        self.settle(py).map_err(|f| to_pyerr(py, &f))
+        self.settle(py)?.map_err(|f| to_pyerr(py, &f))
     }
 
     /// Same as `wait()`: Chorus ops run on host memory, so there is no
@@ -398,7 +430,9 @@ impl PyWork {
     }
 
     fn __repr__(&self) -> String {
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Ok(state) = self.state.try_lock() else {
+            return "Work(pending)".into();
+        };
         match &*state {
             WorkState::Pending(_) => "Work(pending)".into(),
             WorkState::Done(Ok(())) => "Work(completed)".into(),

@@ -384,6 +384,37 @@ def after_reconfigure(nxt):
     nxt.finalize()
 
 
+def interrupt(comm):
+    """Ctrl-C reaches a rank blocked in wait(): KeyboardInterrupt, the op
+    still pending."""
+    rank = comm.get_rank()
+    side = chorus.new_comm("cpu", "cpu", "side", connect_timeout=60)
+    if rank == 0:
+        # Rank 1 never joins this all_reduce (a 60 s timeout).
+        w = comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM, async_op=True, timeout=60)
+        try:
+            side.send(np.array([os.getpid()], dtype=np.int64), 1)
+            w.wait()
+            raise AssertionError("wait() returned")
+        except KeyboardInterrupt:
+            pass
+        assert not w.is_completed()
+        side.send(np.ones(1, dtype=np.int64), 1)  # rank 1 may go now
+        comm.abort("interrupted")
+        try:
+            w.wait()
+            raise AssertionError("an aborted op completed")
+        except (chorus.AbortedError, chorus.PeerFailedError) as e:
+            assert e.fatal, e
+    else:
+        pid = np.zeros(1, dtype=np.int64)
+        side.recv(pid, 0)
+        os.kill(int(pid[0]), signal.SIGINT)
+        side.recv(pid, 0)
+        comm.abort()
+    side.finalize()
+
+
 def timeout(comm):
     rank = comm.get_rank()
     # A second, independent communicator: rank 1 waits on it, so that it
@@ -452,6 +483,7 @@ SCENARIOS = {
     "abort": abort,
     "killed": killed,
     "timeout": timeout,
+    "interrupt": interrupt,
     "rejoin": rejoin,
     "gil": gil,
     "torch": torch_tensors,

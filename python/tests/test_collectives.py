@@ -40,6 +40,10 @@ def test_op_timeout_raises_chorus_and_builtin_timeout_error(ranks):
     ranks(2, "timeout").assert_ok("timeout")
 
 
+def test_ctrl_c_interrupts_a_blocked_wait(ranks):
+    ranks(2, "interrupt").assert_ok("interrupt")
+
+
 def test_a_blocked_op_releases_the_gil(ranks):
     ranks(2, "gil").assert_ok("gil")
 
