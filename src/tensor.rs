@@ -5,6 +5,15 @@
 //! and an operation in flight (dropping a [`Work`](crate::Work) cannot leave a
 //! dangling buffer behind).
 //!
+//! A tensor can also borrow memory that something else allocated — a NumPy
+//! array, a pinned buffer, a memory-mapped file — through
+//! [`Tensor::from_external`]. It then holds a keep-alive *owner* next to the
+//! pointer, and drops the owner (only) when the tensor itself is dropped, so
+//! the memory outlives every operation that uses it, even one that is still
+//! running after its [`Work`](crate::Work) was dropped or timed out. An op that
+//! works in place (e.g. `all_reduce`) writes straight into that memory: no copy
+//! in, no copy out.
+//!
 //! Invariants:
 //! - T-1: storage is aligned to 8 bytes, so it can be viewed as a slice of any
 //!   supported element type.
@@ -12,6 +21,10 @@
 //! - T-3: every allocation whose size can come from a user or a peer
 //!   ([`Tensor::try_zeros`], [`Tensor::split`], [`Tensor::concat`]) is
 //!   fallible: it gives `None` when memory runs out, never an abort.
+//! - T-4: an external tensor's owner is dropped exactly once, after the last
+//!   access to its memory through the tensor (when the tensor is dropped);
+//!   [`Clone`] of an external tensor is an owned copy, so the memory is never
+//!   reachable through two tensors.
 
 use std::fmt;
 
@@ -204,12 +217,85 @@ impl Element for bf16 {
 /// assert_eq!(t.len(), 3);
 /// assert_eq!(t.as_slice::<f32>(), &[1.0, 2.0, 3.0]);
 /// ```
-#[derive(Clone, PartialEq)]
 pub struct Tensor {
     dtype: DType,
     len: usize,
-    // T-1: u64 storage keeps every view aligned.
-    storage: Vec<u64>,
+    storage: Storage,
+}
+
+/// Where a tensor's bytes live.
+enum Storage {
+    /// T-1: u64 words keep every view aligned.
+    Owned(Vec<u64>),
+    /// Memory owned by someone else, kept alive by `owner` (T-4).
+    External(External),
+}
+
+/// Borrowed memory plus the object that keeps it alive.
+struct External {
+    /// 8-byte aligned (T-1), valid for reads and writes of `len_bytes` bytes
+    /// while `owner` lives (the contract of [`Tensor::from_external`]).
+    ptr: std::ptr::NonNull<u8>,
+    len_bytes: usize,
+    /// Dropped with the tensor, after the last access through `ptr` (T-4).
+    _owner: Box<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: `from_external`'s contract gives the tensor exclusive access to
+// the memory for as long as the owner lives, and the owner is `Send + Sync`;
+// so moving the tensor to another thread moves that exclusive access with it,
+// and `&Tensor` hands out only shared `&[u8]` views, as for `Vec<u64>`.
+unsafe impl Send for External {}
+// SAFETY: see `Send` above: shared access gives only `&[u8]`.
+unsafe impl Sync for External {}
+
+/// Why [`Tensor::from_external`] refused a buffer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExternalError {
+    /// The pointer is null.
+    #[error("the buffer pointer is null")]
+    Null,
+    /// The pointer is not 8-byte aligned (every tensor is, T-1); copy the data
+    /// into a [`Tensor::from_bytes`] tensor instead.
+    #[error("the buffer at {addr:#x} is not 8-byte aligned")]
+    Misaligned {
+        /// The address.
+        addr: usize,
+    },
+    /// `len * dtype.size()` overflows or exceeds `isize::MAX`.
+    #[error("{len} elements of {dtype} do not fit in the address space")]
+    TooLarge {
+        /// Element count.
+        len: usize,
+        /// Element type.
+        dtype: DType,
+    },
+}
+
+impl Clone for Tensor {
+    /// An owned copy (also of an external tensor, T-4).
+    fn clone(&self) -> Tensor {
+        match &self.storage {
+            Storage::Owned(words) => Tensor {
+                dtype: self.dtype,
+                len: self.len,
+                storage: Storage::Owned(words.clone()),
+            },
+            Storage::External(_) => {
+                let mut t = Tensor::zeros(self.dtype, self.len);
+                t.as_bytes_mut().copy_from_slice(self.as_bytes());
+                t
+            }
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    /// Same dtype, length and bytes, wherever they are stored.
+    fn eq(&self, other: &Tensor) -> bool {
+        self.dtype == other.dtype && self.len == other.len && self.as_bytes() == other.as_bytes()
+    }
 }
 
 impl Tensor {
@@ -235,8 +321,91 @@ impl Tensor {
         Some(Tensor {
             dtype,
             len,
-            storage: try_zeroed_words(bytes.div_ceil(8))?,
+            storage: Storage::Owned(try_zeroed_words(bytes.div_ceil(8))?),
         })
+    }
+
+    /// A tensor over `len` elements of `dtype` at `ptr`, memory that someone
+    /// else allocated (T-4). `owner` is whatever keeps that memory alive (an
+    /// `Arc` of the allocation, a handle on a NumPy array's buffer, ...); it
+    /// is dropped when the tensor is, and never earlier, so the memory stays
+    /// valid while any op that holds the tensor runs, even one whose
+    /// [`Work`](crate::Work) was dropped or timed out.
+    ///
+    /// Ops that work in place (`all_reduce`, `broadcast`, `recv`, the outputs
+    /// of `all_gather_into` and `reduce_scatter_into`, ...) write straight into
+    /// this memory, and the tensor they hand back still points at it
+    /// ([`Tensor::as_ptr`] tells). [`Clone`] gives an owned copy.
+    ///
+    /// A zero-length tensor never touches `ptr` (any non-null, aligned value
+    /// works, e.g. `NonNull::<u64>::dangling()`).
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use chorus::{DType, Tensor};
+    ///
+    /// // Memory owned elsewhere: u64 words (8-byte aligned) behind an Arc.
+    /// let words = Arc::new(Mutex::new(vec![0u64; 2].into_boxed_slice()));
+    /// let ptr = words.lock().unwrap().as_mut_ptr().cast::<u8>();
+    /// // SAFETY: 16 initialized bytes at `ptr`, kept alive by the Arc clone
+    /// // handed over as the owner; nothing else touches them until `t` drops.
+    /// let mut t = unsafe { Tensor::from_external(DType::U64, ptr, 2, Box::new(words.clone())) }?;
+    /// assert!(t.is_external());
+    /// t.as_mut_slice::<u64>().copy_from_slice(&[7, 9]);
+    /// drop(t);
+    /// assert_eq!(&words.lock().unwrap()[..], &[7, 9]);
+    /// # Ok::<(), chorus::tensor::ExternalError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`ExternalError`] for a null or not 8-byte aligned `ptr`, or a size
+    /// that overflows; nothing is dereferenced before these checks.
+    ///
+    /// # Safety
+    /// Until `owner` is dropped (which happens when the returned tensor, and
+    /// everything it is moved into, is dropped):
+    /// - `ptr` must be valid for reads and writes of `len * dtype.size()`
+    ///   bytes, and those bytes must be initialized;
+    /// - nothing else may read or write that memory (the tensor has exclusive
+    ///   access, like a `&mut [u8]`), and it must not be freed or moved;
+    /// - `owner` may be dropped on any thread.
+    pub unsafe fn from_external(
+        dtype: DType,
+        ptr: *mut u8,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Tensor, ExternalError> {
+        let ptr = std::ptr::NonNull::new(ptr).ok_or(ExternalError::Null)?;
+        if ptr.as_ptr() as usize % 8 != 0 {
+            return Err(ExternalError::Misaligned {
+                addr: ptr.as_ptr() as usize,
+            });
+        }
+        let len_bytes = len
+            .checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(ExternalError::TooLarge { len, dtype })?;
+        Ok(Tensor {
+            dtype,
+            len,
+            storage: Storage::External(External {
+                ptr,
+                len_bytes,
+                _owner: owner,
+            }),
+        })
+    }
+
+    /// Whether this tensor borrows external memory ([`Tensor::from_external`]).
+    pub fn is_external(&self) -> bool {
+        matches!(self.storage, Storage::External(_))
+    }
+
+    /// Address of the first byte: for an external tensor, the pointer it
+    /// was created with, so a caller can tell whether an op handed back the
+    /// same memory (wrote in place) or a new buffer.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.as_bytes().as_ptr()
     }
 
     /// A tensor filled with `value`.
@@ -293,13 +462,29 @@ impl Tensor {
     /// The raw bytes.
     pub fn as_bytes(&self) -> &[u8] {
         let n = self.len_bytes();
-        &bytemuck::cast_slice::<u64, u8>(&self.storage)[..n]
+        match &self.storage {
+            Storage::Owned(words) => &bytemuck::cast_slice::<u64, u8>(words)[..n],
+            // SAFETY: `from_external`'s contract: `ptr` is valid for
+            // `len_bytes` (== n, T-2) initialized bytes while the owner, a
+            // field of this tensor, lives; `&self` rules out a `&mut` view.
+            Storage::External(e) => unsafe {
+                std::slice::from_raw_parts(e.ptr.as_ptr(), e.len_bytes)
+            },
+        }
     }
 
     /// The raw bytes, mutably.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         let n = self.len_bytes();
-        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.storage)[..n]
+        match &mut self.storage {
+            Storage::Owned(words) => &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..n],
+            // SAFETY: as in `as_bytes`, plus exclusive access: the contract
+            // forbids any other access to the memory, and `&mut self` rules
+            // out another view through this tensor.
+            Storage::External(e) => unsafe {
+                std::slice::from_raw_parts_mut(e.ptr.as_ptr(), e.len_bytes)
+            },
+        }
     }
 
     /// Typed view.
@@ -469,6 +654,96 @@ mod tests {
         assert!(Tensor::try_zeros(DType::U8, isize::MAX as usize).is_none());
         assert!(Tensor::try_zeros(DType::F64, usize::MAX / 4).is_none());
         assert_eq!(Tensor::try_zeros(DType::U8, 0).map(|t| t.len()), Some(0));
+    }
+
+    /// Counts drops of the owner it is part of.
+    struct DropCount(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+    impl Drop for DropCount {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// An external tensor over `words`, whose owner bumps `drops`.
+    fn external_over(
+        words: &mut [u64],
+        dtype: DType,
+        len: usize,
+        drops: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Tensor {
+        assert!(len * dtype.size() <= words.len() * 8);
+        // SAFETY: the test keeps `words` alive and untouched until the
+        // tensor is dropped.
+        unsafe {
+            Tensor::from_external(
+                dtype,
+                words.as_mut_ptr().cast(),
+                len,
+                Box::new(DropCount(drops.clone())),
+            )
+        }
+        .unwrap()
+    }
+
+    #[test]
+    fn t4_external_tensor_writes_into_the_callers_memory_and_drops_its_owner_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let drops = std::sync::Arc::new(AtomicUsize::new(0));
+        let mut words = vec![0u64; 2];
+        let mut t = external_over(&mut words, DType::I32, 3, &drops);
+        assert!(t.is_external());
+        assert_eq!(t.len_bytes(), 12);
+        t.as_mut_slice::<i32>().copy_from_slice(&[1, -2, 3]);
+        assert_eq!(t.as_ptr(), words.as_ptr().cast());
+        let moved = std::thread::spawn(move || t).join().unwrap();
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "owner dropped early");
+        drop(moved);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        let ints: &[i32] = bytemuck::cast_slice(&words);
+        assert_eq!(&ints[..3], &[1, -2, 3]);
+        assert_eq!(ints[3], 0, "bytes past the tensor are untouched");
+    }
+
+    #[test]
+    fn t4_clone_of_an_external_tensor_is_an_owned_copy() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let drops = std::sync::Arc::new(AtomicUsize::new(0));
+        let mut words = vec![5u64; 1];
+        let t = external_over(&mut words, DType::U64, 1, &drops);
+        let mut c = t.clone();
+        assert!(!c.is_external());
+        assert_eq!(c, t);
+        c.as_mut_slice::<u64>()[0] = 6;
+        assert_ne!(c, t);
+        drop(t);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        assert_eq!(words, vec![5]);
+        assert_eq!(c.to_vec::<u64>(), vec![6]);
+    }
+
+    #[test]
+    fn external_tensor_refuses_null_misaligned_and_oversized_buffers() {
+        let mut words = [0u64; 2];
+        let base = words.as_mut_ptr().cast::<u8>();
+        let owner = || -> Box<dyn std::any::Any + Send + Sync> { Box::new(()) };
+        // SAFETY (all three): each call fails its checks before any access.
+        let null = unsafe { Tensor::from_external(DType::U8, std::ptr::null_mut(), 1, owner()) };
+        assert_eq!(null.unwrap_err(), ExternalError::Null);
+        let odd = unsafe { Tensor::from_external(DType::U8, base.wrapping_add(1), 1, owner()) };
+        assert!(matches!(odd, Err(ExternalError::Misaligned { .. })));
+        let huge = unsafe { Tensor::from_external(DType::F64, base, usize::MAX / 4, owner()) };
+        assert!(matches!(huge, Err(ExternalError::TooLarge { .. })));
+        // A zero-length tensor over a dangling pointer is fine and empty.
+        // SAFETY: zero bytes are never accessed.
+        let empty = unsafe {
+            Tensor::from_external(
+                DType::F32,
+                std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
+                0,
+                owner(),
+            )
+        };
+        assert!(empty.unwrap().as_bytes().is_empty());
     }
 
     #[test]

@@ -1,0 +1,622 @@
+"""Chorus collectives from Python, with TorchComms' API.
+
+::
+
+    import numpy as np
+    import chorus
+
+    comm = chorus.new_comm("cpu", "cpu", "main")
+    grad = np.ones(1024, dtype=np.float32)
+    comm.all_reduce(grad, chorus.ReduceOp.AVG, async_op=False)  # in place
+    comm.finalize()
+
+Names and argument order follow ``torchcomms._comms`` (``TorchComm``,
+``TorchWork``, ``BatchSendRecv``, ``ReduceOp``); docs/python.md lists the
+differences. Buffers are anything with the buffer protocol (NumPy arrays,
+``bytearray``, ``memoryview``) or CPU ``torch.Tensor``s, C-contiguous.
+Ops write into the caller's arrays; an array must not be read or written
+until its op's work has been waited on.
+
+Rank, size and the rendezvous come from the environment, as set by
+``python -m chorus.run -n N script.py``, ``chorus-run`` or ``torchrun``
+(plus ``CHORUS_SECRET``).
+"""
+
+import datetime
+import enum
+import os
+import sys
+
+from . import _chorus
+from ._errors import *  # noqa: F401,F403
+from ._errors import ConfigError, __all__ as _error_names
+
+__all__ = [
+    "new_comm",
+    "join_comm",
+    "Comm",
+    "Work",
+    "ReduceOp",
+    "RedOpType",
+    "P2POp",
+    "P2POpType",
+    "BatchSendRecv",
+    "DTYPES",
+] + list(_error_names)
+
+__version__ = _chorus.__version__
+
+Work = _chorus.Work
+"""The handle of an op (TorchComms' ``TorchWork``): ``is_completed()``,
+``wait()`` (any number of times) and ``wait_blocking()``."""
+
+
+# ------------------------------------------------------------------ dtypes
+
+# Chorus's DType codes (src/tensor.rs).
+_F16, _BF16, _F32, _F64, _I8, _U8, _I32, _I64, _U32, _U64 = range(10)
+
+DTYPES = {
+    "float16": _F16,
+    "bfloat16": _BF16,
+    "float32": _F32,
+    "float64": _F64,
+    "int8": _I8,
+    "uint8": _U8,
+    "int32": _I32,
+    "int64": _I64,
+    "uint32": _U32,
+    "uint64": _U64,
+}
+"""The element types Chorus reduces and moves, by name."""
+
+# struct-module format letter -> (signed int / unsigned int / float) kind.
+_INT_FORMATS = set("bhilq")
+_UINT_FORMATS = set("BHILQ")
+_FLOAT_FORMATS = {"e": _F16, "f": _F32, "d": _F64}
+_INT_CODES = {1: _I8, 4: _I32, 8: _I64}
+_UINT_CODES = {1: _U8, 4: _U32, 8: _U64}
+
+
+def _torch_view(obj):
+    """A CPU torch tensor as a NumPy array sharing its memory, and the dtype
+    code when NumPy cannot express it (bfloat16)."""
+    import torch  # only reached for torch tensors
+
+    if obj.device.type != "cpu":
+        raise ValueError(
+            f"tensor is on {obj.device}; the chorus Python package moves host memory only"
+        )
+    t = obj.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), _BF16
+    return t.numpy(), None
+
+
+def _buffer(obj):
+    """``(byte memoryview, dtype code)`` of a C-contiguous buffer."""
+    override = None
+    if type(obj).__module__.startswith("torch"):
+        obj, override = _torch_view(obj)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"expected an array with the buffer protocol (numpy.ndarray, bytearray, "
+            f"CPU torch.Tensor), got {type(obj).__name__}"
+        ) from None
+    if not mv.c_contiguous:
+        raise ValueError(
+            "the array is not C-contiguous; pass numpy.ascontiguousarray(x) "
+            "(and copy the result back into x for an in-place op)"
+        )
+    fmt = mv.format.lstrip("@=<")
+    if fmt.startswith((">", "!")) and sys.byteorder == "little":
+        raise ValueError(f"big-endian arrays are not supported (format {mv.format!r})")
+    fmt = fmt.lstrip(">!")
+    if override is not None:
+        code = override
+    elif fmt in _FLOAT_FORMATS:
+        code = _FLOAT_FORMATS[fmt]
+    elif fmt in _INT_FORMATS and mv.itemsize in _INT_CODES:
+        code = _INT_CODES[mv.itemsize]
+    elif fmt in _UINT_FORMATS and mv.itemsize in _UINT_CODES:
+        code = _UINT_CODES[mv.itemsize]
+    elif fmt == "c":
+        code = _U8
+    else:
+        raise TypeError(
+            f"unsupported element type (format {mv.format!r}, {mv.itemsize} bytes); "
+            f"Chorus supports {', '.join(DTYPES)}"
+        )
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B") if mv.nbytes else memoryview(bytearray())
+    return mv, code
+
+
+def _buffers(objs):
+    """Byte views of a list of buffers, and their common dtype code."""
+    views = [_buffer(o) for o in objs]
+    codes = {c for _, c in views}
+    if len(codes) > 1:
+        raise TypeError("the tensors of one op must all have the same dtype")
+    return [v for v, _ in views], (codes.pop() if codes else None)
+
+
+def _same(code, other, what):
+    if other is not None and code is not None and other != code:
+        raise TypeError(f"{what} has a different dtype from the input")
+    return code if code is not None else other
+
+
+def _seconds(timeout):
+    """A ``timedelta`` or number of seconds as float seconds, or ``None``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+# ------------------------------------------------------------------ ReduceOp
+
+
+class RedOpType(enum.Enum):
+    """The kind of a :class:`ReduceOp` (TorchComms' ``RedOpType``)."""
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+
+
+class ReduceOp:
+    """A reduction: ``ReduceOp.SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ``AVG``,
+    ``BAND``, ``BOR``, ``BXOR``, or ``ReduceOp.PREMUL_SUM(factor)`` (each rank
+    scales its input by its own scalar ``factor``, then the results are
+    summed)."""
+
+    __slots__ = ("_type", "_factor")
+
+    def __init__(self, type_, factor=0.0):
+        self._type = RedOpType(type_)
+        self._factor = float(factor)
+
+    @property
+    def type(self):
+        return self._type
+
+    @staticmethod
+    def PREMUL_SUM(factor):  # noqa: N802 (TorchComms' name)
+        if not isinstance(factor, (int, float)):
+            # A 0-d array or tensor holding the scalar.
+            try:
+                factor = float(factor)
+            except TypeError:
+                raise TypeError(
+                    "PREMUL_SUM takes a scalar factor; a tensor of factors is not supported"
+                ) from None
+        return ReduceOp(RedOpType.PREMUL_SUM, factor)
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, ReduceOp)
+            and self._type == other._type
+            and self._factor == other._factor
+        )
+
+    def __hash__(self):
+        return hash((self._type, self._factor))
+
+    def __repr__(self):
+        if self._type is RedOpType.PREMUL_SUM:
+            return f"ReduceOp.PREMUL_SUM({self._factor})"
+        return f"ReduceOp.{self._type.name}"
+
+
+for _t in RedOpType:
+    if _t is not RedOpType.PREMUL_SUM:
+        setattr(ReduceOp, _t.name, ReduceOp(_t))
+del _t
+
+
+def _op(op):
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"expected a chorus.ReduceOp, got {type(op).__name__}")
+    return op._type.value, op._factor
+
+
+# ------------------------------------------------------------------ p2p batches
+
+
+class P2POpType(enum.Enum):
+    """Direction of a :class:`P2POp`."""
+
+    SEND = 0
+    RECV = 1
+
+
+class P2POp:
+    """One send or receive of a batch (TorchComms' ``P2POp``)."""
+
+    def __init__(self, type, tensor, peer):  # noqa: A002 (TorchComms' name)
+        self.type = P2POpType(type)
+        self.tensor = tensor
+        self.peer = int(peer)
+
+
+class BatchSendRecv:
+    """Sends and receives issued together (``comm.batch_op_create()``), so
+    that a ring exchange cannot deadlock on the order of its ops."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.ops = []
+
+    def send(self, tensor, dst):
+        self.ops.append(P2POp(P2POpType.SEND, tensor, dst))
+
+    def recv(self, tensor, src):
+        self.ops.append(P2POp(P2POpType.RECV, tensor, src))
+
+    def issue(self, async_op=False, options=None, *, hints=None, timeout=None):
+        if options is not None and timeout is None:
+            timeout = getattr(options, "timeout", None)
+        ops = []
+        for p in self.ops:
+            view, code = _buffer(p.tensor)
+            ops.append((p.type is P2POpType.SEND, view, code, p.peer))
+        work = self._comm._c.batch_p2p(ops, _seconds(timeout))
+        return _finish(work, async_op)
+
+
+def _finish(work, async_op):
+    if not async_op:
+        work.wait()
+    return work
+
+
+# ------------------------------------------------------------------ communicator
+
+
+class Comm:
+    """A communicator (TorchComms' ``TorchComm``).
+
+    Every op takes ``async_op`` (default ``False``: block until done) and
+    the keywords ``hints`` (accepted and ignored: Chorus has no hints) and
+    ``timeout`` (a ``timedelta`` or seconds; this op only). Every op returns
+    a :class:`Work`, already completed when ``async_op`` is false.
+    """
+
+    def __init__(self, native):
+        self._c = native
+
+    # -------------------------------------------------------------- identity
+
+    def get_rank(self):
+        return self._c.get_rank()
+
+    def get_size(self):
+        return self._c.get_size()
+
+    def get_name(self):
+        return self._c.get_name()
+
+    def get_device(self):
+        """``"cpu"`` or ``"cuda:N"`` (a ``torch.device`` when torch is
+        imported)."""
+        dev = self._c.get_device()
+        torch = sys.modules.get("torch")
+        return torch.device(dev) if torch is not None else dev
+
+    def get_backend(self):
+        return self._c.get_backend()
+
+    def get_timeout(self):
+        """The default timeout of this communicator's ops."""
+        return datetime.timedelta(seconds=self._c.get_timeout())
+
+    def get_epoch(self):
+        """The epoch (Chorus only: 0, then +1 per ``reconfigure``)."""
+        return self._c.get_epoch()
+
+    def __repr__(self):
+        return repr(self._c)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def finalize(self):
+        """Finish every outstanding op, then close the communicator."""
+        self._c.finalize()
+
+    def abort(self, reason=None):
+        """Fail every outstanding op (on every rank) and close."""
+        self._c.abort(reason)
+
+    def is_aborted(self):
+        return self._c.is_aborted()
+
+    def is_abort_supported(self):
+        return True
+
+    def health(self):
+        """Chorus only: ``{"active", "epoch", "failed_ranks", "failure",
+        "child_failures"}`` as this rank sees it now."""
+        return self._c.health()
+
+    def split(self, ranks, name, hints=None, timeout=None):
+        """A communicator of ``ranks`` (every rank passes the same list), or
+        ``None`` on ranks not in it."""
+        child = self._c.split(list(ranks), name, _seconds(timeout))
+        return Comm(child) if child is not None else None
+
+    def reconfigure(self, timeout=None, min_size=None, wait_joiners=0):
+        """Chorus only: form the next epoch from the ranks still alive.
+
+        Returns ``(comm, rank_map)``: the new communicator and
+        ``{"epoch", "size", "old_to_new", "joined"}``. Raises
+        ``NoQuorumError`` when no more than half of the ranks (or fewer than
+        ``min_size``) survived.
+        """
+        child, rank_map = self._c.reconfigure(_seconds(timeout), min_size, wait_joiners)
+        return Comm(child), rank_map
+
+    # -------------------------------------------------------------- collectives
+
+    def all_reduce(self, tensor, op, async_op=False, hints=None, timeout=None):
+        view, code = _buffer(tensor)
+        o, f = _op(op)
+        return _finish(self._c.all_reduce(view, code, o, f, _seconds(timeout)), async_op)
+
+    def reduce(self, tensor, root, op, async_op=False, hints=None, timeout=None):
+        view, code = _buffer(tensor)
+        o, f = _op(op)
+        return _finish(self._c.reduce(view, code, root, o, f, _seconds(timeout)), async_op)
+
+    def broadcast(self, tensor, root, async_op=False, hints=None, timeout=None):
+        view, code = _buffer(tensor)
+        return _finish(self._c.broadcast(view, code, root, _seconds(timeout)), async_op)
+
+    def all_gather(self, tensor_list, tensor, async_op=False, hints=None, timeout=None):
+        """Every rank's ``tensor`` into ``tensor_list`` (one per rank)."""
+        if len(tensor_list) != self.get_size():
+            raise ValueError(f"tensor_list must hold {self.get_size()} tensors")
+        return self.all_gather_v(tensor_list, tensor, async_op, hints, timeout)
+
+    def all_gather_v(self, tensor_list, tensor, async_op=False, hints=None, timeout=None):
+        """As ``all_gather``, each rank's tensor of its own size."""
+        view, code = _buffer(tensor)
+        outs, ocode = _buffers(tensor_list)
+        code = _same(code, ocode, "tensor_list")
+        return _finish(self._c.all_gather_v(outs, view, code, _seconds(timeout)), async_op)
+
+    def all_gather_single(self, output, input, async_op=False, hints=None, timeout=None):  # noqa: A002
+        iview, code = _buffer(input)
+        oview, ocode = _buffer(output)
+        code = _same(code, ocode, "output")
+        return _finish(
+            self._c.all_gather_single(oview, iview, code, _seconds(timeout)), async_op
+        )
+
+    def reduce_scatter(self, output, input_list, op, async_op=False, hints=None, timeout=None):
+        if len(input_list) != self.get_size():
+            raise ValueError(f"input_list must hold {self.get_size()} tensors")
+        return self.reduce_scatter_v(output, input_list, op, async_op, hints, timeout)
+
+    def reduce_scatter_v(self, output, input_list, op, async_op=False, hints=None, timeout=None):
+        oview, code = _buffer(output)
+        ins, icode = _buffers(input_list)
+        code = _same(code, icode, "input_list")
+        o, f = _op(op)
+        return _finish(
+            self._c.reduce_scatter_v(oview, ins, code, o, f, _seconds(timeout)), async_op
+        )
+
+    def reduce_scatter_single(self, output, input, op, async_op=False, hints=None, timeout=None):  # noqa: A002
+        iview, code = _buffer(input)
+        oview, ocode = _buffer(output)
+        code = _same(code, ocode, "output")
+        o, f = _op(op)
+        return _finish(
+            self._c.reduce_scatter_single(oview, iview, code, o, f, _seconds(timeout)),
+            async_op,
+        )
+
+    def all_to_all_single(self, output, input, async_op=False, hints=None, timeout=None):  # noqa: A002
+        iview, code = _buffer(input)
+        oview, ocode = _buffer(output)
+        code = _same(code, ocode, "output")
+        return _finish(
+            self._c.all_to_all_single(oview, iview, code, _seconds(timeout)), async_op
+        )
+
+    def all_to_all_v_single(
+        self,
+        output,
+        input,  # noqa: A002
+        output_split_sizes,
+        input_split_sizes,
+        async_op=False,
+        hints=None,
+        timeout=None,
+    ):
+        """Split sizes count elements of the flat buffers (TorchComms counts
+        rows of dimension 0; for 1-D arrays these are the same)."""
+        iview, code = _buffer(input)
+        oview, ocode = _buffer(output)
+        code = _same(code, ocode, "output")
+        return _finish(
+            self._c.all_to_all_v_single(
+                oview,
+                iview,
+                list(output_split_sizes),
+                list(input_split_sizes),
+                code,
+                _seconds(timeout),
+            ),
+            async_op,
+        )
+
+    def all_to_all(self, output_tensor_list, input_tensor_list, async_op=False, hints=None, timeout=None):
+        ins, code = _buffers(input_tensor_list)
+        outs, ocode = _buffers(output_tensor_list)
+        code = _same(code, ocode, "output_tensor_list")
+        if code is None:
+            raise ValueError("all_to_all needs one tensor per rank")
+        return _finish(self._c.all_to_all(outs, ins, code, _seconds(timeout)), async_op)
+
+    def barrier(self, async_op=False, hints=None, timeout=None):
+        return _finish(self._c.barrier(_seconds(timeout)), async_op)
+
+    def scatter(self, output_tensor, input_tensor_list, root, async_op=False, hints=None, timeout=None):
+        """``input_tensor_list`` is read on ``root`` only (others may pass
+        ``[]`` or ``None``)."""
+        oview, code = _buffer(output_tensor)
+        ins = None
+        if self.get_rank() == root:
+            ins, icode = _buffers(input_tensor_list or [])
+            code = _same(code, icode, "input_tensor_list")
+        return _finish(self._c.scatter(oview, ins, root, code, _seconds(timeout)), async_op)
+
+    def gather(self, output_tensor_list, input_tensor, root, async_op=False, hints=None, timeout=None):
+        """``output_tensor_list`` is filled on ``root`` only."""
+        iview, code = _buffer(input_tensor)
+        outs = []
+        if self.get_rank() == root:
+            outs, ocode = _buffers(output_tensor_list)
+            code = _same(code, ocode, "output_tensor_list")
+        return _finish(self._c.gather(outs, iview, root, code, _seconds(timeout)), async_op)
+
+    def gather_single(self, output, input, root, async_op=False, hints=None, timeout=None):  # noqa: A002
+        iview, code = _buffer(input)
+        oview, ocode = _buffer(output)
+        code = _same(code, ocode, "output")
+        return _finish(
+            self._c.gather_single(oview, iview, root, code, _seconds(timeout)), async_op
+        )
+
+    # -------------------------------------------------------------- p2p
+
+    def send(self, tensor, dst, async_op=False, hints=None, timeout=None):
+        view, code = _buffer(tensor)
+        return _finish(self._c.send(view, dst, code, _seconds(timeout)), async_op)
+
+    def recv(self, tensor, src, async_op=False, hints=None, timeout=None):
+        view, code = _buffer(tensor)
+        return _finish(self._c.recv(view, src, code, _seconds(timeout)), async_op)
+
+    def batch_op_create(self):
+        return BatchSendRecv(self)
+
+
+# TorchComms' class name.
+TorchComm = Comm
+
+
+def _torchrun_without_secret():
+    """Whether this looks like a multi-rank torchrun launch with no secret."""
+    if os.environ.get("CHORUS_SECRET"):
+        return False
+    if "CHORUS_STORE_ADDR" in os.environ:
+        return False
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_PORT" in os.environ
+    except ValueError:
+        return False
+
+
+def new_comm(
+    backend,
+    device,
+    name,
+    abort_process_on_timeout_or_error=None,
+    timeout=None,
+    high_priority_stream=None,
+    store=None,
+    enable_reconfigure=False,
+    hints=None,
+    *,
+    connect_timeout=None,
+    secret=None,
+    rank=None,
+    size=None,
+):
+    """Create a communicator; every rank calls it with the same ``name``.
+
+    ``backend``: ``"cpu"`` (built in; TCP and same-host shared memory), or
+    another backend compiled into the extension. ``device``: ``"cpu"``,
+    ``"cuda:N"`` or a ``torch.device``. ``timeout``: default timeout of every
+    op (``timedelta`` or seconds; 10 minutes if ``None``).
+
+    ``store``: ``None`` (from the environment: ``MASTER_ADDR``/``MASTER_PORT``,
+    rank 0 hosting Chorus's QUIC store, or ``CHORUS_STORE_ADDR``), or the
+    ``"host:port"`` of a running ``chorus-rendezvous``. A ``torch.distributed``
+    store is not accepted. ``abort_process_on_timeout_or_error``,
+    ``high_priority_stream``, ``enable_reconfigure`` and ``hints`` are
+    accepted for compatibility and have no effect (every Chorus communicator
+    can be reconfigured, and none aborts the process).
+
+    Chorus only (keywords): ``connect_timeout`` (bootstrap, 120 s),
+    ``secret`` (else ``CHORUS_SECRET``), ``rank`` and ``size`` (else the
+    environment).
+    """
+    if store is not None and not isinstance(store, str):
+        raise TypeError(
+            "store must be None or the \"host:port\" of a chorus-rendezvous; Chorus "
+            "bootstraps through its own authenticated QUIC store, not a torch.distributed Store"
+        )
+    if abort_process_on_timeout_or_error:
+        raise ValueError(
+            "abort_process_on_timeout_or_error=True is not supported: Chorus fails the ops "
+            "with a typed error and aborts the communicator, never the process"
+        )
+    if secret is None and _torchrun_without_secret():
+        raise ConfigError(
+            "no job secret: this looks like a torchrun launch (WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE')}, MASTER_PORT={os.environ.get('MASTER_PORT')}) "
+            "without CHORUS_SECRET. Set the same secret on every node before torchrun, e.g. "
+            "`export CHORUS_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')` "
+            "(share that one value with every node), or launch with "
+            "`python -m chorus.run -n N script.py`, which sets it for you"
+        )
+    native = _chorus.new_comm(
+        backend,
+        str(device),
+        name,
+        timeout=_seconds(timeout),
+        connect_timeout=_seconds(connect_timeout),
+        store=store,
+        secret=secret,
+        rank=rank,
+        size=size,
+    )
+    return Comm(native)
+
+
+def join_comm(backend, device, name, timeout=None, *, connect_timeout=None, store=None, secret=None):
+    """Chorus only: join the running communicator ``name`` as a new rank.
+
+    Registers for its next epoch and blocks until the survivors call
+    ``reconfigure()`` with this rank admitted (at most ``connect_timeout``,
+    120 s by default); returns the new epoch's communicator. The store is
+    found as for :func:`new_comm`. Raises ``ExcludedError`` when no epoch
+    admitted this rank in time.
+    """
+    if secret is None and _torchrun_without_secret():
+        raise ConfigError("no job secret: set CHORUS_SECRET to the job's secret before join_comm")
+    return Comm(
+        _chorus.join_comm(
+            backend,
+            str(device),
+            name,
+            timeout=_seconds(timeout),
+            connect_timeout=_seconds(connect_timeout),
+            store=store,
+            secret=secret,
+        )
+    )

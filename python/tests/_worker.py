@@ -1,0 +1,509 @@
+"""One rank of a multi-rank test: ``python _worker.py SCENARIO [ARGS...]``.
+
+The test (test_*.py) starts every rank as its own process with the launcher's
+environment and a hard timeout. A rank checks its own results against a
+reference computed locally, prints ``OK <scenario>`` and exits 0; any failed
+check is an exception, so a non-zero exit and a traceback.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+import chorus
+from chorus import ReduceOp
+
+COUNTS = (0, 4, 1024, 1 << 20)
+
+
+def values(dtype, rank, count):
+    """Rank `rank`'s input: small integers, exact in every dtype."""
+    return (1 + (np.arange(count) + rank) % 3).astype(dtype)
+
+
+def reference(op, dtype, size, count):
+    xs = [values(dtype, r, count) for r in range(size)]
+    if op.type is chorus.RedOpType.SUM:
+        return np.sum(xs, axis=0, dtype=dtype)
+    if op.type is chorus.RedOpType.PRODUCT:
+        return np.prod(xs, axis=0, dtype=dtype)
+    if op.type is chorus.RedOpType.MIN:
+        return np.min(xs, axis=0)
+    if op.type is chorus.RedOpType.MAX:
+        return np.max(xs, axis=0)
+    if op.type is chorus.RedOpType.AVG:
+        s = np.sum(xs, axis=0, dtype=np.int64 if np.issubdtype(dtype, np.integer) else dtype)
+        return (s // size if np.issubdtype(dtype, np.integer) else s / size).astype(dtype)
+    if op.type is chorus.RedOpType.BAND:
+        return np.bitwise_and.reduce(xs)
+    if op.type is chorus.RedOpType.BOR:
+        return np.bitwise_or.reduce(xs)
+    if op.type is chorus.RedOpType.BXOR:
+        return np.bitwise_xor.reduce(xs)
+    if op.type is chorus.RedOpType.PREMUL_SUM:
+        # Each rank's factor is rank + 1 (see premul()).
+        return np.sum([x * dtype(r + 1) for r, x in enumerate(xs)], axis=0, dtype=dtype)
+    raise AssertionError(op)
+
+
+def premul(rank):
+    return ReduceOp.PREMUL_SUM(rank + 1)
+
+
+def check(got, want, what):
+    if np.issubdtype(got.dtype, np.floating):
+        ok = np.allclose(got, want, rtol=1e-6, atol=0)
+    else:
+        ok = np.array_equal(got, want)
+    if not ok:
+        bad = np.flatnonzero(got != want)[:5]
+        raise AssertionError(f"{what}: got {got[bad]} want {np.asarray(want)[bad]} at {bad}")
+
+
+def ops_for(dtype, rank):
+    ops = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG, premul(rank)]
+    if np.issubdtype(dtype, np.integer):
+        ops += [ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
+    return ops
+
+
+def run(work, async_op):
+    """Finish an op issued with `async_op`: wait twice (allowed) if async."""
+    if async_op:
+        work.wait()
+        assert work.is_completed()
+        work.wait()
+    else:
+        assert work.is_completed()
+
+
+def grid(comm, dtype_name):
+    dtype = np.dtype(dtype_name).type
+    rank, size = comm.get_rank(), comm.get_size()
+    for count in COUNTS:
+        for async_op in (False, True):
+            tag = f"{dtype_name} x {count} async={async_op}"
+            # all_reduce, every op (the op of PREMUL_SUM differs per rank:
+            # its factor).
+            for op in ops_for(dtype, rank):
+                t = values(dtype, rank, count)
+                run(comm.all_reduce(t, op, async_op=async_op), async_op)
+                want_op = op if op.type is not chorus.RedOpType.PREMUL_SUM else premul(0)
+                check(t, reference(want_op, dtype, size, count), f"all_reduce {op} {tag}")
+
+            # reduce onto the last rank; the others keep their input.
+            root = size - 1
+            t = values(dtype, rank, count)
+            run(comm.reduce(t, root, ReduceOp.SUM, async_op=async_op), async_op)
+            want = reference(ReduceOp.SUM, dtype, size, count) if rank == root else values(dtype, rank, count)
+            check(t, want, f"reduce {tag}")
+
+            # broadcast from rank 1.
+            t = values(dtype, rank, count)
+            run(comm.broadcast(t, 1, async_op=async_op), async_op)
+            check(t, values(dtype, 1, count), f"broadcast {tag}")
+
+            # Per-rank blocks: `count` elements per rank.
+            blocks = [values(dtype, r, count) for r in range(size)]
+            mine = values(dtype, rank, count)
+            out = np.zeros(count * size, dtype=dtype)
+            run(comm.all_gather_single(out, mine, async_op=async_op), async_op)
+            check(out, np.concatenate(blocks), f"all_gather_single {tag}")
+            check(mine, values(dtype, rank, count), f"all_gather_single input intact {tag}")
+
+            outs = [np.zeros(count, dtype=dtype) for _ in range(size)]
+            run(comm.all_gather(outs, mine, async_op=async_op), async_op)
+            for r in range(size):
+                check(outs[r], blocks[r], f"all_gather[{r}] {tag}")
+
+            # reduce_scatter: rank r's input block j is values(r, ...) + j.
+            ins = [(values(dtype, rank, count) + dtype(j)).astype(dtype) for j in range(size)]
+            flat = np.concatenate(ins) if count else np.zeros(0, dtype=dtype)
+            out = np.zeros(count, dtype=dtype)
+            want = np.sum(
+                [(values(dtype, r, count) + dtype(rank)).astype(dtype) for r in range(size)],
+                axis=0,
+                dtype=dtype,
+            )
+            run(comm.reduce_scatter_single(out, flat, ReduceOp.SUM, async_op=async_op), async_op)
+            check(out, want, f"reduce_scatter_single {tag}")
+            check(flat, np.concatenate(ins) if count else flat, f"reduce_scatter_single input intact {tag}")
+            out2 = np.zeros(count, dtype=dtype)
+            run(comm.reduce_scatter(out2, ins, ReduceOp.SUM, async_op=async_op), async_op)
+            check(out2, want, f"reduce_scatter {tag}")
+
+            # all_to_all_single: block j of rank r is values(r) * (j + 1).
+            def a2a_block(src, dst):
+                return (values(dtype, src, count) * dtype(dst + 1)).astype(dtype)
+
+            send = np.concatenate([a2a_block(rank, j) for j in range(size)])
+            out = np.zeros(count * size, dtype=dtype)
+            sent = send.copy()
+            run(comm.all_to_all_single(out, send, async_op=async_op), async_op)
+            check(send, sent, f"all_to_all_single input intact {tag}")
+            check(out, np.concatenate([a2a_block(j, rank) for j in range(size)]), f"all_to_all_single {tag}")
+
+            outs = [np.zeros(count, dtype=dtype) for _ in range(size)]
+            a2a_in = [a2a_block(rank, j) for j in range(size)]
+            run(comm.all_to_all(outs, a2a_in, async_op=async_op), async_op)
+            for j in range(size):
+                check(a2a_in[j], a2a_block(rank, j), f"all_to_all input intact {tag}")
+            for j in range(size):
+                check(outs[j], a2a_block(j, rank), f"all_to_all[{j}] {tag}")
+
+            # all_to_all_v_single: rank r sends (r + j) % 2 * count elements to j.
+            def n(src, dst):
+                return ((src + dst) % 2) * count
+
+            send = np.concatenate([a2a_block(rank, j)[: n(rank, j)] for j in range(size)])
+            out = np.zeros(sum(n(j, rank) for j in range(size)), dtype=dtype)
+            run(
+                comm.all_to_all_v_single(
+                    out,
+                    send,
+                    [n(j, rank) for j in range(size)],
+                    [n(rank, j) for j in range(size)],
+                    async_op=async_op,
+                ),
+                async_op,
+            )
+            check(
+                out,
+                np.concatenate([a2a_block(j, rank)[: n(j, rank)] for j in range(size)]),
+                f"all_to_all_v_single {tag}",
+            )
+
+            # scatter / gather with root 0.
+            out = np.zeros(count, dtype=dtype)
+            run(comm.scatter(out, blocks if rank == 0 else [], 0, async_op=async_op), async_op)
+            check(out, blocks[rank], f"scatter {tag}")
+            outs = [np.zeros(count, dtype=dtype) for _ in range(size)]
+            run(comm.gather(outs, mine, 0, async_op=async_op), async_op)
+            check(mine, blocks[rank], f"gather input intact {tag}")
+            if rank == 0:
+                for r in range(size):
+                    check(outs[r], blocks[r], f"gather[{r}] {tag}")
+
+            # A ring exchange as one batch, and plain send/recv pairs.
+            nxt, prv = (rank + 1) % size, (rank - 1) % size
+            got = np.zeros(count, dtype=dtype)
+            batch = comm.batch_op_create()
+            batch.send(mine, nxt)
+            batch.recv(got, prv)
+            run(batch.issue(async_op), async_op)
+            check(got, blocks[prv], f"batch ring {tag}")
+            check(mine, blocks[rank], f"batch send input intact {tag}")
+            got = np.zeros(count, dtype=dtype)
+            if rank == 0:
+                run(comm.send(mine, 1, async_op=async_op), async_op)
+                check(mine, blocks[0], f"send input intact {tag}")
+            elif rank == 1:
+                run(comm.recv(got, 0, async_op=async_op), async_op)
+                check(got, blocks[0], f"send/recv {tag}")
+            run(comm.barrier(async_op=async_op), async_op)
+
+
+def buffers(comm):
+    """Buffer edge cases: unaligned views, read-only inputs, bad outputs."""
+    rank, size = comm.get_rank(), comm.get_size()
+    # An int8 view at offset 1: contiguous but not 8-byte aligned, so Chorus
+    # works on a copy; the caller's memory must still be updated in place.
+    base = np.zeros(17, dtype=np.int8)
+    view = base[1:]
+    view[:] = rank + 1
+    comm.all_reduce(view, ReduceOp.SUM)
+    assert base[0] == 0 and (view == sum(range(1, size + 1))).all(), base
+    # A read-only input is fine for an input-only op.
+    ro = np.full(4, rank, dtype=np.float32)
+    ro.setflags(write=False)
+    out = np.zeros(4 * size, dtype=np.float32)
+    comm.all_gather_single(out, ro)
+    check(out, np.repeat(np.arange(size, dtype=np.float32), 4), "read-only input")
+    # ... but not as the buffer an op writes into.
+    try:
+        comm.all_reduce(ro, ReduceOp.SUM)
+        raise AssertionError("all_reduce on a read-only array did not raise")
+    except ValueError as e:
+        assert "read-only" in str(e), e
+    # Non-contiguous: a ValueError before anything is sent.
+    strided = np.zeros(8, dtype=np.float32)[::2]
+    try:
+        comm.all_reduce(strided, ReduceOp.SUM)
+        raise AssertionError("a strided array did not raise")
+    except ValueError as e:
+        assert "contiguous" in str(e), e
+    # A 2-D C-contiguous array is a flat buffer.
+    m = np.full((3, 5), rank, dtype=np.float64)
+    comm.all_reduce(m, ReduceOp.MAX)
+    assert (m == size - 1).all()
+    # bytearray works too (uint8).
+    b = bytearray([rank] * 3)
+    comm.all_reduce(b, ReduceOp.MAX)
+    assert b == bytearray([size - 1] * 3)
+    # Unsupported dtype: TypeError.
+    try:
+        comm.all_reduce(np.zeros(2, dtype=np.int16), ReduceOp.SUM)
+        raise AssertionError("int16 did not raise")
+    except TypeError:
+        pass
+    # Bitwise op on floats: UnsupportedOpError, which is also a ValueError;
+    # the communicator stays usable.
+    try:
+        comm.all_reduce(np.zeros(2, dtype=np.float32), ReduceOp.BXOR)
+        raise AssertionError("BXOR on f32 did not raise")
+    except chorus.UnsupportedOpError as e:
+        assert isinstance(e, ValueError) and not e.fatal
+    # In-place all_gather: the input is this rank's block of the output.
+    n = 4
+    out = np.zeros(n * size, dtype=np.float32)
+    out[rank * n : (rank + 1) * n] = rank + 1
+    comm.all_gather_single(out, out[rank * n : (rank + 1) * n])
+    check(out, np.repeat(np.arange(1, size + 1, dtype=np.float32), n), "in-place all_gather")
+    # A ring shift in place: send and receive the same array in one batch.
+    a = np.full(5, rank, dtype=np.int32)
+    batch = comm.batch_op_create()
+    batch.send(a, (rank + 1) % size)
+    batch.recv(a, (rank - 1) % size)
+    batch.issue()
+    assert (a == (rank - 1) % size).all(), a
+    # The arrays of an async op stay alive even when the caller drops them.
+    w = comm.all_reduce(np.ones(1 << 16, dtype=np.float32), ReduceOp.SUM, async_op=True)
+    w.wait()
+
+
+def mismatch(comm):
+    rank = comm.get_rank()
+    t = np.ones(4 + rank, dtype=np.float32)  # a different count on every rank
+    try:
+        comm.all_reduce(t, ReduceOp.SUM)
+        raise AssertionError("no mismatch")
+    except chorus.MismatchError as e:
+        assert not e.fatal, e
+        assert "mismatch" in str(e)
+    # A parameter mismatch leaves the communicator usable.
+    t = np.ones(4, dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM)
+    assert (t == comm.get_size()).all()
+    # A failed async work raises from every wait().
+    w = comm.all_reduce(np.ones(1 + rank, dtype=np.int32), ReduceOp.SUM, async_op=True)
+    for _ in range(2):
+        try:
+            w.wait()
+            raise AssertionError("no mismatch on wait")
+        except chorus.MismatchError:
+            pass
+
+
+def split(comm):
+    rank, size = comm.get_rank(), comm.get_size()
+    evens = list(range(0, size, 2))
+    sub = comm.split(evens, "evens")
+    if rank % 2:
+        assert sub is None
+    else:
+        assert sub.get_size() == len(evens) and sub.get_rank() == rank // 2, sub
+        t = np.full(8, rank, dtype=np.int32)
+        sub.all_reduce(t, ReduceOp.SUM)
+        assert (t == sum(evens)).all(), t
+        sub.finalize()
+    # The parent still works.
+    t = np.ones(3, dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM)
+    assert (t == size).all()
+
+
+def abort(comm):
+    rank = comm.get_rank()
+    comm.barrier()
+    if rank == 0:
+        comm.abort()
+        assert comm.is_aborted()
+        try:
+            comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM)
+            raise AssertionError("op after abort did not raise")
+        except chorus.AbortedError as e:
+            assert e.fatal
+    else:
+        # Rank 0 aborted (and stopped taking part): this op fails on us too.
+        try:
+            comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM, timeout=60)
+            raise AssertionError("op with an aborted peer did not raise")
+        except chorus.ChorusError as e:
+            assert e.fatal, e
+        assert comm.is_aborted()
+    print("health", comm.health())
+
+
+def killed(comm):
+    rank, size = comm.get_rank(), comm.get_size()
+    victim = size - 1
+    comm.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(np.ones(1024, dtype=np.float32), ReduceOp.SUM, timeout=60)
+        raise AssertionError("all_reduce with a dead peer did not raise")
+    except (chorus.PeerFailedError, chorus.AbortedError) as e:
+        assert victim in e.failed_ranks, (e, e.failed_ranks)
+        print("failed_ranks", e.failed_ranks, type(e).__name__)
+    # Elastic: the survivors form the next epoch without the dead rank.
+    nxt, rank_map = comm.reconfigure(timeout=60)
+    assert nxt.get_size() == size - 1, rank_map
+    assert rank_map["old_to_new"][victim] is None, rank_map
+    t = np.ones(16, dtype=np.float32)
+    nxt.all_reduce(t, ReduceOp.SUM)
+    assert (t == size - 1).all(), t
+    nxt.finalize()
+
+
+def rejoin(comm):
+    """The last rank dies; a new process joins; the next epoch has the two
+    survivors and the joiner."""
+    rank, size = comm.get_rank(), comm.get_size()
+    victim = size - 1
+    comm.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM, timeout=60)
+        raise AssertionError("all_reduce with a dead peer did not raise")
+    except (chorus.PeerFailedError, chorus.AbortedError):
+        pass
+    nxt, rank_map = comm.reconfigure(timeout=60, wait_joiners=1)
+    assert nxt.get_size() == size and len(rank_map["joined"]) == 1, rank_map
+    after_reconfigure(nxt)
+
+
+def after_reconfigure(nxt):
+    t = np.ones(16, dtype=np.float32)
+    nxt.all_reduce(t, ReduceOp.SUM)
+    assert (t == nxt.get_size()).all(), t
+    nxt.finalize()
+
+
+def interrupt(comm):
+    """Ctrl-C reaches a rank blocked in wait(): KeyboardInterrupt, the op
+    still pending."""
+    rank = comm.get_rank()
+    side = chorus.new_comm("cpu", "cpu", "side", connect_timeout=60)
+    if rank == 0:
+        # Rank 1 never joins this all_reduce (a 60 s timeout).
+        w = comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM, async_op=True, timeout=60)
+        try:
+            side.send(np.array([os.getpid()], dtype=np.int64), 1)
+            w.wait()
+            raise AssertionError("wait() returned")
+        except KeyboardInterrupt:
+            pass
+        assert not w.is_completed()
+        side.send(np.ones(1, dtype=np.int64), 1)  # rank 1 may go now
+        comm.abort("interrupted")
+        try:
+            w.wait()
+            raise AssertionError("an aborted op completed")
+        except (chorus.AbortedError, chorus.PeerFailedError) as e:
+            assert e.fatal, e
+    else:
+        pid = np.zeros(1, dtype=np.int64)
+        side.recv(pid, 0)
+        os.kill(int(pid[0]), signal.SIGINT)
+        side.recv(pid, 0)
+        comm.abort()
+    side.finalize()
+
+
+def timeout(comm):
+    rank = comm.get_rank()
+    # A second, independent communicator: rank 1 waits on it, so that it
+    # issues nothing on `comm` (which would be a mismatch, not a timeout).
+    side = chorus.new_comm("cpu", "cpu", "side", connect_timeout=60)
+    if rank == 0:
+        try:
+            comm.all_reduce(np.ones(4, dtype=np.float32), ReduceOp.SUM, timeout=1.0)
+            raise AssertionError("no timeout")
+        except chorus.TimeoutError as e:
+            assert isinstance(e, TimeoutError) and e.fatal, e
+        assert comm.is_aborted()
+        side.send(np.ones(1, dtype=np.float32), 1)
+    else:
+        got = np.zeros(1, dtype=np.float32)
+        side.recv(got, 0, timeout=60)
+        assert got[0] == 1.0
+        comm.abort()
+    side.finalize()
+
+
+def gil(comm):
+    """A thread blocked in an op must not hold the GIL."""
+    rank = comm.get_rank()
+    side = comm.split([0, 1], "side")
+    if rank == 0:
+        done = []
+        t = threading.Thread(target=lambda: done.append(comm.barrier()))
+        t.start()
+        # This thread runs Python while the other is blocked in barrier,
+        # which rank 1 only joins after our message below.
+        acc = sum(i * i for i in range(100_000))
+        assert not done
+        side.send(np.array([acc], dtype=np.int64), 1)
+        t.join(timeout=60)
+        assert done and not t.is_alive()
+    else:
+        got = np.zeros(1, dtype=np.int64)
+        side.recv(got, 0)
+        comm.barrier()
+    side.finalize()
+
+
+def torch_tensors(comm):
+    import torch
+
+    rank, size = comm.get_rank(), comm.get_size()
+    t = torch.full((4, 4), float(rank + 1))
+    comm.all_reduce(t, ReduceOp.SUM)
+    assert torch.all(t == sum(range(1, size + 1)))
+    b = torch.full((8,), float(rank), dtype=torch.bfloat16)
+    comm.all_reduce(b, ReduceOp.MAX)
+    assert torch.all(b == size - 1)
+    try:
+        comm.all_reduce(torch.zeros(4, 4).t(), ReduceOp.SUM)
+        raise AssertionError("non-contiguous tensor did not raise")
+    except ValueError:
+        pass
+
+
+SCENARIOS = {
+    "grid": grid,
+    "buffers": buffers,
+    "mismatch": mismatch,
+    "split": split,
+    "abort": abort,
+    "killed": killed,
+    "timeout": timeout,
+    "interrupt": interrupt,
+    "rejoin": rejoin,
+    "gil": gil,
+    "torch": torch_tensors,
+}
+
+
+def main():
+    scenario, *args = sys.argv[1:]
+    if os.environ.get("CHORUS_TEST_JOINER"):
+        nxt = chorus.join_comm("cpu", "cpu", f"test-{scenario}", connect_timeout=60)
+        assert nxt.get_epoch() == 1, nxt.get_epoch()
+        after_reconfigure(nxt)
+        print(f"OK {scenario}", flush=True)
+        return
+    comm = chorus.new_comm("cpu", "cpu", f"test-{scenario}", connect_timeout=60)
+    SCENARIOS[scenario](comm, *args)
+    if not comm.is_aborted():
+        comm.finalize()
+    print(f"OK {scenario}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Single-process tests of the API surface (a world of one rank, no network)."""
+
+import datetime
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import chorus
+from chorus import ReduceOp
+
+
+@pytest.fixture
+def comm():
+    c = chorus.new_comm("cpu", "cpu", "api", rank=0, size=1, timeout=datetime.timedelta(seconds=30))
+    yield c
+    if not c.is_aborted():
+        c.finalize()
+
+
+def test_identity_and_timeout(comm):
+    assert (comm.get_rank(), comm.get_size(), comm.get_name()) == (0, 1, "api")
+    assert comm.get_backend() == "cpu"
+    assert str(comm.get_device()) == "cpu"
+    assert comm.get_timeout() == datetime.timedelta(seconds=30)
+    assert comm.is_abort_supported() and not comm.is_aborted()
+    assert comm.health()["active"] is True
+
+
+def test_reduce_op_names_and_premul_sum():
+    assert ReduceOp.SUM.type is chorus.RedOpType.SUM
+    p = ReduceOp.PREMUL_SUM(0.5)
+    assert p.type is chorus.RedOpType.PREMUL_SUM and p == ReduceOp.PREMUL_SUM(0.5)
+    assert ReduceOp.PREMUL_SUM(np.float32(2.0)) == ReduceOp.PREMUL_SUM(2.0)
+    with pytest.raises(TypeError):
+        ReduceOp.PREMUL_SUM(np.ones(3))
+    assert {repr(o) for o in (ReduceOp.AVG, p)} == {"ReduceOp.AVG", "ReduceOp.PREMUL_SUM(0.5)"}
+
+
+def test_error_hierarchy():
+    for name in chorus._errors.__all__:
+        assert issubclass(getattr(chorus, name), chorus.ChorusError)
+    assert issubclass(chorus.TimeoutError, TimeoutError)
+    assert issubclass(chorus.InvalidArgumentError, ValueError)
+
+
+def test_premul_sum_scales_in_place(comm):
+    t = np.arange(5, dtype=np.float64)
+    comm.all_reduce(t, ReduceOp.PREMUL_SUM(3.0))
+    assert np.array_equal(t, 3.0 * np.arange(5))
+
+
+def test_work_wait_twice_and_is_completed(comm):
+    t = np.ones(1000, dtype=np.float32)
+    w = comm.all_reduce(t, ReduceOp.SUM, async_op=True)
+    w.wait()
+    w.wait()
+    w.wait_blocking()
+    assert w.is_completed() and "completed" in repr(w)
+
+
+def test_wrong_sizes_are_errors_not_corruption(comm):
+    out = np.zeros(3, dtype=np.float32)
+    with pytest.raises(chorus.InvalidArgumentError):
+        comm.all_gather_single(out, np.ones(4, dtype=np.float32))
+    with pytest.raises(TypeError):
+        comm.all_gather_single(np.zeros(4, dtype=np.int32), np.ones(4, dtype=np.float32))
+    with pytest.raises(chorus.InvalidArgumentError):
+        comm.broadcast(np.ones(2, dtype=np.float32), 5)
+    with pytest.raises(ValueError):
+        comm.all_gather([], np.ones(2, dtype=np.float32))
+    assert (out == 0).all()
+
+
+def test_ops_after_finalize_and_abort(comm):
+    comm.abort("test")
+    assert comm.is_aborted()
+    with pytest.raises(chorus.AbortedError) as e:
+        comm.barrier()
+    assert e.value.fatal
+    c2 = chorus.new_comm("cpu", "cpu", "api-fin", rank=0, size=1)
+    c2.finalize()
+    with pytest.raises(chorus.FinalizedError):
+        c2.all_reduce(np.ones(1, dtype=np.float32), ReduceOp.SUM)
+
+
+def test_unknown_backend_and_unsupported_options():
+    with pytest.raises(chorus.UnknownBackendError):
+        chorus.new_comm("nope", "cpu", "x", rank=0, size=1)
+    with pytest.raises(ValueError):
+        chorus.new_comm("cpu", "cpu", "x", abort_process_on_timeout_or_error=True, rank=0, size=1)
+    with pytest.raises(TypeError):
+        chorus.new_comm("cpu", "cpu", "x", store=object(), rank=0, size=1)
+
+
+def test_an_in_flight_op_keeps_its_array_alive_until_waited_on(comm):
+    a = np.full(1 << 14, 2, dtype=np.float32)
+    ref = weakref.ref(a)
+    w = comm.all_reduce(a, ReduceOp.SUM, async_op=True)
+    del a
+    gc.collect()
+    assert ref() is not None, "the array was freed while its op was in flight"
+    w.wait()
+    chorus._chorus._release_parked()
+    gc.collect()
+    assert ref() is None, "the op kept the array after it was waited on"
+
+
+def copies():
+    return chorus._chorus._copy_stats()
+
+
+def test_in_place_ops_on_aligned_arrays_copy_nothing(comm):
+    a = np.ones(1 << 16, dtype=np.float32)
+    before = copies()
+    comm.all_reduce(a, ReduceOp.SUM)
+    comm.broadcast(a, 0)
+    out = np.zeros(1 << 16, dtype=np.float32)
+    comm.all_gather_single(out, a)
+    assert copies() == before, "an aligned, writable array was copied"
+    assert (out == 1).all()
+
+
+def test_unaligned_views_are_copied_in_and_back_out(comm):
+    base = np.zeros(9, dtype=np.int8)
+    view = base[1:]
+    view[:] = 7
+    before = copies()
+    comm.all_reduce(view, ReduceOp.SUM)
+    after = copies()
+    assert (after[0] - before[0], after[1] - before[1]) == (8, 8)
+    assert base[0] == 0 and (view == 7).all()

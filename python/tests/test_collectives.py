@@ -1,0 +1,53 @@
+"""Multi-rank tests of the TorchComms-style API over the cpu backend."""
+
+import pytest
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "int8"])
+def test_collective_grid_counts_0_4_1024_1mi_every_op_sync_and_async(ranks, dtype):
+    ranks(3, "grid", dtype).assert_ok("grid")
+
+
+def test_buffers_unaligned_readonly_strided_and_2d(ranks):
+    ranks(2, "buffers").assert_ok("buffers")
+
+
+def test_mismatched_counts_raise_mismatch_error_on_every_rank(ranks):
+    ranks(3, "mismatch").assert_ok("mismatch")
+
+
+def test_split_gives_members_a_subcommunicator_and_others_none(ranks):
+    ranks(4, "split").assert_ok("split")
+
+
+def test_abort_fails_ops_here_and_on_the_peer(ranks):
+    ranks(2, "abort").assert_ok("abort")
+
+
+def test_killed_rank_is_peer_failed_then_survivors_reconfigure(ranks):
+    res = ranks(3, "killed")
+    res.assert_ok("killed", ranks=[0, 1])
+    assert res.procs[2][0] == -9, res.procs[2]
+
+
+def test_a_new_process_joins_the_survivors_epoch(ranks):
+    res = ranks(3, "rejoin", joiners=1)
+    res.assert_ok("rejoin", ranks=[0, 1, 3])
+    assert res.procs[2][0] == -9, res.procs[2]
+
+
+def test_op_timeout_raises_chorus_and_builtin_timeout_error(ranks):
+    ranks(2, "timeout").assert_ok("timeout")
+
+
+def test_ctrl_c_interrupts_a_blocked_wait(ranks):
+    ranks(2, "interrupt").assert_ok("interrupt")
+
+
+def test_a_blocked_op_releases_the_gil(ranks):
+    ranks(2, "gil").assert_ok("gil")
+
+
+def test_torch_cpu_tensors_in_place(ranks):
+    pytest.importorskip("torch")
+    ranks(2, "torch").assert_ok("torch")
