@@ -535,8 +535,8 @@ impl Comm {
                 tensor.len(),
                 vec![],
                 OpData::AllReduce {
+                    op: op.combine_op_on(tensor.dtype()),
                     buf: tensor,
-                    op: op.combine_op(),
                 },
             ))
         })
@@ -573,8 +573,8 @@ impl Comm {
                 work.len(),
                 vec![],
                 OpData::Reduce {
+                    op: op.combine_op_on(work.dtype()),
                     buf: work,
-                    op: op.combine_op(),
                     root,
                 },
             );
@@ -725,10 +725,10 @@ impl Comm {
             input.len(),
             counts.to_vec(),
             OpData::ReduceScatter {
+                op: op.combine_op_on(input.dtype()),
                 input,
                 output,
                 counts: counts.to_vec(),
-                op: op.combine_op(),
             },
         );
         req.return_input = return_input;
@@ -1383,8 +1383,13 @@ fn first_tensor(c: Completion) -> Result<Tensor> {
         .ok_or_else(|| Error::Internal("point-to-point op returned no buffer".into()))
 }
 
+/// The local step before a reduction: scale for `PremulSum`, and make every
+/// boolean 0 or 1 so that [`ReduceOp::combine_op_on`] holds.
 fn premul(t: &mut Tensor, op: ReduceOp) {
     if let ReduceOp::PremulSum(s) = op {
         crate::kernels::scale(t.dtype(), t.as_bytes_mut(), s);
+    }
+    if t.dtype() == DType::Bool {
+        crate::kernels::normalize_bools(t.as_bytes_mut());
     }
 }

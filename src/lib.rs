@@ -113,7 +113,7 @@ pub use op::{OpKind, ReduceOp};
 pub use options::{
     parse_flight_recorder_size, parse_timeout_seconds, CommOptions, Device, Rendezvous,
 };
-pub use tensor::{DType, Element, ExternalError, Tensor};
+pub use tensor::{Bool, DType, Element, ExternalError, Tensor};
 pub use work::Work;
 
 /// Create a communicator: connect this rank to the others and start its actor.

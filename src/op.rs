@@ -80,9 +80,28 @@ impl ReduceOp {
         matches!(self, ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor)
     }
 
-    /// Whether the operator can be applied to `dtype`.
+    /// Whether the operator can be applied to `dtype`. On [`DType::Bool`]
+    /// the operators are logical: `Sum`, `Max` and `BOr` are OR; `Product`,
+    /// `Min` and `BAnd` are AND; `BXor` is XOR. `Avg` and `PremulSum` are
+    /// not defined on booleans.
     pub const fn supports(self, dtype: DType) -> bool {
-        !(self.is_bitwise() && dtype.is_float())
+        match dtype {
+            DType::Bool => !matches!(self, ReduceOp::Avg | ReduceOp::PremulSum(_)),
+            _ => !(self.is_bitwise() && dtype.is_float()),
+        }
+    }
+
+    /// [`combine_op`](ReduceOp::combine_op) for data of `dtype`: on
+    /// [`DType::Bool`] (with every element 0 or 1, which the generic layer
+    /// ensures before an op), OR combines as `Max`, AND as `Min` and XOR as
+    /// `BXor`, so every backend can run boolean reductions as `u8` ones.
+    pub const fn combine_op_on(self, dtype: DType) -> ReduceOp {
+        match (dtype, self) {
+            (DType::Bool, ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr) => ReduceOp::Max,
+            (DType::Bool, ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd) => ReduceOp::Min,
+            (DType::Bool, ReduceOp::BXor) => ReduceOp::BXor,
+            _ => self.combine_op(),
+        }
     }
 
     /// The operator used to combine values between ranks: `Avg` and

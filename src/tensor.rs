@@ -79,11 +79,14 @@ pub enum DType {
     U32 = 8,
     /// Unsigned 64-bit integer.
     U64 = 9,
+    /// Boolean, one byte per element ([`Bool`]): zero is false, anything
+    /// else true. Reductions are logical (see [`ReduceOp`](crate::ReduceOp)).
+    Bool = 10,
 }
 
 impl DType {
     /// Every dtype, in code order.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 11] = [
         DType::F16,
         DType::BF16,
         DType::F32,
@@ -94,12 +97,13 @@ impl DType {
         DType::I64,
         DType::U32,
         DType::U64,
+        DType::Bool,
     ];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
-            DType::I8 | DType::U8 => 1,
+            DType::I8 | DType::U8 | DType::Bool => 1,
             DType::F16 | DType::BF16 => 2,
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F64 | DType::I64 | DType::U64 => 8,
@@ -134,6 +138,7 @@ impl DType {
             DType::I64 => "int64",
             DType::U32 => "uint32",
             DType::U64 => "uint64",
+            DType::Bool => "bool",
         }
     }
 }
@@ -151,7 +156,7 @@ mod sealed {
 /// A Rust type that can be stored in a [`Tensor`].
 ///
 /// Implemented for `f32`, `f64`, [`half::f16`], [`half::bf16`], `i8`, `u8`,
-/// `i32`, `i64`, `u32` and `u64`. Sealed: the set matches [`DType`].
+/// `i32`, `i64`, `u32`, `u64` and [`Bool`]. Sealed: the set matches [`DType`].
 pub trait Element: bytemuck::Pod + PartialEq + fmt::Debug + Send + Sync + sealed::Sealed {
     /// The dtype tag of this type.
     const DTYPE: DType;
@@ -186,6 +191,70 @@ element!(i32, DType::I32);
 element!(i64, DType::I64);
 element!(u32, DType::U32);
 element!(u64, DType::U64);
+
+/// A boolean element of a [`DType::Bool`] tensor: one byte, zero is false
+/// and any other value true (what PyTorch and NumPy store for `bool`).
+/// `Rust`'s `bool` cannot be viewed from arbitrary bytes, so tensors hold
+/// this instead; [`Tensor::from_bools`] and [`Tensor::to_bools`] convert.
+/// Equality and hashing compare truth values, so `Bool(2) == Bool::TRUE`.
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(transparent)]
+pub struct Bool(pub u8);
+
+impl PartialEq for Bool {
+    fn eq(&self, other: &Bool) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Eq for Bool {}
+
+impl std::hash::Hash for Bool {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.get().hash(h);
+    }
+}
+
+impl Bool {
+    /// `true`.
+    pub const TRUE: Bool = Bool(1);
+    /// `false`.
+    pub const FALSE: Bool = Bool(0);
+
+    /// Whether this element is true (non-zero).
+    pub const fn get(self) -> bool {
+        self.0 != 0
+    }
+}
+
+impl From<bool> for Bool {
+    fn from(b: bool) -> Bool {
+        Bool(u8::from(b))
+    }
+}
+
+impl From<Bool> for bool {
+    fn from(b: Bool) -> bool {
+        b.get()
+    }
+}
+
+impl fmt::Debug for Bool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.get(), f)
+    }
+}
+
+impl sealed::Sealed for Bool {}
+impl Element for Bool {
+    const DTYPE: DType = DType::Bool;
+    fn from_f64(v: f64) -> Self {
+        Bool::from(v != 0.0)
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(u8::from(self.get()))
+    }
+}
 
 impl sealed::Sealed for f16 {}
 impl Element for f16 {
@@ -527,6 +596,25 @@ impl Tensor {
         self.as_slice::<T>().to_vec()
     }
 
+    /// A [`DType::Bool`] tensor holding `values`.
+    ///
+    /// ```
+    /// let t = chorus::Tensor::from_bools(&[true, false]);
+    /// assert_eq!(t.dtype(), chorus::DType::Bool);
+    /// assert_eq!(t.to_bools(), vec![true, false]);
+    /// ```
+    pub fn from_bools(values: &[bool]) -> Tensor {
+        Tensor::from_vec(values.iter().map(|&b| Bool::from(b)).collect())
+    }
+
+    /// The elements of a [`DType::Bool`] tensor as `bool`s.
+    ///
+    /// # Panics
+    /// If this tensor's dtype is not [`DType::Bool`].
+    pub fn to_bools(&self) -> Vec<bool> {
+        self.as_slice::<Bool>().iter().map(|b| b.get()).collect()
+    }
+
     /// Elements converted to `f64` (for checks and printing, any dtype).
     pub fn to_f64_vec(&self) -> Vec<f64> {
         fn conv<T: Element>(t: &Tensor) -> Vec<f64> {
@@ -543,6 +631,7 @@ impl Tensor {
             DType::I64 => conv::<i64>(self),
             DType::U32 => conv::<u32>(self),
             DType::U64 => conv::<u64>(self),
+            DType::Bool => conv::<Bool>(self),
         }
     }
 
@@ -562,6 +651,7 @@ impl Tensor {
             DType::I64 => conv::<i64>(values),
             DType::U32 => conv::<u32>(values),
             DType::U64 => conv::<u64>(values),
+            DType::Bool => conv::<Bool>(values),
         }
     }
 
@@ -628,12 +718,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn bools_compare_by_truth_and_convert() {
+        assert_eq!(Bool(2), Bool::TRUE);
+        assert_ne!(Bool(0), Bool::TRUE);
+        let t = Tensor::from_vec(vec![Bool(7), Bool(0)]);
+        assert_eq!(t.to_bools(), vec![true, false]);
+        assert_eq!(Tensor::from_bools(&[false, true]).as_bytes(), &[0, 1]);
+    }
+
+    #[test]
     fn every_dtype_round_trips_through_f64() {
         for d in DType::ALL {
-            let t = Tensor::from_f64s(d, &[1.0, 2.0, 3.0]);
+            let t = Tensor::from_f64s(d, &[1.0, 2.0, 3.0, 0.0]);
             assert_eq!(t.dtype(), d);
-            assert_eq!(t.len_bytes(), 3 * d.size());
-            assert_eq!(t.to_f64_vec(), vec![1.0, 2.0, 3.0]);
+            assert_eq!(t.len_bytes(), 4 * d.size());
+            // Booleans keep truth values only.
+            let want = if d == DType::Bool {
+                vec![1.0, 1.0, 1.0, 0.0]
+            } else {
+                vec![1.0, 2.0, 3.0, 0.0]
+            };
+            assert_eq!(t.to_f64_vec(), want);
             assert_eq!(DType::from_code(d.code()), Some(d));
         }
         assert_eq!(DType::from_code(200), None);

@@ -693,3 +693,59 @@ fn blocking_ops_on_a_current_thread_runtime_refuse_and_consume_no_seq() {
         })
     });
 }
+
+/// `Bool` tensors: logical reductions (any non-zero byte is true, results
+/// are 0 or 1), broadcast and all_gather, on every backend the suite runs;
+/// `Avg` on booleans is refused before any communication.
+fn bool_ops(n: usize) {
+    run_ranks(n, "bools", move |comm| {
+        let r = comm.rank();
+        // Element i is true on rank r iff bit r of i is set; true is stored
+        // as 7 to check that inputs need not be 0/1.
+        let mine: Vec<chorus::Bool> = (0..8)
+            .map(|i| chorus::Bool(if i >> r & 1 == 1 { 7 } else { 0 }))
+            .collect();
+        let truth = |i: usize, q: usize| i >> q & 1 == 1;
+        for (op, want) in [
+            (
+                ReduceOp::Sum,
+                (|v: &[bool]| v.iter().any(|&b| b)) as fn(&[bool]) -> bool,
+            ),
+            (ReduceOp::Max, |v| v.iter().any(|&b| b)),
+            (ReduceOp::BOr, |v| v.iter().any(|&b| b)),
+            (ReduceOp::Product, |v| v.iter().all(|&b| b)),
+            (ReduceOp::Min, |v| v.iter().all(|&b| b)),
+            (ReduceOp::BAnd, |v| v.iter().all(|&b| b)),
+            (ReduceOp::BXor, |v| {
+                v.iter().filter(|&&b| b).count() % 2 == 1
+            }),
+        ] {
+            let out = comm.all_reduce(Tensor::from_vec(mine.clone()), op).unwrap();
+            assert_eq!(out.dtype(), DType::Bool);
+            let expect: Vec<u8> = (0..8)
+                .map(|i| u8::from(want(&(0..n).map(|q| truth(i, q)).collect::<Vec<_>>())))
+                .collect();
+            assert_eq!(out.as_bytes(), &expect[..], "{op} on rank {r}");
+        }
+        let b = comm
+            .broadcast(Tensor::from_bools(&[r == 0, true, false]), 0)
+            .unwrap();
+        assert_eq!(b.to_bools(), vec![true, true, false]);
+        let g = comm.all_gather(Tensor::from_bools(&[r % 2 == 0])).unwrap();
+        assert_eq!(g.to_bools(), (0..n).map(|q| q % 2 == 0).collect::<Vec<_>>());
+        let e = comm
+            .all_reduce(Tensor::from_bools(&[true]), ReduceOp::Avg)
+            .unwrap_err();
+        assert!(matches!(e, chorus::Error::UnsupportedOp { .. }), "{e}");
+        comm.barrier().unwrap();
+    });
+}
+
+#[test]
+fn bool_reductions_broadcast_and_gather_world_2() {
+    bool_ops(2);
+}
+#[test]
+fn bool_reductions_broadcast_and_gather_world_3() {
+    bool_ops(3);
+}

@@ -293,6 +293,15 @@ fn op_of(op: ReduceOp) -> SystemOperation {
     }
 }
 
+// SAFETY: `Bool` is `#[repr(transparent)]` over `u8`, so MPI's `u8`
+// datatype describes its memory exactly.
+unsafe impl Equivalence for crate::tensor::Bool {
+    type Out = <u8 as Equivalence>::Out;
+    fn equivalent_datatype() -> Self::Out {
+        u8::equivalent_datatype()
+    }
+}
+
 /// Run `$body` with `$T` bound to the Rust type of an MPI-typed dtype.
 macro_rules! typed {
     ($dt:expr, $T:ident => $body:expr, half => $half:expr) => {
@@ -303,6 +312,11 @@ macro_rules! typed {
             }
             DType::U8 => {
                 type $T = u8;
+                $body
+            }
+            // 0/1 bytes, reduced with max/min/bxor (combine_op_on).
+            DType::Bool => {
+                type $T = crate::tensor::Bool;
                 $body
             }
             DType::I32 => {

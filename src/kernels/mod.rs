@@ -21,7 +21,10 @@
 //!   - `f16`/`bf16` are widened to `f32`, combined, and rounded back to
 //!     nearest-even. For one `+`, `*`, `min` or `max` this equals the
 //!     correctly rounded half-precision result (`f32` has more than twice the
-//!     precision, so double rounding is innocuous).
+//!     precision, so double rounding is innocuous);
+//!   - `Bool` is logical on truth values (any non-zero byte is true) and
+//!     writes 0 or 1: `Sum`/`Max`/`BOr` are OR, `Product`/`Min`/`BAnd` AND,
+//!     `BXor` XOR; [`scale`] and [`divide`] leave it untouched.
 //!
 //! ```
 //! use chorus::kernels::reduce_into;
@@ -121,12 +124,31 @@ pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) -> Re
         DType::BF16 => float!(binary_bf16, f32),
         DType::I8 => int!(i8),
         DType::U8 => int!(u8),
+        // Logical on truth values, whatever non-zero byte encodes true.
+        DType::Bool => match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => {
+                binary::<u8>(dst, src, |a, b| u8::from(a != 0 || b != 0))
+            }
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => {
+                binary::<u8>(dst, src, |a, b| u8::from(a != 0 && b != 0))
+            }
+            ReduceOp::BXor => binary::<u8>(dst, src, |a, b| u8::from((a != 0) ^ (b != 0))),
+            ReduceOp::Avg | ReduceOp::PremulSum(_) => {}
+        },
         DType::I32 => int!(i32),
         DType::I64 => int!(i64),
         DType::U32 => int!(u32),
         DType::U64 => int!(u64),
     }
     Ok(())
+}
+
+/// Make every element of a [`DType::Bool`] buffer 0 or 1 (non-zero becomes
+/// 1), the form boolean reductions combine in ([`ReduceOp::combine_op_on`]).
+pub fn normalize_bools(data: &mut [u8]) {
+    for b in data {
+        *b = u8::from(*b != 0);
+    }
 }
 
 /// Multiply every element by `scalar` (for `PremulSum`).
@@ -161,6 +183,8 @@ pub fn scale(dtype: DType, data: &mut [u8], scalar: f64) {
         }
         DType::I8 => int!(i8),
         DType::U8 => int!(u8),
+        // Not defined on booleans (ReduceOp::supports): left untouched.
+        DType::Bool => {}
         DType::I32 => int!(i32),
         DType::I64 => int!(i64),
         DType::U32 => int!(u32),
@@ -214,6 +238,8 @@ pub fn divide(dtype: DType, data: &mut [u8], n: usize) {
         }
         DType::I8 => int!(i8),
         DType::U8 => int!(u8),
+        // Not defined on booleans (ReduceOp::supports): left untouched.
+        DType::Bool => {}
         DType::I32 => int!(i32),
         DType::I64 => int!(i64),
         DType::U32 => int!(u32),

@@ -6,6 +6,8 @@
 //! [RK-3]: crate::kernels#invariants
 
 use half::{bf16, f16};
+
+use crate::tensor::Bool;
 use proptest::prelude::*;
 
 use super::*;
@@ -59,6 +61,29 @@ macro_rules! int_reference {
     )*};
 }
 int_reference!(i8, u8, i32, i64, u32, u64);
+
+/// Logical on truth values; results are exactly 0 or 1 (`same` compares
+/// the raw byte, so a kernel writing another "true" byte fails).
+impl Reference for Bool {
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+        let (x, y) = (a.get(), b.get());
+        Bool::from(match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => x || y,
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => x && y,
+            ReduceOp::BXor => x ^ y,
+            other => panic!("not a combining op: {other}"),
+        })
+    }
+    fn scale(a: Self, _s: f64) -> Self {
+        a
+    }
+    fn divide(a: Self, _n: usize) -> Self {
+        a
+    }
+    fn same(a: Self, b: Self) -> bool {
+        a.0 == b.0
+    }
+}
 
 fn f64_combine(op: ReduceOp, x: f64, y: f64) -> f64 {
     match op {
@@ -222,6 +247,7 @@ macro_rules! with_type {
             DType::I64 => $f::<i64>($($arg),*),
             DType::U32 => $f::<u32>($($arg),*),
             DType::U64 => $f::<u64>($($arg),*),
+            DType::Bool => $f::<Bool>($($arg),*),
         }
     };
 }

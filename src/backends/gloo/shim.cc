@@ -138,7 +138,8 @@ RawFn pick_float(int op) {
   }
 }
 
-// dtype codes as chorus DType: 2 f32, 3 f64, 4 i8, 5 u8, 6 i32, 7 i64, 8 u32, 9 u64.
+// dtype codes as chorus DType: 2 f32, 3 f64, 4 i8, 5 u8, 6 i32, 7 i64, 8 u32, 9 u64,
+// 10 bool (0/1 bytes, reduced as u8 with max/min/bxor by the caller).
 RawFn pick(int dtype, int op, size_t* esize) {
   switch (dtype) {
     case 2: *esize = 4; return pick_float<float>(op);
@@ -149,6 +150,7 @@ RawFn pick(int dtype, int op, size_t* esize) {
     case 7: *esize = 8; return pick_int<int64_t>(op);
     case 8: *esize = 4; return pick_int<uint32_t>(op);
     case 9: *esize = 8; return pick_int<uint64_t>(op);
+    case 10: *esize = 1; return pick_int<uint8_t>(op);
     default: return nullptr;
   }
 }

@@ -21,11 +21,12 @@ use crate::error::{Error, Result};
 use crate::op::ReduceOp;
 use crate::tensor::DType;
 
-/// `ncclDataType_t` for a Chorus dtype (every Chorus dtype has one).
+/// `ncclDataType_t` for a Chorus dtype (every Chorus dtype has one; `Bool`
+/// travels as `ncclUint8`, its 0/1 bytes reduced with max/min/xor).
 pub fn nccl_dtype(d: DType) -> ncclDataType_t {
     match d {
         DType::I8 => 0,
-        DType::U8 => 1,
+        DType::U8 | DType::Bool => 1,
         DType::I32 => 2,
         DType::U32 => 3,
         DType::I64 => 4,
