@@ -15,7 +15,7 @@
 //! passes) closes the membership with `compare_set` on `closed`; the first
 //! close wins, and carries the verdict, so every rank reaches the same one.
 //!
-//! Invariants:
+//! # Invariants
 //! - EL-1: split keys are derived from the parent's key prefix and the
 //!   parent's split count, never from a process-wide counter.
 //! - EL-2: the membership of an epoch is decided once (`compare_set`), and
@@ -121,7 +121,7 @@ pub struct Hierarchy {
 #[derive(Debug, Clone)]
 pub struct ReconfigureOptions {
     /// Minimum size of the new epoch (survivors + joiners). `None`: more than
-    /// half of the old ranks must survive (EL-3), which keeps a minority
+    /// half of the old ranks must survive, which keeps a minority
     /// partition from forming its own epoch.
     pub min_size: Option<usize>,
     /// How long to wait for the other survivors and joiners.
@@ -153,7 +153,7 @@ pub struct RankMap {
     pub joined: Vec<usize>,
 }
 
-/// The membership decision of one epoch (EL-2).
+/// The membership decision of one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Closed {
     quorum: bool,
@@ -720,7 +720,7 @@ impl Comm {
     /// finalized (if still active) once the new membership is closed.
     ///
     /// # Errors
-    /// [`Error::NoQuorum`] if too few ranks survived (EL-3) — a minority
+    /// [`Error::NoQuorum`] if too few ranks survived — a minority
     /// partition never forms an epoch; [`Error::Excluded`] if the membership
     /// was closed without this rank (it arrived after the deadline);
     /// [`Error::Transport`] if the store cannot be reached; errors of

@@ -14,7 +14,7 @@
 //! ([`dump_file_name`]) before the ops still queued are failed. The format
 //! is described in `docs/observability.md`.
 //!
-//! Invariants:
+//! # Invariants
 //! - FR-1: entries are in issue order with consecutive `id`s; an entry
 //!   pushed out of the ring is gone, and [`FlightDump::dropped`] counts them.
 //! - FR-2: an entry's state only moves forward (queued → started →
@@ -119,7 +119,7 @@ pub struct FlightDump {
     pub dumped_us: u64,
     /// How many entries the ring holds at most.
     pub capacity: usize,
-    /// How many older entries were pushed out of the ring (FR-1).
+    /// How many older entries were pushed out of the ring.
     pub dropped: u64,
     /// The entries, oldest first.
     pub entries: Vec<FlightEntry>,
@@ -178,7 +178,7 @@ impl FlightRecorder {
         us + t.saturating_duration_since(at).as_micros() as u64
     }
 
-    /// Record a newly issued op; returns its id (FR-1).
+    /// Record a newly issued op; returns its id.
     pub(crate) fn push(&self, op_id: u64, desc: &OpDesc, tag: Option<&str>, now: Instant) -> u64 {
         let entry = FlightEntry {
             id: 0,
@@ -219,7 +219,7 @@ impl FlightRecorder {
         }
     }
 
-    /// Entry `id`'s turn started (FR-2).
+    /// Entry `id`'s turn started.
     pub(crate) fn started(&self, id: u64, seq: Option<u64>, now: Instant) {
         let us = self.us(now);
         self.update(id, |e| {
@@ -231,7 +231,7 @@ impl FlightRecorder {
         });
     }
 
-    /// Entry `id` completed (`error: None`) or failed (FR-2).
+    /// Entry `id` completed (`error: None`) or failed.
     pub(crate) fn finished(&self, id: u64, error: Option<String>, now: Instant) {
         let us = self.us(now);
         self.update(id, |e| {

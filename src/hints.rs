@@ -9,7 +9,7 @@
 //! [`Comm::get_hint`](crate::Comm::get_hint), and otherwise ignored, so a
 //! program can carry hints meant for another backend or another version.
 //!
-//! Invariants:
+//! # Invariants
 //! - HN-1: a handle's hints are its communicator's hints overlaid with those
 //!   of every `with_hints` call that made it, later calls winning per key.
 //! - HN-2: known keys are validated once, when given; an op never fails
@@ -52,7 +52,7 @@ impl Default for Hints {
 }
 
 impl Hints {
-    /// Parse `map`, checking the known keys (HN-2).
+    /// Parse `map`, checking the known keys.
     pub(crate) fn parse(map: BTreeMap<String, String>, comm: &str, rank: usize) -> Result<Hints> {
         let record = match map.get(RECORD) {
             None => true,
@@ -66,7 +66,7 @@ impl Hints {
         })
     }
 
-    /// These hints overlaid with `over` (HN-1), checked.
+    /// These hints overlaid with `over`, checked.
     pub(crate) fn overlay(
         &self,
         over: BTreeMap<String, String>,

@@ -20,7 +20,7 @@
 //! completion path (`crate::work`) reports to: hooks and the flight
 //! recorder ([`crate::flight_recorder`]).
 //!
-//! Invariants:
+//! # Invariants
 //!
 //! | tag | rule |
 //! |-----|------|
@@ -41,7 +41,7 @@ use crate::flight_recorder::{DumpId, FlightRecorder, OpDesc};
 use crate::hints::Hints;
 use crate::tensor::DType;
 
-/// How long an aborting communicator waits for its abort hooks (HK-3).
+/// How long an aborting communicator waits for its abort hooks.
 pub const ABORT_HOOK_DEADLINE: Duration = Duration::from_secs(2);
 
 /// What a pre hook sees: an op, when it is issued.
@@ -121,7 +121,7 @@ enum Kind {
 /// One communicator's registered hooks.
 #[derive(Default)]
 pub(crate) struct HookSet {
-    /// How many hooks are registered, of any kind (HK-2).
+    /// How many hooks are registered, of any kind.
     count: AtomicUsize,
     /// How many of each kind ([`Kind`] as index): an event nobody listens
     /// to is not sent to the hook thread (each send may wake it, ~µs).
@@ -197,7 +197,7 @@ impl HookSet {
 }
 
 /// A registered hook; dropping it, or [`RemovableHandle::remove`],
-/// unregisters the hook (HK-4). Like TorchComms' `RemovableHandle`.
+/// unregisters the hook. Like TorchComms' `RemovableHandle`.
 #[must_use = "dropping the handle unregisters the hook at once"]
 pub struct RemovableHandle {
     set: Weak<HookSet>,
@@ -267,7 +267,7 @@ fn dispatch(job: Job) {
     }
 }
 
-/// Call `f`, catching and logging a panic (HK-5).
+/// Call `f`, catching and logging a panic.
 fn call_caught(what: &'static str, comm: &str, f: impl FnOnce()) {
     if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         let msg = p
@@ -318,7 +318,7 @@ impl Observer {
         }
     }
 
-    /// Whether an op issued with `hints` needs tracking at all (HK-2).
+    /// Whether an op issued with `hints` needs tracking at all.
     pub(crate) fn watching(&self, hints: &Hints) -> bool {
         !self.hooks.is_empty() || (self.recorder.is_some() && hints.record)
     }
@@ -365,7 +365,7 @@ impl Observer {
     }
 
     /// The communicator was aborted with `cause` (once): the abort hooks,
-    /// then the dump, each bounded in time (HK-3, FR-3).
+    /// then the dump, each bounded in time.
     pub(crate) async fn aborted(&self, cause: &Error) {
         if self.hooks.has(Kind::Abort) {
             let (tx, rx) = tokio::sync::oneshot::channel::<()>();

@@ -14,7 +14,7 @@
 //! works in place (e.g. `all_reduce`) writes straight into that memory: no copy
 //! in, no copy out.
 //!
-//! Invariants:
+//! # Invariants
 //! - T-1: storage is aligned to 8 bytes, so it can be viewed as a slice of any
 //!   supported element type.
 //! - T-2: `len_bytes() == len() * dtype().size()` always.

@@ -1,12 +1,12 @@
 //! [`Work`]: the handle of an operation in flight.
 //!
-//! Every request to a communicator gets exactly one completion (WK-1). The
+//! Every request to a communicator gets exactly one completion ([WK-1]). The
 //! executor holds a [`Completer`]; the user holds the [`Work`]. The completer
 //! completes the work once; if it is dropped without completing (a bug, or
 //! an actor that died), the work completes with an error instead of hanging
-//! (WK-2).
+//! ([WK-2]).
 //!
-//! Invariants:
+//! # Invariants
 //! - WK-1: a `Work` completes exactly once; `wait()`, `.await` and
 //!   `is_completed()` observe the same completion.
 //! - WK-2: a dropped `Completer` completes its `Work` with `Error::Internal`.
@@ -15,7 +15,11 @@
 //!
 //! # Cancel safety
 //! `Work` is a plain future over shared state: dropping it mid-poll loses
-//! nothing but the result, and the op still completes (WK-3).
+//! nothing but the result, and the op still completes ([WK-3]).
+//!
+//! [WK-1]: self#invariants
+//! [WK-2]: self#invariants
+//! [WK-3]: self#invariants
 
 use std::future::Future;
 use std::pin::Pin;
@@ -94,7 +98,7 @@ impl Completer {
         }
     }
 
-    /// Complete the work (WK-1). The observer hears of it first.
+    /// Complete the work. The observer hears of it first.
     pub(crate) fn complete(mut self, result: Result<Completion>) {
         if let Some(t) = self.tracked.take() {
             (*t).finish(result.as_ref().map(|_| ()));
