@@ -1,0 +1,390 @@
+//! The failure-detection matrix: for each scenario, start a 4-rank job as
+//! separate processes on this machine, let it run all-reduces, then kill
+//! (SIGKILL) or stop (SIGSTOP) one rank, and measure how long each survivor
+//! takes to get a typed error, and which ranks it blames.
+//!
+//! ```sh
+//! cargo run --release --example fault_matrix            # the table, exit 1 on a miss
+//! cargo run --release --example fault_matrix -- --slack 5
+//! ```
+//!
+//! One row per scenario: the store's host (the launcher, as `chorus-run`
+//! hosts it, or rank 0), the fault and its victim, the survivors' detection
+//! times (median and max, from the fault to the error), the ranks they
+//! blamed, and the verdict. A row passes when every survivor got an error
+//! naming exactly the victim, within the bound: 200 ms after a kill, and
+//! `heartbeat_timeout + 2 × heartbeat_interval` (here 1 s + 2 × 100 ms)
+//! after a stop. `--slack F` multiplies the bounds (for loaded machines;
+//! CI uses it). The process exits non-zero if any row fails.
+//!
+//! The example re-executes itself as the ranks (`FAULT_MATRIX_RANK` set).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use chorus::{new_comm, CommOptions, Device, ReduceOp, Tensor};
+
+const WORLD: usize = 4;
+const HB_INTERVAL: Duration = Duration::from_millis(100);
+const HB_TIMEOUT: Duration = Duration::from_secs(1);
+const KILL_BOUND: Duration = Duration::from_millis(200);
+/// How long one scenario may take before the launcher gives up on it.
+const SCENARIO_DEADLINE: Duration = Duration::from_secs(30);
+
+fn now_us() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros())
+        .unwrap_or(0)
+}
+
+/// The body of one rank: all-reduce until an error, then report it.
+fn rank_main() -> std::process::ExitCode {
+    let opts = CommOptions::default()
+        .with_timeout(Duration::from_secs(20))
+        .with_connect_timeout(Duration::from_secs(20))
+        .with_heartbeat(HB_INTERVAL, HB_TIMEOUT);
+    let comm = match new_comm("cpu", Device::Cpu, "matrix", opts) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("@@setup-error {e}");
+            return std::process::ExitCode::from(3);
+        }
+    };
+    let mut k = 0u64;
+    loop {
+        match comm.all_reduce(Tensor::full(1.0f32, 1024), ReduceOp::Sum) {
+            Ok(t) => {
+                if t.as_slice::<f32>()[0] != WORLD as f32 {
+                    println!("@@corrupt");
+                    return std::process::ExitCode::from(4);
+                }
+                if k == 20 {
+                    println!("@@running");
+                }
+                k += 1;
+            }
+            Err(e) => {
+                let blamed: Vec<String> = e.failed_ranks().iter().map(|r| r.to_string()).collect();
+                println!(
+                    "@@error {} {} [{}] {e}",
+                    now_us(),
+                    comm.rank(),
+                    blamed.join(",")
+                );
+                return std::process::ExitCode::SUCCESS;
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum StoreHost {
+    Launcher,
+    Rank0,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Kill,
+    Stop,
+}
+
+struct Job {
+    children: Vec<Child>,
+    lines: mpsc::Receiver<(usize, String)>,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            // A stopped process must be continued to die promptly.
+            signal(c, libc::SIGCONT);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Send `sig` to `child`; whether it was delivered.
+fn signal(child: &Child, sig: i32) -> bool {
+    let Ok(pid) = i32::try_from(child.id()) else {
+        return false;
+    };
+    // SAFETY: kill(2) on the pid of our own, not yet reaped child.
+    unsafe { libc::kill(pid, sig) == 0 }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn spawn_job(host: StoreHost, store_addr: Option<&str>, job: &str) -> std::io::Result<Job> {
+    let exe = std::env::current_exe()?;
+    let port = free_port()?;
+    let (tx, lines) = mpsc::channel();
+    let mut children = Vec::new();
+    for rank in 0..WORLD {
+        let mut cmd = Command::new(&exe);
+        cmd.env("FAULT_MATRIX_RANK", rank.to_string())
+            .env("CHORUS_SECRET", "fault-matrix-secret")
+            .env("CHORUS_JOB_ID", job)
+            .env_remove("CHORUS_STORE_ADDR")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        match (host, store_addr) {
+            (StoreHost::Launcher, Some(addr)) => {
+                cmd.env("CHORUS_RANK", rank.to_string())
+                    .env("CHORUS_SIZE", WORLD.to_string())
+                    .env("CHORUS_STORE_ADDR", addr);
+            }
+            _ => {
+                cmd.env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", WORLD.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env_remove("CHORUS_RANK")
+                    .env_remove("CHORUS_SIZE");
+            }
+        }
+        let mut child = cmd.spawn()?;
+        let out = child
+            .stdout
+            .take()
+            .ok_or_else(|| std::io::Error::other("no stdout"))?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send((rank, line)).is_err() {
+                    break;
+                }
+            }
+        });
+        children.push(child);
+    }
+    Ok(Job { children, lines })
+}
+
+struct Row {
+    name: String,
+    survivors: usize,
+    median: Option<Duration>,
+    max: Option<Duration>,
+    blamed: String,
+    pass: bool,
+    note: String,
+}
+
+fn run_scenario(
+    host: StoreHost,
+    fault: Fault,
+    victim: usize,
+    store_addr: Option<&str>,
+    slack: f64,
+    n: usize,
+) -> Row {
+    let name = format!(
+        "store on {}, {} rank {victim}",
+        match host {
+            StoreHost::Launcher => "launcher",
+            StoreHost::Rank0 => "rank 0",
+        },
+        match fault {
+            Fault::Kill => "kill -9",
+            Fault::Stop => "SIGSTOP",
+        }
+    );
+    let bound = match fault {
+        Fault::Kill => KILL_BOUND,
+        Fault::Stop => HB_TIMEOUT + 2 * HB_INTERVAL,
+    }
+    .mul_f64(slack);
+    let fail = |note: String| Row {
+        name: name.clone(),
+        survivors: WORLD - 1,
+        median: None,
+        max: None,
+        blamed: "-".into(),
+        pass: false,
+        note,
+    };
+    let job = format!("fault-matrix-{}-{n}", std::process::id());
+    let job = match spawn_job(host, store_addr, &job) {
+        Ok(j) => j,
+        Err(e) => return fail(format!("cannot start the ranks: {e}")),
+    };
+    let deadline = Instant::now() + SCENARIO_DEADLINE;
+    let mut running = [false; WORLD];
+    while running.iter().any(|r| !r) {
+        match job
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok((r, l)) if l.starts_with("@@running") => running[r] = true,
+            Ok((r, l)) if l.starts_with("@@") => {
+                return fail(format!("rank {r} before the fault: {l}"))
+            }
+            Ok(_) => {}
+            Err(_) => return fail("the job did not start in time".into()),
+        }
+    }
+    let t0 = now_us();
+    if !signal(
+        &job.children[victim],
+        match fault {
+            Fault::Kill => libc::SIGKILL,
+            Fault::Stop => libc::SIGSTOP,
+        },
+    ) {
+        return fail(format!("cannot signal rank {victim}"));
+    }
+    let mut seen: Vec<Option<(Duration, String)>> = vec![None; WORLD];
+    let survivors: Vec<usize> = (0..WORLD).filter(|&r| r != victim).collect();
+    while survivors.iter().any(|&r| seen[r].is_none()) {
+        match job
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            Ok((r, l)) => {
+                let mut it = l.split_whitespace();
+                if it.next() != Some("@@error") {
+                    continue;
+                }
+                let at: u128 = it.next().and_then(|v| v.parse().ok()).unwrap_or(t0);
+                let _rank = it.next();
+                let blamed = it.next().unwrap_or("[]").to_string();
+                let dt = Duration::from_micros(at.saturating_sub(t0) as u64);
+                seen[r] = Some((dt, blamed));
+            }
+            Err(_) => {
+                let missing: Vec<usize> = survivors
+                    .iter()
+                    .copied()
+                    .filter(|&r| seen[r].is_none())
+                    .collect();
+                return fail(format!(
+                    "ranks {missing:?} saw no error within {SCENARIO_DEADLINE:?}"
+                ));
+            }
+        }
+    }
+    let mut times: Vec<Duration> = survivors
+        .iter()
+        .filter_map(|&r| seen[r].as_ref().map(|s| s.0))
+        .collect();
+    times.sort();
+    let want = format!("[{victim}]");
+    let blamed: Vec<String> = survivors
+        .iter()
+        .map(|&r| {
+            let b = seen[r].as_ref().map(|s| s.1.clone()).unwrap_or_default();
+            format!("r{r}:{b}")
+        })
+        .collect();
+    let wrong: Vec<usize> = survivors
+        .iter()
+        .copied()
+        .filter(|&r| seen[r].as_ref().map(|s| s.1 != want).unwrap_or(true))
+        .collect();
+    let max = times.last().copied();
+    let late = max.is_some_and(|m| m > bound);
+    let mut note = Vec::new();
+    if !wrong.is_empty() {
+        note.push(format!(
+            "ranks {wrong:?} did not name exactly rank {victim}"
+        ));
+    }
+    if late {
+        note.push(format!("slower than the {bound:?} bound"));
+    }
+    Row {
+        name,
+        survivors: survivors.len(),
+        median: times.get(times.len() / 2).copied(),
+        max,
+        blamed: blamed.join(" "),
+        pass: wrong.is_empty() && !late,
+        note: if note.is_empty() {
+            format!("bound {bound:?}")
+        } else {
+            note.join("; ")
+        },
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    if std::env::var_os("FAULT_MATRIX_RANK").is_some() {
+        return rank_main();
+    }
+    let mut slack = 1.0f64;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match (a.as_str(), args.next().and_then(|v| v.parse::<f64>().ok())) {
+            ("--slack", Some(v)) if v >= 1.0 => slack = v,
+            _ => {
+                eprintln!("usage: fault_matrix [--slack FACTOR>=1]");
+                return std::process::ExitCode::from(2);
+            }
+        }
+    }
+    // The launcher-hosted store, as chorus-run runs it: it outlives any rank.
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fault_matrix: cannot start a runtime: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let server = match rt.block_on(chorus::transport::RendezvousServer::bind(
+        "127.0.0.1:0".parse().expect("a valid socket address"),
+        b"fault-matrix-secret",
+    )) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("fault_matrix: cannot start the store: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let addr = server.local_addr().to_string();
+    let scenarios = [
+        (StoreHost::Launcher, Fault::Kill, 0),
+        (StoreHost::Launcher, Fault::Kill, 2),
+        (StoreHost::Launcher, Fault::Stop, 0),
+        (StoreHost::Launcher, Fault::Stop, 2),
+        (StoreHost::Rank0, Fault::Kill, 0),
+        (StoreHost::Rank0, Fault::Kill, 2),
+        (StoreHost::Rank0, Fault::Stop, 0),
+        (StoreHost::Rank0, Fault::Stop, 2),
+    ];
+    println!("| scenario | survivors | detection median | detection max | blamed | verdict |");
+    println!("|---|---|---|---|---|---|");
+    let mut all_pass = true;
+    for (n, (host, fault, victim)) in scenarios.into_iter().enumerate() {
+        let row = run_scenario(host, fault, victim, Some(&addr), slack, n);
+        let ms = |d: Option<Duration>| {
+            d.map(|d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
+                .unwrap_or_else(|| "-".into())
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {} ({}) |",
+            row.name,
+            row.survivors,
+            ms(row.median),
+            ms(row.max),
+            row.blamed,
+            if row.pass { "pass" } else { "FAIL" },
+            row.note
+        );
+        all_pass &= row.pass;
+    }
+    drop(server);
+    if all_pass {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
