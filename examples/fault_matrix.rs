@@ -18,6 +18,13 @@
 //! CI uses it). The process exits non-zero if any row fails.
 //!
 //! The example re-executes itself as the ranks (`FAULT_MATRIX_RANK` set).
+//!
+//! With `--netns PREFIX` (run by `scripts/netns-cluster.sh`, as root, from
+//! inside the namespace `PREFIXsw` that holds the store address
+//! 10.213.0.254), rank `r` runs in namespace `PREFIX{r}` with address
+//! 10.213.0.{r+1} and its own host id, so ranks talk over TCP across a
+//! bridge as on separate hosts, and a "link down" scenario (the victim's
+//! interface `eth0` set down: a partition) is added.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -90,6 +97,37 @@ enum StoreHost {
 enum Fault {
     Kill,
     Stop,
+    LinkDown,
+}
+
+/// Where the ranks run: this namespace, or one namespace per rank.
+#[derive(Clone, Debug)]
+struct Net {
+    netns: Option<String>,
+}
+
+impl Net {
+    fn rank_ip(&self, rank: usize) -> String {
+        match self.netns {
+            Some(_) => format!("10.213.0.{}", rank + 1),
+            None => "127.0.0.1".into(),
+        }
+    }
+    fn store_ip(&self) -> &'static str {
+        match self.netns {
+            Some(_) => "10.213.0.254",
+            None => "127.0.0.1",
+        }
+    }
+    /// Run `args` inside rank `rank`'s namespace; whether it succeeded.
+    fn in_ns(&self, rank: usize, args: &[&str]) -> bool {
+        let Some(p) = &self.netns else { return false };
+        Command::new("ip")
+            .args(["netns", "exec", &format!("{p}{rank}")])
+            .args(args)
+            .status()
+            .is_ok_and(|s| s.success())
+    }
 }
 
 struct Job {
@@ -123,13 +161,27 @@ fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
-fn spawn_job(host: StoreHost, store_addr: Option<&str>, job: &str) -> std::io::Result<Job> {
+fn spawn_job(
+    net: &Net,
+    host: StoreHost,
+    store_addr: Option<&str>,
+    job: &str,
+) -> std::io::Result<Job> {
     let exe = std::env::current_exe()?;
     let port = free_port()?;
     let (tx, lines) = mpsc::channel();
     let mut children = Vec::new();
     for rank in 0..WORLD {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = match &net.netns {
+            Some(p) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &format!("{p}{rank}")]).arg(&exe);
+                c.env("CHORUS_HOST_ID", format!("{p}{rank}"))
+                    .env("CHORUS_DATA_IP", net.rank_ip(rank));
+                c
+            }
+            None => Command::new(&exe),
+        };
         cmd.env("FAULT_MATRIX_RANK", rank.to_string())
             .env("CHORUS_SECRET", "fault-matrix-secret")
             .env("CHORUS_JOB_ID", job)
@@ -145,7 +197,7 @@ fn spawn_job(host: StoreHost, store_addr: Option<&str>, job: &str) -> std::io::R
             _ => {
                 cmd.env("RANK", rank.to_string())
                     .env("WORLD_SIZE", WORLD.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_ADDR", net.rank_ip(0))
                     .env("MASTER_PORT", port.to_string())
                     .env_remove("CHORUS_RANK")
                     .env_remove("CHORUS_SIZE");
@@ -180,6 +232,7 @@ struct Row {
 }
 
 fn run_scenario(
+    net: &Net,
     host: StoreHost,
     fault: Fault,
     victim: usize,
@@ -196,11 +249,12 @@ fn run_scenario(
         match fault {
             Fault::Kill => "kill -9",
             Fault::Stop => "SIGSTOP",
+            Fault::LinkDown => "link down",
         }
     );
     let bound = match fault {
         Fault::Kill => KILL_BOUND,
-        Fault::Stop => HB_TIMEOUT + 2 * HB_INTERVAL,
+        Fault::Stop | Fault::LinkDown => HB_TIMEOUT + 2 * HB_INTERVAL,
     }
     .mul_f64(slack);
     let fail = |note: String| Row {
@@ -213,7 +267,7 @@ fn run_scenario(
         note,
     };
     let job = format!("fault-matrix-{}-{n}", std::process::id());
-    let job = match spawn_job(host, store_addr, &job) {
+    let job = match spawn_job(net, host, store_addr, &job) {
         Ok(j) => j,
         Err(e) => return fail(format!("cannot start the ranks: {e}")),
     };
@@ -233,14 +287,23 @@ fn run_scenario(
         }
     }
     let t0 = now_us();
-    if !signal(
-        &job.children[victim],
-        match fault {
-            Fault::Kill => libc::SIGKILL,
-            Fault::Stop => libc::SIGSTOP,
-        },
-    ) {
-        return fail(format!("cannot signal rank {victim}"));
+    let injected = match fault {
+        Fault::Kill => signal(&job.children[victim], libc::SIGKILL),
+        Fault::Stop => signal(&job.children[victim], libc::SIGSTOP),
+        Fault::LinkDown => net.in_ns(victim, &["ip", "link", "set", "eth0", "down"]),
+    };
+    // Restore the link whatever happens next (the namespaces are reused).
+    struct Restore<'a>(&'a Net, usize, bool);
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            if self.2 {
+                self.0.in_ns(self.1, &["ip", "link", "set", "eth0", "up"]);
+            }
+        }
+    }
+    let _restore = Restore(net, victim, fault == Fault::LinkDown);
+    if !injected {
+        return fail(format!("cannot inject {fault:?} on rank {victim}"));
     }
     let mut seen: Vec<Option<(Duration, String)>> = vec![None; WORLD];
     let survivors: Vec<usize> = (0..WORLD).filter(|&r| r != victim).collect();
@@ -321,12 +384,17 @@ fn main() -> std::process::ExitCode {
         return rank_main();
     }
     let mut slack = 1.0f64;
+    let mut net = Net { netns: None };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        match (a.as_str(), args.next().and_then(|v| v.parse::<f64>().ok())) {
-            ("--slack", Some(v)) if v >= 1.0 => slack = v,
+        let v = args.next();
+        match (a.as_str(), v) {
+            ("--slack", Some(v)) if v.parse::<f64>().is_ok_and(|v| v >= 1.0) => {
+                slack = v.parse().unwrap_or(1.0)
+            }
+            ("--netns", Some(p)) if !p.is_empty() => net.netns = Some(p),
             _ => {
-                eprintln!("usage: fault_matrix [--slack FACTOR>=1]");
+                eprintln!("usage: fault_matrix [--slack FACTOR>=1] [--netns PREFIX]");
                 return std::process::ExitCode::from(2);
             }
         }
@@ -340,7 +408,7 @@ fn main() -> std::process::ExitCode {
         }
     };
     let server = match rt.block_on(chorus::transport::RendezvousServer::bind(
-        "127.0.0.1:0".parse().expect("a valid socket address"),
+        std::net::SocketAddr::new(net.store_ip().parse().expect("a valid IP address"), 0),
         b"fault-matrix-secret",
     )) {
         Ok(s) => s,
@@ -350,7 +418,7 @@ fn main() -> std::process::ExitCode {
         }
     };
     let addr = server.local_addr().to_string();
-    let scenarios = [
+    let mut scenarios = vec![
         (StoreHost::Launcher, Fault::Kill, 0),
         (StoreHost::Launcher, Fault::Kill, 2),
         (StoreHost::Launcher, Fault::Stop, 0),
@@ -360,11 +428,15 @@ fn main() -> std::process::ExitCode {
         (StoreHost::Rank0, Fault::Stop, 0),
         (StoreHost::Rank0, Fault::Stop, 2),
     ];
+    if net.netns.is_some() {
+        scenarios.push((StoreHost::Launcher, Fault::LinkDown, 2));
+        scenarios.push((StoreHost::Rank0, Fault::LinkDown, 2));
+    }
     println!("| scenario | survivors | detection median | detection max | blamed | verdict |");
     println!("|---|---|---|---|---|---|");
     let mut all_pass = true;
     for (n, (host, fault, victim)) in scenarios.into_iter().enumerate() {
-        let row = run_scenario(host, fault, victim, Some(&addr), slack, n);
+        let row = run_scenario(&net, host, fault, victim, Some(&addr), slack, n);
         let ms = |d: Option<Duration>| {
             d.map(|d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
                 .unwrap_or_else(|| "-".into())
