@@ -408,7 +408,12 @@ fn worker_cmd(mode: &str) -> Command {
 }
 
 struct Ranks {
+    /// The rank processes, or the one `chorus-run` that started them.
     children: Vec<Child>,
+    /// The rank processes' ids, by rank.
+    pids: Vec<u32>,
+    /// Number of ranks.
+    n: usize,
     lines: mpsc::Receiver<(usize, String)>,
     /// Every line received so far (a later wait may look for an earlier line).
     log: std::cell::RefCell<Vec<(usize, String)>>,
@@ -416,6 +421,18 @@ struct Ranks {
 
 impl Drop for Ranks {
     fn drop(&mut self) {
+        // Ranks under chorus-run are in their own process groups: kill them
+        // by pid while the launcher still runs (it exits only after every
+        // rank did), then the launcher.
+        let launcher_running = self.children.len() == 1
+            && self.n > 1
+            && matches!(self.children[0].try_wait(), Ok(None));
+        if launcher_running && !self.pids.is_empty() {
+            let pids: Vec<String> = self.pids.iter().map(u32::to_string).collect();
+            let _ = Command::new("sh")
+                .args(["-c", &format!("kill -9 {} 2>/dev/null", pids.join(" "))])
+                .status();
+        }
         for c in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
@@ -458,17 +475,78 @@ fn spawn_ranks(n: usize, mode: &str) -> Ranks {
         });
         children.push(child);
     }
+    let pids = children.iter().map(Child::id).collect();
     Ranks {
         children,
+        pids,
+        n,
         lines,
         log: Default::default(),
     }
 }
 
+/// Start `n` ranks of `mode` under `chorus-run` (which hosts the store), and
+/// learn their pids. The ranks ignore the SIGTERM with which chorus-run
+/// stops the job once a rank died, so the survivors can report and
+/// recover; `--grace` bounds them.
+fn spawn_under_launcher(n: usize, mode: &str, deadline: Instant) -> Ranks {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        .args(["-n", &n.to_string(), "--grace", "30", "--"])
+        .arg(exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "worker",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("CHORUS_TEST_WORKER", mode)
+        .env("CHORUS_TEST_IGNORE_TERM", "1")
+        .env_remove("CHORUS_SECRET")
+        .env_remove("CHORUS_STORE_ADDR")
+        .env_remove("CHORUS_JOB_ID")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn chorus-run");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            // `[rank R] ...@@what`
+            let rank = line
+                .strip_prefix("[rank ")
+                .and_then(|l| l.split(']').next())
+                .and_then(|r| r.parse::<usize>().ok());
+            if let (Some(rank), Some(at)) = (rank, line.find("@@")) {
+                if tx.send((rank, line[at..].to_string())).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut ranks = Ranks {
+        children: vec![child],
+        pids: Vec::new(),
+        n,
+        lines,
+        log: Default::default(),
+    };
+    let all: Vec<usize> = (0..n).collect();
+    ranks.pids = ranks
+        .wait_lines(&all, "@@pid ", deadline)
+        .iter()
+        .map(|l| l["@@pid ".len()..].trim().parse().expect("pid"))
+        .collect();
+    ranks
+}
+
 impl Ranks {
     /// Wait until each of `ranks` printed a line starting with `what`.
     fn wait_lines(&self, ranks: &[usize], what: &str, deadline: Instant) -> Vec<String> {
-        let mut seen: Vec<Option<String>> = vec![None; self.children.len()];
+        let mut seen: Vec<Option<String>> = vec![None; self.n];
         for (r, line) in self.log.borrow().iter() {
             if line.starts_with(what) {
                 seen[*r].get_or_insert(line.clone());
@@ -493,7 +571,7 @@ impl Ranks {
     }
 
     fn signal(&mut self, rank: usize, sig: &str) {
-        let pid = self.children[rank].id();
+        let pid = self.pids[rank];
         let st = Command::new("sh")
             .args(["-c", &format!("kill -{sig} {pid}")])
             .status()
@@ -530,6 +608,21 @@ fn kind(e: &Error) -> &'static str {
 
 fn fault_worker(what: &str) {
     let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    println!("@@pid {}", std::process::id());
+    // Under chorus-run, outlive the SIGTERM that stops the job once a rank
+    // died (the launcher's SIGKILL after its grace period still ends us).
+    let _term = std::env::var_os("CHORUS_TEST_IGNORE_TERM").map(|_| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let sig = rt
+            .block_on(async {
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            })
+            .expect("SIGTERM handler");
+        (rt, sig)
+    });
     if what == "boot" && rank == 3 {
         println!("@@booting");
         let mut s = String::new();
@@ -621,7 +714,18 @@ fn worker() {
 /// report a typed error naming it within the bound, then reconfigure to 3.
 fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
     let deadline = Instant::now() + MP_DEADLINE;
-    let mut ranks = spawn_ranks(4, mode);
+    let ranks = spawn_ranks(4, mode);
+    survivors_recover_in(ranks, deadline, mode, victim, sig, bound);
+}
+
+fn survivors_recover_in(
+    mut ranks: Ranks,
+    deadline: Instant,
+    mode: &str,
+    victim: usize,
+    sig: &str,
+    bound: Duration,
+) {
     ranks.wait_lines(&[0, 1, 2, 3], "@@running", deadline);
     ranks.signal(victim, sig);
     let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
@@ -638,6 +742,9 @@ fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
             // child may see that rank's reset first and name it; the parent's
             // reconfigure below still excludes exactly the victim.
             assert!(k == "Transport" || failed != "[]", "{line}");
+        } else if mode == "launcher" {
+            assert!(["PeerFailed", "Aborted"].contains(&k.as_str()), "{line}");
+            assert_eq!(failed, format!("[{victim}]"), "{line}");
         } else if k != "Transport" {
             assert!(failed.contains(&victim.to_string()), "{line}");
         }
@@ -661,6 +768,17 @@ fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
 #[test]
 fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout_then_reconfigures() {
     survivors_recover("allreduce", 3, "KILL", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn rank_0_killed_under_chorus_run_fails_every_survivor_with_peer_failed_naming_it() {
+    // chorus-run hosts the store, so rank 0's death leaves it up: every
+    // survivor names rank 0 (never a store error, never itself), fast,
+    // and the survivors form the next epoch through the same store.
+    let deadline = Instant::now() + MP_DEADLINE;
+    let ranks = spawn_under_launcher(4, "allreduce", deadline);
+    let bound = Duration::from_secs(2);
+    survivors_recover_in(ranks, deadline, "launcher", 0, "KILL", bound);
 }
 
 #[test]
