@@ -310,6 +310,7 @@ pub(crate) async fn start_with_backend(
             interval: options.heartbeat_interval,
             timeout: options.heartbeat_timeout,
             store: ctx.store.clone(),
+            health: Default::default(),
         }),
     };
     let naming = NAMING.lock().await;

@@ -221,11 +221,18 @@ fn rank_partitioned_from_the_store_is_detected_on_both_sides() {
         assert!(
             matches!(
                 &e,
-                Error::PeerFailed { epoch: 0, .. } | Error::Aborted { epoch: 0, .. }
+                Error::PeerFailed { epoch: 0, .. }
+                    | Error::Aborted { epoch: 0, .. }
+                    | Error::StoreUnreachable { epoch: 0, .. }
             ),
             "rank {r}: {e}"
         );
-        assert_eq!(e.failed_ranks(), &[3], "rank {r}: {e}");
+        if r == 3 {
+            // It is alive: what it lost is the store, and it says so.
+            assert!(lost_the_store(&e), "rank {r}: {e}");
+        } else {
+            assert_eq!(e.failed_ranks(), &[3], "rank {r}: {e}");
+        }
         assert!(
             took < HB_TIMEOUT + SLACK,
             "rank {r}: detected after {took:?}"
@@ -241,6 +248,97 @@ fn rank_partitioned_from_the_store_is_detected_on_both_sides() {
         next.size()
     });
     assert_eq!(out, vec![3, 3, 3, 0]);
+}
+
+/// Whether `e` reports the loss of the store: `StoreUnreachable` for the op
+/// in flight, `Aborted` by it for an op issued just after.
+fn lost_the_store(e: &Error) -> bool {
+    match e {
+        Error::StoreUnreachable { .. } => true,
+        Error::Aborted {
+            reason,
+            failed_ranks,
+            ..
+        } => failed_ranks.is_empty() && reason.contains("lost the rendezvous store"),
+        _ => false,
+    }
+}
+
+/// The store runs on its own runtime in this process; every rank reaches it
+/// over QUIC. Once every rank runs ops, the store goes away: cleanly
+/// (`shutdown`, connections closed) or as a killed or stopped process does
+/// (its runtime dropped: the socket stays, nothing answers). Every rank is
+/// alive, so every rank must report the lost store, never a peer's or its
+/// own failure, within the heartbeat timeout plus slack.
+fn store_lost(kill: bool, name: &str) {
+    use chorus::transport::RendezvousServer;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = rt
+        .block_on(RendezvousServer::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            b"test-secret",
+        ))
+        .unwrap();
+    let addr = server.local_addr();
+    let held = Arc::new(std::sync::Mutex::new(Some((rt, server))));
+    let all = Arc::new(std::sync::Barrier::new(3));
+    let out = run_ranks_with(
+        3,
+        name,
+        move |_, o| {
+            o.with_rendezvous(Rendezvous::Server(addr))
+                .with_heartbeat(HB, HB_TIMEOUT)
+        },
+        move |comm| {
+            let r = comm.rank();
+            comm.barrier().unwrap();
+            all.wait();
+            if r == 0 {
+                let (rt, server) = held.lock().unwrap().take().unwrap();
+                if kill {
+                    // No close packets: the socket stays open, unread.
+                    drop(rt);
+                    std::mem::forget(server);
+                } else {
+                    server.shutdown();
+                    held.lock().unwrap().replace((rt, server));
+                }
+            }
+            let lost = Instant::now();
+            let (e, _) = reduce_until_error(&comm);
+            let took = lost.elapsed();
+            assert!(lost_the_store(&e), "rank {r}: {e}");
+            assert!(e.is_fatal());
+            assert!(
+                took < HB_TIMEOUT + SLACK,
+                "rank {r}: detected after {took:?}"
+            );
+            assert!(
+                matches!(
+                    comm.health().failure,
+                    Some(Error::StoreUnreachable { rank, .. }) if rank == r
+                ),
+                "rank {r}: {:?}",
+                comm.health().failure
+            );
+            took
+        },
+    );
+    assert_eq!(out.len(), 3);
+}
+
+#[test]
+fn store_shut_down_is_reported_as_store_unreachable_on_every_live_rank() {
+    store_lost(false, "store-shutdown");
+}
+
+#[test]
+fn store_that_stops_answering_is_reported_as_store_unreachable_on_every_live_rank() {
+    store_lost(true, "store-silent");
 }
 
 #[test]
@@ -600,6 +698,7 @@ fn kind(e: &Error) -> &'static str {
         Error::PeerFailed { .. } => "PeerFailed",
         Error::Aborted { .. } => "Aborted",
         Error::Timeout { .. } => "Timeout",
+        Error::StoreUnreachable { .. } => "StoreUnreachable",
         Error::Transport(_) => "Transport",
         Error::Mismatch { .. } => "Mismatch",
         _ => "Other",

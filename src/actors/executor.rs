@@ -27,7 +27,7 @@
 //! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
 //! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
 //! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
-//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead (WD-5). |
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
@@ -86,11 +86,11 @@ impl Fatal {
 }
 
 /// The error an op completes with when the abort `cause` revokes it: a
-/// peer failure as itself (every rank then names the same ranks, AC-5),
-/// anything else as `Aborted` carrying the cause.
+/// peer failure as itself (every rank then names the same ranks, AC-5), the
+/// loss of the store as itself, anything else as `Aborted` carrying the cause.
 pub(crate) fn revoked_error(info: &CommInfo, cause: Option<&Error>) -> Error {
     match cause {
-        Some(e @ Error::PeerFailed { .. }) => e.clone(),
+        Some(e @ (Error::PeerFailed { .. } | Error::StoreUnreachable { .. })) => e.clone(),
         other => super::status::aborted_error(&info.name, info.rank, info.epoch, other),
     }
 }
@@ -254,6 +254,7 @@ impl Core {
             Error::PeerFailed {
                 failed_ranks,
                 detail,
+                op,
                 ..
             },
             Some(w),
@@ -266,17 +267,42 @@ impl Core {
         }
         let config = w.config.clone();
         let (ranks, text) = (failed_ranks.clone(), detail.clone());
+        let down = config.clone();
         let publish = tokio::spawn(async move { config.publish(ranks, text).await });
-        if let Ok(Ok(Some(n))) = tokio::time::timeout(NOTICE_ADOPT, publish).await {
-            if n.failed_ranks != *failed_ranks {
-                *detail = format!(
-                    "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
-                    n.by, n.failed_ranks, n.detail
-                );
-                *failed_ranks = n.failed_ranks;
+        match tokio::time::timeout(NOTICE_ADOPT, publish).await {
+            Ok(Ok(Some(n))) => {
+                if n.failed_ranks != *failed_ranks {
+                    *detail = format!(
+                        "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                        n.by, n.failed_ranks, n.detail
+                    );
+                    *failed_ranks = n.failed_ranks;
+                }
+                e
             }
+            // WD-5: the store has been silent for several heartbeat rounds,
+            // so the peer that closed its link most likely aborted because it
+            // lost the store too; say that, not that the peer died.
+            _ => match down.store_down() {
+                Some(after) => {
+                    let last = down
+                        .health
+                        .last_error()
+                        .unwrap_or_else(|| "no answer".into());
+                    Error::StoreUnreachable {
+                        comm: self.info.name.clone(),
+                        rank: self.info.rank,
+                        epoch: self.info.epoch,
+                        op,
+                        after,
+                        detail: format!(
+                            "{last}; meanwhile ranks {failed_ranks:?} went away ({detail})"
+                        ),
+                    }
+                }
+                None => e,
+            },
         }
-        e
     }
 
     /// EX-7: poll the backend for an error found while no op runs. `Some`
