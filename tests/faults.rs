@@ -95,6 +95,10 @@ impl Store for FaultyStore {
         self.check()?;
         self.inner.delete(key).await
     }
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
+        self.check()?;
+        self.inner.delete_prefix(prefix).await
+    }
 }
 
 /// Run `size` ranks on faulty stores; `f` gets the comm and its rank's switches.
@@ -397,6 +401,12 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
             .unwrap();
         }
         next.barrier().unwrap();
+        // Epoch 0 is over: its keys (its failure notice included) are gone.
+        let old = format!("chorus/{job}/stale/0/epoch/0");
+        for k in ["failed", "hb/0", "hb/1"] {
+            let v = futures::executor::block_on(store.get(&format!("{old}/{k}"))).unwrap();
+            assert_eq!(v, None, "{old}/{k} outlived its epoch");
+        }
         // Let this rank's watchdog read the forged notice a few times.
         let hb = format!("{prefix}/hb/{}", next.rank());
         let beat = || -> u64 {

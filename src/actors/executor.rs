@@ -31,6 +31,7 @@
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
+//! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -54,6 +55,47 @@ pub(crate) const IDLE_POLL: Duration = Duration::from_millis(100);
 /// How long a failing op waits for the store to tell it which failure
 /// notice won (EX-4) before it completes with its own view.
 pub(crate) const NOTICE_ADOPT: Duration = Duration::from_millis(100);
+
+/// Longest a finalizing rank spends releasing the epoch's store keys (EX-8).
+pub(crate) const KEY_RELEASE: Duration = Duration::from_secs(1);
+
+/// The store keys of one communicator epoch, released at finalize (EX-8).
+pub(crate) struct KeyRelease {
+    pub(crate) store: std::sync::Arc<dyn crate::transport::Store>,
+    /// `chorus/<job>/<name>/<instance>/epoch/<epoch>`: every key of the
+    /// epoch (its splits' too) lives under it.
+    pub(crate) prefix: String,
+    pub(crate) size: usize,
+    /// The joiners' pointer (`latest` key, value) to this epoch.
+    pub(crate) latest: (String, Vec<u8>),
+}
+
+impl KeyRelease {
+    /// Count this rank out; the last one deletes the epoch's keys.
+    async fn release(&self) {
+        let prefix = &self.prefix;
+        let work = async {
+            let out = self.store.add(&format!("{prefix}/finalized"), 1).await?;
+            if usize::try_from(out).is_ok_and(|n| n >= self.size) {
+                let n = self.store.delete_prefix(&format!("{prefix}/")).await?;
+                let (key, value) = &self.latest;
+                // Only if it still points here (not at a later epoch).
+                if self.store.get(key).await?.as_ref() == Some(value) {
+                    self.store.delete(key).await?;
+                }
+                tracing::debug!(%prefix, keys = n, "last rank out: deleted the epoch's keys");
+            }
+            Ok::<_, crate::transport::TransportError>(())
+        };
+        match tokio::time::timeout(KEY_RELEASE, work).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(%prefix, error = %e, "cannot release the epoch's store keys")
+            }
+            Err(_) => tracing::warn!(%prefix, "the store did not answer; the epoch's keys stay"),
+        }
+    }
+}
 
 /// How a turn ended.
 pub(crate) enum TurnEnd {
@@ -113,6 +155,8 @@ pub(crate) struct Core {
     watchdog: Option<super::watchdog::Watchdog>,
     /// Counts this backend as live until the core is dropped.
     _live: LiveBackend,
+    /// The epoch's store keys, released at finalize (EX-8).
+    keys: Option<KeyRelease>,
     /// Next collective sequence number (AC-1).
     coll_seq: u64,
     /// Next point-to-point sequence number per peer (AC-2).
@@ -148,10 +192,17 @@ impl Core {
             info,
             backend,
             watchdog,
+            keys: None,
             _live: LiveBackend::new(),
             coll_seq: 0,
             closed: false,
         }
+    }
+
+    /// Release `keys` at finalize (EX-8).
+    pub(crate) fn with_keys(mut self, keys: Option<KeyRelease>) -> Core {
+        self.keys = keys;
+        self
     }
 
     /// The communicator's tracing span.
@@ -361,6 +412,9 @@ impl Core {
             w.stop(true).await;
         }
         self.backend.finalize().await;
+        if let Some(k) = self.keys.take() {
+            k.release().await;
+        }
     }
 
     /// AC-1, AC-2: stamp `req` with its sequence numbers, in the order ops
@@ -730,6 +784,7 @@ mod tests {
             key_prefix: format!("test/{name}/epoch/0"),
             ctx: Arc::new(crate::elastic::CommCtx {
                 name: name.into(),
+                job: "test".into(),
                 base: format!("test/{name}"),
                 store,
                 secret: Arc::from(Vec::new()),

@@ -117,4 +117,23 @@ pub trait Store: Send + Sync {
     ) -> Result<CompareSet, TransportError>;
     /// Delete `key`; returns whether it existed.
     async fn delete(&self, key: &str) -> Result<bool, TransportError>;
+    /// Delete every key that starts with `prefix` (a subtree such as
+    /// `chorus/<job>/<comm>/0/epoch/3/`); returns how many went. An empty
+    /// prefix, or one that does not end in `/`, is refused with
+    /// [`TransportError::Store`] (it would reach other jobs' keys, or
+    /// siblings such as `epoch/30/` for `epoch/3`).
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError>;
+}
+
+/// Check a [`Store::delete_prefix`] prefix.
+///
+/// # Errors
+/// [`TransportError::Store`] for an empty prefix or one not ending in `/`.
+pub fn check_prefix(prefix: &str) -> Result<(), TransportError> {
+    if prefix.is_empty() || !prefix.ends_with('/') {
+        return Err(TransportError::Store(format!(
+            "refusing to delete keys under {prefix:?}: a prefix must be non-empty and end in '/'"
+        )));
+    }
+    Ok(())
 }
