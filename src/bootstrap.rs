@@ -12,8 +12,9 @@
 //!
 //! else rank 0 of 1. The store is found through [`Rendezvous`]: for
 //! `Rendezvous::Env`, `CHORUS_STORE_ADDR` names a running
-//! `chorus-rendezvous`; otherwise `MASTER_ADDR`/`MASTER_PORT` name the store
-//! that rank 0 hosts.
+//! store (the one `chorus-run` hosts, or a `chorus-rendezvous`); otherwise
+//! `MASTER_ADDR`/`MASTER_PORT` name the store that rank 0 hosts. Keys are
+//! scoped by a job id ([`job_id`], [`agreed_job_id`]).
 //!
 //! Store keys are scoped by communicator name, instance and epoch
 //! (`chorus/<job>/<name>/<instance>/epoch/<epoch>/…`), where `instance` counts the

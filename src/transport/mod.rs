@@ -2,8 +2,9 @@
 //!
 //! Ranks find each other through a key-value [`Store`]: each rank publishes
 //! its data-link address and waits for the others'. The store is served by
-//! rank 0 (torchrun style, at `MASTER_ADDR:MASTER_PORT`) or by the standalone
-//! `chorus-rendezvous` binary, over QUIC with TLS 1.3 ([`quic`]). Every
+//! the `chorus-run` launcher, by the standalone `chorus-rendezvous` binary,
+//! or by rank 0 (torchrun style, at `MASTER_ADDR:MASTER_PORT`), over QUIC
+//! with TLS 1.3 ([`quic`]). Every
 //! connection proves knowledge of the job secret with an HMAC challenge
 //! before any store request is served; a peer without it is refused.
 //!
@@ -14,8 +15,9 @@
 //! Invariants:
 //! - TP-1: no store request is served on a connection before it authenticated.
 //! - TP-2: a frame larger than [`wire::MAX_FRAME`] is never buffered.
-//! - TP-3: store keys are scoped by communicator name and epoch by their
-//!   users; the store itself has no process-wide counters.
+//! - TP-3: store keys are scoped by job, communicator name and epoch by
+//!   their users, who delete them when done ([`Store::delete_prefix`]); the
+//!   store itself has no process-wide counters.
 
 use std::time::Duration;
 
