@@ -25,7 +25,7 @@
 //! - WD-4: the task ends when the communicator finalizes or aborts; it never
 //!   outlives its executor (counted by [`crate::debug::live_watchdogs`]).
 //! - WD-5: losing the store is reported as [`Error::StoreUnreachable`],
-//!   never as this (live) rank's failure; [`StoreHealth`] tells the
+//!   never as this (live) rank's failure; `StoreHealth` tells the
 //!   executor how long the store has been silent, so a peer's link loss
 //!   seen while the store is down is reported the same way.
 //!
