@@ -11,7 +11,8 @@
 //! | torchrun, `chorus-run` | `RANK` | `WORLD_SIZE` |
 //!
 //! else rank 0 of 1. The store is found through [`Rendezvous`]: for
-//! `Rendezvous::Env`, `CHORUS_STORE_ADDR` names a running
+//! `Rendezvous::Env`, `CHORUS_STORE=etcd://host:port,...` names an etcd
+//! cluster (feature `etcd`), else `CHORUS_STORE_ADDR` names a running
 //! store (the one `chorus-run` hosts, or a `chorus-rendezvous`); otherwise
 //! `MASTER_ADDR`/`MASTER_PORT` name the store that rank 0 hosts. Keys are
 //! scoped by a job id ([`job_id`], [`agreed_job_id`]).
@@ -166,6 +167,11 @@ pub async fn connect_store(
     secret: &Option<Vec<u8>>,
     timeout: Duration,
 ) -> Result<Connected> {
+    if matches!(rendezvous, Rendezvous::Env) {
+        if let Some(url) = std::env::var("CHORUS_STORE").ok().filter(|s| !s.is_empty()) {
+            return connect_url(&url, secret, timeout).await;
+        }
+    }
     let rendezvous = match rendezvous {
         Rendezvous::Env => resolve_env(size)?,
         other => other,
@@ -223,6 +229,48 @@ pub async fn connect_store(
                 shared: true,
             })
         }
+    }
+}
+
+/// Connect to the store `CHORUS_STORE` names (`etcd://host:port[,...]`).
+async fn connect_url(url: &str, secret: &Option<Vec<u8>>, timeout: Duration) -> Result<Connected> {
+    if !url.starts_with("etcd://") {
+        return Err(Error::Config(format!(
+            "CHORUS_STORE={url:?}: the only store URL known is etcd://host:port[,host:port...]"
+        )));
+    }
+    #[cfg(feature = "etcd")]
+    {
+        let secret = need_secret(secret)?;
+        let endpoints = crate::transport::etcd::parse_url(url)?;
+        let user = match (
+            std::env::var("CHORUS_ETCD_USER"),
+            std::env::var("CHORUS_ETCD_PASSWORD"),
+        ) {
+            (Ok(u), Ok(p)) => Some((u, p)),
+            (Err(_), Err(_)) => None,
+            _ => {
+                return Err(Error::Config(
+                    "set both CHORUS_ETCD_USER and CHORUS_ETCD_PASSWORD, or neither".into(),
+                ))
+            }
+        };
+        let store =
+            crate::transport::EtcdStore::connect(&endpoints, &secret, user, timeout).await?;
+        let local_ip = store.local_ip();
+        Ok(Connected {
+            store: Arc::new(store),
+            server: None,
+            local_ip,
+            shared: true,
+        })
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = (secret, timeout);
+        Err(Error::Config(format!(
+            "CHORUS_STORE={url:?} needs the etcd store: build chorus with the `etcd` feature"
+        )))
     }
 }
 
@@ -454,6 +502,18 @@ mod tests {
     fn explicit_rank_out_of_range_is_a_config_error() {
         let opts = CommOptions::default().with_rank(4, 4);
         assert!(matches!(rank_size(&opts), Err(Error::Config(_))));
+    }
+
+    #[tokio::test]
+    async fn store_urls_other_than_etcd_are_refused() {
+        let secret = Some(b"s".to_vec());
+        let e = connect_url("redis://h:1", &secret, Duration::from_secs(1)).await;
+        assert!(matches!(e, Err(Error::Config(_))));
+        #[cfg(not(feature = "etcd"))]
+        {
+            let e = connect_url("etcd://h:1", &secret, Duration::from_secs(1)).await;
+            assert!(matches!(e, Err(Error::Config(m)) if m.contains("`etcd` feature")));
+        }
     }
 
     #[test]

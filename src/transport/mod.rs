@@ -23,11 +23,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod memory;
 pub mod quic;
 pub mod store;
 pub mod wire;
 
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdStore;
 pub use memory::MemoryStore;
 pub use store::{RendezvousServer, StoreClient};
 
