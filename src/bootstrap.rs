@@ -442,8 +442,15 @@ pub async fn agreed_job_id(
                         break v;
                     }
                     if ours(&v) {
-                        let n = store.add(&joined_key(&base, &v), 1).await?;
-                        if usize::try_from(n).is_ok_and(|n| n <= size) {
+                        let joined = joined_key(&base, &v);
+                        let n = store.add(&joined, 1).await?;
+                        // Rank 0 replaces the start time before it deletes
+                        // the old count: a count taken on a deleted key shows
+                        // here as a start time that changed.
+                        let now = store.get(&key).await?;
+                        if now.as_deref() != Some(v.as_bytes()) {
+                            store.delete(&joined).await?;
+                        } else if usize::try_from(n).is_ok_and(|n| n <= size) {
                             break v;
                         }
                     }

@@ -28,6 +28,10 @@
 //!   never as this (live) rank's failure; `StoreHealth` tells the
 //!   executor how long the store has been silent, so a peer's link loss
 //!   seen while the store is down is reported the same way.
+//! - WD-6: a peer heartbeat that was seen and then vanished means the
+//!   epoch's keys were deleted (the next epoch formed without this rank, or
+//!   it is over): this rank declares itself out (`failed_ranks == [me]`) and
+//!   deletes its own heartbeat.
 //!
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 //! [`Error::StoreUnreachable`]: crate::Error::StoreUnreachable
@@ -320,6 +324,7 @@ async fn run(
                     ));
                 }
                 let mut failed = vec![];
+                let mut gone = false;
                 for (p, beat) in beats.into_iter().enumerate() {
                     if done[p] {
                         continue;
@@ -328,11 +333,30 @@ async fn run(
                         done[p] = true;
                         continue;
                     }
+                    gone |= beat.is_none() && last[p].0.is_some();
                     if beat.is_some() && beat != last[p].0 {
                         last[p] = (beat, now);
                     } else if now.duration_since(last[p].1) > cfg.timeout {
                         failed.push(p);
                     }
+                }
+                if gone {
+                    // WD-6: the epoch's keys were deleted while this rank
+                    // runs, so the others formed the next epoch without it.
+                    let _ = cfg.store.delete(&my_key).await;
+                    tracing::warn!(
+                        rank = me,
+                        epoch = cfg.epoch,
+                        "the epoch ended without this rank"
+                    );
+                    break Some(Verdict::Peers(
+                        vec![me],
+                        format!(
+                            "the keys of epoch {} were deleted: the other ranks formed the next \
+                             epoch without rank {me}",
+                            cfg.epoch
+                        ),
+                    ));
                 }
                 if !failed.is_empty() {
                     let detail = format!(
