@@ -11,9 +11,11 @@
 //! | torchrun, `chorus-run` | `RANK` | `WORLD_SIZE` |
 //!
 //! else rank 0 of 1. The store is found through [`Rendezvous`]: for
-//! `Rendezvous::Env`, `CHORUS_STORE_ADDR` names a running
-//! `chorus-rendezvous`; otherwise `MASTER_ADDR`/`MASTER_PORT` name the store
-//! that rank 0 hosts.
+//! `Rendezvous::Env`, `CHORUS_STORE=etcd://host:port,...` names an etcd
+//! cluster (feature `etcd`), else `CHORUS_STORE_ADDR` names a running
+//! store (the one `chorus-run` hosts, or a `chorus-rendezvous`); otherwise
+//! `MASTER_ADDR`/`MASTER_PORT` name the store that rank 0 hosts. Keys are
+//! scoped by a job id ([`job_id`], [`agreed_job_id`]).
 //!
 //! Store keys are scoped by communicator name, instance and epoch
 //! (`chorus/<job>/<name>/<instance>/epoch/<epoch>/…`), where `instance` counts the
@@ -141,6 +143,10 @@ pub struct Connected {
     pub server: Option<Arc<RendezvousServer>>,
     /// The IP address to advertise for data links.
     pub local_ip: IpAddr,
+    /// Whether the store is shared beyond this process (a server, not an
+    /// in-process [`Rendezvous::Store`]): then ranks agree on a job id
+    /// through it ([`agreed_job_id`]).
+    pub shared: bool,
 }
 
 fn need_secret(secret: &Option<Vec<u8>>) -> Result<Vec<u8>> {
@@ -161,6 +167,11 @@ pub async fn connect_store(
     secret: &Option<Vec<u8>>,
     timeout: Duration,
 ) -> Result<Connected> {
+    if matches!(rendezvous, Rendezvous::Env) {
+        if let Some(url) = std::env::var("CHORUS_STORE").ok().filter(|s| !s.is_empty()) {
+            return connect_url(&url, secret, timeout).await;
+        }
+    }
     let rendezvous = match rendezvous {
         Rendezvous::Env => resolve_env(size)?,
         other => other,
@@ -172,6 +183,7 @@ pub async fn connect_store(
             store,
             server: None,
             local_ip: loopback,
+            shared: false,
         }),
         Rendezvous::Server(addr) => {
             let secret = need_secret(secret)?;
@@ -181,6 +193,7 @@ pub async fn connect_store(
                 store: Arc::new(client),
                 server: None,
                 local_ip,
+                shared: true,
             })
         }
         Rendezvous::Master(addr) => {
@@ -213,16 +226,59 @@ pub async fn connect_store(
                 store: Arc::new(client),
                 server,
                 local_ip,
+                shared: true,
             })
         }
     }
 }
 
-/// The job id that scopes every store key of this process's communicators:
-/// `CHORUS_JOB_ID` (set by `chorus-run`, fresh for each launch),
-/// else one derived from the job secret, else `local`. Two jobs with
-/// different ids, or different secrets, never read each other's keys on a
-/// shared store.
+/// Connect to the store `CHORUS_STORE` names (`etcd://host:port[,...]`).
+async fn connect_url(url: &str, secret: &Option<Vec<u8>>, timeout: Duration) -> Result<Connected> {
+    if !url.starts_with("etcd://") {
+        return Err(Error::Config(format!(
+            "CHORUS_STORE={url:?}: the only store URL known is etcd://host:port[,host:port...]"
+        )));
+    }
+    #[cfg(feature = "etcd")]
+    {
+        let secret = need_secret(secret)?;
+        let endpoints = crate::transport::etcd::parse_url(url)?;
+        let user = match (
+            std::env::var("CHORUS_ETCD_USER"),
+            std::env::var("CHORUS_ETCD_PASSWORD"),
+        ) {
+            (Ok(u), Ok(p)) => Some((u, p)),
+            (Err(_), Err(_)) => None,
+            _ => {
+                return Err(Error::Config(
+                    "set both CHORUS_ETCD_USER and CHORUS_ETCD_PASSWORD, or neither".into(),
+                ))
+            }
+        };
+        let store =
+            crate::transport::EtcdStore::connect(&endpoints, &secret, user, timeout).await?;
+        let local_ip = store.local_ip();
+        Ok(Connected {
+            store: Arc::new(store),
+            server: None,
+            local_ip,
+            shared: true,
+        })
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = (secret, timeout);
+        Err(Error::Config(format!(
+            "CHORUS_STORE={url:?} needs the etcd store: build chorus with the `etcd` feature"
+        )))
+    }
+}
+
+/// The job id of communicators whose store lives in this process
+/// ([`Rendezvous::Store`]), and the base of [`agreed_job_id`]:
+/// `CHORUS_JOB_ID` (set by `chorus-run`, fresh for each launch), else one
+/// derived from the job secret, else `local`. Two jobs with different ids,
+/// or different secrets, never read each other's keys on a shared store.
 ///
 /// # Errors
 /// [`Error::Config`] for an empty `CHORUS_JOB_ID` or one containing `/`.
@@ -248,6 +304,174 @@ pub fn job_id(secret: &[u8]) -> Result<String> {
         .map(|b| format!("{b:02x}"))
         .collect();
     Ok(format!("s{hex}"))
+}
+
+/// Who asks for the job id in [`agreed_job_id`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobRole {
+    /// Rank 0 of a new job: it fixes the start time.
+    Rank0,
+    /// Another rank of a new job: it takes rank 0's start time if that is
+    /// from this launch (no older than the window before this process asked).
+    Rank,
+    /// A rank joining a running job later (`join_comm`): it takes the
+    /// current start time, however old.
+    Joiner,
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// The job id agreed on a shared store, once per process and secret.
+type Agreed = Mutex<HashMap<String, String>>;
+fn agreed() -> &'static Agreed {
+    static A: std::sync::OnceLock<Agreed> = std::sync::OnceLock::new();
+    A.get_or_init(Default::default)
+}
+
+/// When this process first asked for an agreed job id (ms since the epoch).
+fn first_asked_ms() -> u64 {
+    static T: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *T.get_or_init(unix_ms)
+}
+
+/// The store key under which rank 0 publishes the start of the job that
+/// `base` (from [`job_id`]) names.
+pub fn job_start_key(base: &str) -> String {
+    format!("chorus/{base}/start")
+}
+
+/// The key counting the ranks that took the start `value` of the job `base`.
+fn joined_key(base: &str, value: &str) -> String {
+    format!("chorus/{base}-{value}/joined")
+}
+
+/// The job id that scopes every key of this process's communicators on a
+/// shared store.
+///
+/// `CHORUS_JOB_ID` if set (`chorus-run` sets a fresh one for each launch),
+/// or `local` without a secret. Otherwise rank 0 publishes the time it
+/// started, with a random tag, under [`job_start_key`], and the job id is
+/// the secret-derived id plus that: a relaunch with the same secret on a
+/// reused store gets a new id, so it never reads the last launch's keys.
+/// Every rank counts itself in; another rank takes a start time only if it
+/// is of a world of `size` ranks, while fewer than `size` ranks took it (a
+/// full count is the last launch's), and if it is no older than `window`
+/// (the connect timeout) before this process first asked; otherwise it
+/// waits for this launch's rank 0. A
+/// joiner takes the current start time. Agreed once per process and
+/// secret: every later communicator of this process uses the same id.
+///
+/// Without `CHORUS_JOB_ID`, a launch that died before all its ranks
+/// arrived, relaunched within `window` with the same secret on one store,
+/// can still be met; give launches distinct `CHORUS_JOB_ID`s (or use
+/// `chorus-run`) where that matters. Hosts' clocks must agree to within
+/// `window`. One start key and one count stay in the store per secret.
+///
+/// # Errors
+/// [`Error::Config`] for a bad `CHORUS_JOB_ID`, or when no start time of
+/// this launch appeared within `window`; [`Error::Transport`] if the store
+/// fails.
+pub async fn agreed_job_id(
+    store: &dyn Store,
+    role: JobRole,
+    size: usize,
+    secret: &[u8],
+    window: Duration,
+) -> Result<String> {
+    let base = job_id(secret)?;
+    if std::env::var_os("CHORUS_JOB_ID").is_some() || secret.is_empty() {
+        return Ok(base);
+    }
+    if let Some(id) = agreed()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&base)
+    {
+        return Ok(id.clone());
+    }
+    let asked = first_asked_ms();
+    let key = job_start_key(&base);
+    let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+    let start = match role {
+        JobRole::Rank0 => {
+            use ring::rand::SecureRandom;
+            let mut tag = [0u8; 4];
+            ring::rand::SystemRandom::new()
+                .fill(&mut tag)
+                .map_err(|_| Error::Internal("the system random number generator failed".into()))?;
+            let tag: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+            let v = format!("{}-{tag}-{size}", unix_ms());
+            let old = store.get(&key).await?;
+            store.add(&joined_key(&base, &v), 1).await?;
+            store.set(&key, v.clone().into_bytes()).await?;
+            if let Some(old) = old {
+                let old = String::from_utf8_lossy(&old);
+                store.delete(&joined_key(&base, &old)).await?;
+            }
+            v
+        }
+        JobRole::Rank | JobRole::Joiner => {
+            // `<ms>-<tag>-<size>`: recent enough, and of a world this size.
+            let ours = |v: &str| {
+                let f: Vec<&str> = v.split('-').collect();
+                let recent = f
+                    .first()
+                    .and_then(|t| t.parse::<u64>().ok())
+                    .is_some_and(|t| t.saturating_add(window_ms) >= asked);
+                let same = f.get(2).and_then(|s| s.parse::<usize>().ok()) == Some(size);
+                f.len() == 3 && recent && same
+            };
+            let deadline = tokio::time::Instant::now() + window;
+            let mut pause = Duration::from_millis(10);
+            let mut refused = String::new();
+            loop {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let v = match store.wait(std::slice::from_ref(&key), left).await {
+                    Ok(mut v) => String::from_utf8_lossy(&v.pop().unwrap_or_default()).into_owned(),
+                    Err(crate::transport::TransportError::WaitTimeout { .. }) => String::new(),
+                    Err(e) => return Err(e.into()),
+                };
+                if !v.is_empty() && !v.contains('/') && v != refused {
+                    if role == JobRole::Joiner {
+                        break v;
+                    }
+                    if ours(&v) {
+                        let joined = joined_key(&base, &v);
+                        let n = store.add(&joined, 1).await?;
+                        // Rank 0 replaces the start time before it deletes
+                        // the old count: a count taken on a deleted key shows
+                        // here as a start time that changed.
+                        let now = store.get(&key).await?;
+                        if now.as_deref() != Some(v.as_bytes()) {
+                            store.delete(&joined).await?;
+                        } else if usize::try_from(n).is_ok_and(|n| n <= size) {
+                            break v;
+                        }
+                    }
+                    // The last launch's start time: wait for this launch's rank 0.
+                    refused = v;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(Error::Config(format!(
+                        "no start time of this launch from rank 0 under {key:?} within {window:?} \
+                         (found {refused:?}, from an earlier launch with the same secret); set \
+                         CHORUS_JOB_ID to the same fresh value on every rank, or launch with chorus-run"
+                    )));
+                }
+                tokio::time::sleep(pause.min(left)).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+        }
+    };
+    let id = format!("{base}-{start}");
+    let mut m = agreed().lock().unwrap_or_else(|e| e.into_inner());
+    Ok(m.entry(base).or_insert(id).clone())
 }
 
 /// The instance number of the next communicator called `name` on this rank.
@@ -285,6 +509,18 @@ mod tests {
     fn explicit_rank_out_of_range_is_a_config_error() {
         let opts = CommOptions::default().with_rank(4, 4);
         assert!(matches!(rank_size(&opts), Err(Error::Config(_))));
+    }
+
+    #[tokio::test]
+    async fn store_urls_other_than_etcd_are_refused() {
+        let secret = Some(b"s".to_vec());
+        let e = connect_url("redis://h:1", &secret, Duration::from_secs(1)).await;
+        assert!(matches!(e, Err(Error::Config(_))));
+        #[cfg(not(feature = "etcd"))]
+        {
+            let e = connect_url("etcd://h:1", &secret, Duration::from_secs(1)).await;
+            assert!(matches!(e, Err(Error::Config(m)) if m.contains("`etcd` feature")));
+        }
     }
 
     #[test]

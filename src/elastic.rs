@@ -47,6 +47,8 @@ use crate::transport::{CompareSet, Store, TransportError};
 /// What split and reconfigure need to build related communicators.
 pub(crate) struct CommCtx {
     pub(crate) name: String,
+    /// The job id that scopes this communicator's keys.
+    pub(crate) job: String,
     /// `chorus/<job>/<name>/<instance>` (or a split's prefix): epochs live under it.
     pub(crate) base: String,
     pub(crate) store: Arc<dyn Store>,
@@ -200,8 +202,19 @@ fn epoch_prefix(base: &str, epoch: u64) -> String {
     format!("{base}/epoch/{epoch}")
 }
 
-fn latest_key(job: &str, name: &str) -> String {
+pub(crate) fn latest_key(job: &str, name: &str) -> String {
     format!("chorus/{job}/{name}/latest")
+}
+
+/// The value of [`latest_key`] for `epoch` of the communicator at `base`
+/// (deterministic, so a finalizing rank can tell whether it still points
+/// at its own epoch).
+pub(crate) fn latest_value(base: &str, epoch: u64) -> Vec<u8> {
+    Record::Latest {
+        base: base.to_string(),
+        epoch,
+    }
+    .encode()
 }
 
 fn transport(e: crate::transport::TransportError) -> Error {
@@ -211,15 +224,8 @@ fn transport(e: crate::transport::TransportError) -> Error {
 /// Record where the newest epoch of a top-level communicator lives, for joiners.
 pub(crate) async fn publish_latest(comm: &Comm) {
     let ctx = &comm.shared.ctx;
-    let value = Record::Latest {
-        base: ctx.base.clone(),
-        epoch: comm.epoch(),
-    }
-    .encode();
-    let Ok(job) = crate::bootstrap::job_id(&ctx.secret) else {
-        return;
-    };
-    if let Err(e) = ctx.store.set(&latest_key(&job, &ctx.name), value).await {
+    let value = latest_value(&ctx.base, comm.epoch());
+    if let Err(e) = ctx.store.set(&latest_key(&ctx.job, &ctx.name), value).await {
         tracing::warn!(comm = %ctx.name, error = %e, "cannot publish the latest epoch for joiners");
     }
 }
@@ -565,6 +571,7 @@ impl Comm {
             key_prefix: format!("{key_prefix}/epoch/0"),
             ctx: Arc::new(CommCtx {
                 name: name.to_string(),
+                job: parent.job.clone(),
                 base: key_prefix,
                 store: parent.store.clone(),
                 secret: parent.secret.clone(),
@@ -919,6 +926,27 @@ async fn start_epoch(
     let comm = crate::start(spec).await?;
     if rank == 0 {
         publish_latest(&comm).await;
+        // Every member connected, so none reads the last epoch's keys any
+        // more: they go (the last rank out of a clean finalize does the same).
+        if let Some(prev) = epoch.checked_sub(1) {
+            let old = format!("{}/", epoch_prefix(&ctx.base, prev));
+            let done = tokio::time::timeout(
+                crate::actors::executor::KEY_RELEASE,
+                ctx.store.delete_prefix(&old),
+            )
+            .await;
+            match done {
+                Ok(Ok(n)) => {
+                    tracing::debug!(prefix = %old, keys = n, "deleted the last epoch's keys")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(prefix = %old, error = %e, "cannot delete the last epoch's keys")
+                }
+                Err(_) => {
+                    tracing::warn!(prefix = %old, "the store did not answer; the last epoch's keys stay")
+                }
+            }
+        }
     }
     Ok(comm)
 }
@@ -962,7 +990,18 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
     let connected =
         crate::bootstrap::connect_store(options.rendezvous.clone(), 1, 2, &secret, timeout).await?;
     let store = connected.store.clone();
-    let job = crate::bootstrap::job_id(secret.as_deref().unwrap_or_default())?;
+    let job = if connected.shared {
+        crate::bootstrap::agreed_job_id(
+            store.as_ref(),
+            crate::bootstrap::JobRole::Joiner,
+            usize::MAX,
+            secret.as_deref().unwrap_or_default(),
+            timeout,
+        )
+        .await?
+    } else {
+        crate::bootstrap::job_id(secret.as_deref().unwrap_or_default())?
+    };
     let deadline = Instant::now() + timeout;
     let mut tried: Option<Vec<u8>> = None;
     loop {
@@ -1022,6 +1061,7 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
         if ticket < closed.joiners {
             let ctx = Arc::new(CommCtx {
                 name: name.clone(),
+                job: job.clone(),
                 base,
                 store: store.clone(),
                 secret: Arc::from(secret.clone().unwrap_or_default()),

@@ -121,6 +121,31 @@ pub enum Error {
         detail: String,
     },
 
+    /// This rank lost the rendezvous store: it did not answer for `after`.
+    /// This rank is alive, and its peers may be too; what failed is the
+    /// store or the network path to it. Without the store the ranks can no
+    /// longer agree on failures, so the communicator is aborted.
+    #[error(
+        "communicator {comm:?} (rank {rank}, epoch {epoch}) lost the rendezvous store during {op}: \
+         no answer for {after:?}: {detail}; this rank is alive, the store or the network path to \
+         it is not. Host the store where no rank's death takes it down (chorus-run does; or a \
+         standalone chorus-rendezvous), then restart the job"
+    )]
+    StoreUnreachable {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Epoch of the communicator.
+        epoch: u64,
+        /// What was running when the store was found gone (`watchdog`, or an op).
+        op: &'static str,
+        /// How long the store had not answered.
+        after: Duration,
+        /// What was observed (the last store error, and any link loss seen meanwhile).
+        detail: String,
+    },
+
     /// The communicator was aborted (by `abort()`, or after an earlier fatal
     /// error). Every outstanding and later operation completes with this error.
     #[error("communicator {comm:?} (rank {rank}, epoch {epoch}) was aborted: {reason}")]
@@ -247,6 +272,7 @@ impl Error {
             self,
             Error::Timeout { .. }
                 | Error::PeerFailed { .. }
+                | Error::StoreUnreachable { .. }
                 | Error::Aborted { .. }
                 | Error::Mismatch { fatal: true, .. }
                 | Error::Transport(_)

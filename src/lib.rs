@@ -192,7 +192,23 @@ async fn create(
     .await?;
     drop(_g);
     let instance = bootstrap::next_instance(&name, rank, size);
-    let job = bootstrap::job_id(secret.as_deref().unwrap_or_default())?;
+    let job = if connected.shared {
+        let role = if rank == 0 {
+            bootstrap::JobRole::Rank0
+        } else {
+            bootstrap::JobRole::Rank
+        };
+        bootstrap::agreed_job_id(
+            connected.store.as_ref(),
+            role,
+            size,
+            secret.as_deref().unwrap_or_default(),
+            options.connect_timeout,
+        )
+        .await?
+    } else {
+        bootstrap::job_id(secret.as_deref().unwrap_or_default())?
+    };
     let base = format!("chorus/{job}/{name}/{instance}");
     let spec = Spec {
         backend,
@@ -203,6 +219,7 @@ async fn create(
         key_prefix: format!("{base}/epoch/0"),
         ctx: Arc::new(elastic::CommCtx {
             name,
+            job,
             base,
             store: connected.store.clone(),
             secret: Arc::from(secret.unwrap_or_default()),
@@ -343,6 +360,16 @@ pub(crate) async fn start_with_backend(
             interval: options.heartbeat_interval,
             timeout: options.heartbeat_timeout,
             store: ctx.store.clone(),
+            health: Default::default(),
+        }),
+        keys: Some(actors::executor::KeyRelease {
+            store: ctx.store.clone(),
+            prefix: key_prefix.clone(),
+            size,
+            latest: (
+                elastic::latest_key(&ctx.job, &ctx.name),
+                elastic::latest_value(&ctx.base, epoch),
+            ),
         }),
     };
     let naming = NAMING.lock().await;

@@ -95,6 +95,10 @@ impl Store for FaultyStore {
         self.check()?;
         self.inner.delete(key).await
     }
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
+        self.check()?;
+        self.inner.delete_prefix(prefix).await
+    }
 }
 
 /// Run `size` ranks on faulty stores; `f` gets the comm and its rank's switches.
@@ -221,11 +225,18 @@ fn rank_partitioned_from_the_store_is_detected_on_both_sides() {
         assert!(
             matches!(
                 &e,
-                Error::PeerFailed { epoch: 0, .. } | Error::Aborted { epoch: 0, .. }
+                Error::PeerFailed { epoch: 0, .. }
+                    | Error::Aborted { epoch: 0, .. }
+                    | Error::StoreUnreachable { epoch: 0, .. }
             ),
             "rank {r}: {e}"
         );
-        assert_eq!(e.failed_ranks(), &[3], "rank {r}: {e}");
+        if r == 3 {
+            // It is alive: what it lost is the store, and it says so.
+            assert!(lost_the_store(&e), "rank {r}: {e}");
+        } else {
+            assert_eq!(e.failed_ranks(), &[3], "rank {r}: {e}");
+        }
         assert!(
             took < HB_TIMEOUT + SLACK,
             "rank {r}: detected after {took:?}"
@@ -241,6 +252,97 @@ fn rank_partitioned_from_the_store_is_detected_on_both_sides() {
         next.size()
     });
     assert_eq!(out, vec![3, 3, 3, 0]);
+}
+
+/// Whether `e` reports the loss of the store: `StoreUnreachable` for the op
+/// in flight, `Aborted` by it for an op issued just after.
+fn lost_the_store(e: &Error) -> bool {
+    match e {
+        Error::StoreUnreachable { .. } => true,
+        Error::Aborted {
+            reason,
+            failed_ranks,
+            ..
+        } => failed_ranks.is_empty() && reason.contains("lost the rendezvous store"),
+        _ => false,
+    }
+}
+
+/// The store runs on its own runtime in this process; every rank reaches it
+/// over QUIC. Once every rank runs ops, the store goes away: cleanly
+/// (`shutdown`, connections closed) or as a killed or stopped process does
+/// (its runtime dropped: the socket stays, nothing answers). Every rank is
+/// alive, so every rank must report the lost store, never a peer's or its
+/// own failure, within the heartbeat timeout plus slack.
+fn store_lost(kill: bool, name: &str) {
+    use chorus::transport::RendezvousServer;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = rt
+        .block_on(RendezvousServer::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            b"test-secret",
+        ))
+        .unwrap();
+    let addr = server.local_addr();
+    let held = Arc::new(std::sync::Mutex::new(Some((rt, server))));
+    let all = Arc::new(std::sync::Barrier::new(3));
+    let out = run_ranks_with(
+        3,
+        name,
+        move |_, o| {
+            o.with_rendezvous(Rendezvous::Server(addr))
+                .with_heartbeat(HB, HB_TIMEOUT)
+        },
+        move |comm| {
+            let r = comm.rank();
+            comm.barrier().unwrap();
+            all.wait();
+            if r == 0 {
+                let (rt, server) = held.lock().unwrap().take().unwrap();
+                if kill {
+                    // No close packets: the socket stays open, unread.
+                    drop(rt);
+                    std::mem::forget(server);
+                } else {
+                    server.shutdown();
+                    held.lock().unwrap().replace((rt, server));
+                }
+            }
+            let lost = Instant::now();
+            let (e, _) = reduce_until_error(&comm);
+            let took = lost.elapsed();
+            assert!(lost_the_store(&e), "rank {r}: {e}");
+            assert!(e.is_fatal());
+            assert!(
+                took < HB_TIMEOUT + SLACK,
+                "rank {r}: detected after {took:?}"
+            );
+            assert!(
+                matches!(
+                    comm.health().failure,
+                    Some(Error::StoreUnreachable { rank, .. }) if rank == r
+                ),
+                "rank {r}: {:?}",
+                comm.health().failure
+            );
+            took
+        },
+    );
+    assert_eq!(out.len(), 3);
+}
+
+#[test]
+fn store_shut_down_is_reported_as_store_unreachable_on_every_live_rank() {
+    store_lost(false, "store-shutdown");
+}
+
+#[test]
+fn store_that_stops_answering_is_reported_as_store_unreachable_on_every_live_rank() {
+    store_lost(true, "store-silent");
 }
 
 #[test]
@@ -307,6 +409,12 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
             .unwrap();
         }
         next.barrier().unwrap();
+        // Epoch 0 is over: its keys (its failure notice included) are gone.
+        let old = format!("chorus/{job}/stale/0/epoch/0");
+        for k in ["failed", "hb/0", "hb/1"] {
+            let v = futures::executor::block_on(store.get(&format!("{old}/{k}"))).unwrap();
+            assert_eq!(v, None, "{old}/{k} outlived its epoch");
+        }
         // Let this rank's watchdog read the forged notice a few times.
         let hb = format!("{prefix}/hb/{}", next.rank());
         let beat = || -> u64 {
@@ -416,7 +524,12 @@ fn worker_cmd(mode: &str) -> Command {
 }
 
 struct Ranks {
+    /// The rank processes, or the one `chorus-run` that started them.
     children: Vec<Child>,
+    /// The rank processes' ids, by rank.
+    pids: Vec<u32>,
+    /// Number of ranks.
+    n: usize,
     lines: mpsc::Receiver<(usize, String)>,
     /// Every line received so far (a later wait may look for an earlier line).
     log: std::cell::RefCell<Vec<(usize, String)>>,
@@ -424,6 +537,18 @@ struct Ranks {
 
 impl Drop for Ranks {
     fn drop(&mut self) {
+        // Ranks under chorus-run are in their own process groups: kill them
+        // by pid while the launcher still runs (it exits only after every
+        // rank did), then the launcher.
+        let launcher_running = self.children.len() == 1
+            && self.n > 1
+            && matches!(self.children[0].try_wait(), Ok(None));
+        if launcher_running && !self.pids.is_empty() {
+            let pids: Vec<String> = self.pids.iter().map(u32::to_string).collect();
+            let _ = Command::new("sh")
+                .args(["-c", &format!("kill -9 {} 2>/dev/null", pids.join(" "))])
+                .status();
+        }
         for c in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
@@ -466,17 +591,78 @@ fn spawn_ranks(n: usize, mode: &str) -> Ranks {
         });
         children.push(child);
     }
+    let pids = children.iter().map(Child::id).collect();
     Ranks {
         children,
+        pids,
+        n,
         lines,
         log: Default::default(),
     }
 }
 
+/// Start `n` ranks of `mode` under `chorus-run` (which hosts the store), and
+/// learn their pids. The ranks ignore the SIGTERM with which chorus-run
+/// stops the job once a rank died, so the survivors can report and
+/// recover; `--grace` bounds them.
+fn spawn_under_launcher(n: usize, mode: &str, deadline: Instant) -> Ranks {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_chorus-run"))
+        .args(["-n", &n.to_string(), "--grace", "30", "--"])
+        .arg(exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "worker",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("CHORUS_TEST_WORKER", mode)
+        .env("CHORUS_TEST_IGNORE_TERM", "1")
+        .env_remove("CHORUS_SECRET")
+        .env_remove("CHORUS_STORE_ADDR")
+        .env_remove("CHORUS_JOB_ID")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn chorus-run");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            // `[rank R] ...@@what`
+            let rank = line
+                .strip_prefix("[rank ")
+                .and_then(|l| l.split(']').next())
+                .and_then(|r| r.parse::<usize>().ok());
+            if let (Some(rank), Some(at)) = (rank, line.find("@@")) {
+                if tx.send((rank, line[at..].to_string())).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut ranks = Ranks {
+        children: vec![child],
+        pids: Vec::new(),
+        n,
+        lines,
+        log: Default::default(),
+    };
+    let all: Vec<usize> = (0..n).collect();
+    ranks.pids = ranks
+        .wait_lines(&all, "@@pid ", deadline)
+        .iter()
+        .map(|l| l["@@pid ".len()..].trim().parse().expect("pid"))
+        .collect();
+    ranks
+}
+
 impl Ranks {
     /// Wait until each of `ranks` printed a line starting with `what`.
     fn wait_lines(&self, ranks: &[usize], what: &str, deadline: Instant) -> Vec<String> {
-        let mut seen: Vec<Option<String>> = vec![None; self.children.len()];
+        let mut seen: Vec<Option<String>> = vec![None; self.n];
         for (r, line) in self.log.borrow().iter() {
             if line.starts_with(what) {
                 seen[*r].get_or_insert(line.clone());
@@ -501,7 +687,7 @@ impl Ranks {
     }
 
     fn signal(&mut self, rank: usize, sig: &str) {
-        let pid = self.children[rank].id();
+        let pid = self.pids[rank];
         let st = Command::new("sh")
             .args(["-c", &format!("kill -{sig} {pid}")])
             .status()
@@ -530,6 +716,7 @@ fn kind(e: &Error) -> &'static str {
         Error::PeerFailed { .. } => "PeerFailed",
         Error::Aborted { .. } => "Aborted",
         Error::Timeout { .. } => "Timeout",
+        Error::StoreUnreachable { .. } => "StoreUnreachable",
         Error::Transport(_) => "Transport",
         Error::Mismatch { .. } => "Mismatch",
         _ => "Other",
@@ -538,6 +725,21 @@ fn kind(e: &Error) -> &'static str {
 
 fn fault_worker(what: &str) {
     let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    println!("@@pid {}", std::process::id());
+    // Under chorus-run, outlive the SIGTERM that stops the job once a rank
+    // died (the launcher's SIGKILL after its grace period still ends us).
+    let _term = std::env::var_os("CHORUS_TEST_IGNORE_TERM").map(|_| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let sig = rt
+            .block_on(async {
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            })
+            .expect("SIGTERM handler");
+        (rt, sig)
+    });
     if what == "boot" && rank == 3 {
         println!("@@booting");
         let mut s = String::new();
@@ -629,7 +831,18 @@ fn worker() {
 /// report a typed error naming it within the bound, then reconfigure to 3.
 fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
     let deadline = Instant::now() + MP_DEADLINE;
-    let mut ranks = spawn_ranks(4, mode);
+    let ranks = spawn_ranks(4, mode);
+    survivors_recover_in(ranks, deadline, mode, victim, sig, bound);
+}
+
+fn survivors_recover_in(
+    mut ranks: Ranks,
+    deadline: Instant,
+    mode: &str,
+    victim: usize,
+    sig: &str,
+    bound: Duration,
+) {
     ranks.wait_lines(&[0, 1, 2, 3], "@@running", deadline);
     ranks.signal(victim, sig);
     let survivors: Vec<usize> = (0..4).filter(|&r| r != victim).collect();
@@ -646,6 +859,9 @@ fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
             // child may see that rank's reset first and name it; the parent's
             // reconfigure below still excludes exactly the victim.
             assert!(k == "Transport" || failed != "[]", "{line}");
+        } else if mode == "launcher" {
+            assert!(["PeerFailed", "Aborted"].contains(&k.as_str()), "{line}");
+            assert_eq!(failed, format!("[{victim}]"), "{line}");
         } else if k != "Transport" {
             assert!(failed.contains(&victim.to_string()), "{line}");
         }
@@ -669,6 +885,17 @@ fn survivors_recover(mode: &str, victim: usize, sig: &str, bound: Duration) {
 #[test]
 fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout_then_reconfigures() {
     survivors_recover("allreduce", 3, "KILL", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn rank_0_killed_under_chorus_run_fails_every_survivor_with_peer_failed_naming_it() {
+    // chorus-run hosts the store, so rank 0's death leaves it up: every
+    // survivor names rank 0 (never a store error, never itself), fast,
+    // and the survivors form the next epoch through the same store.
+    let deadline = Instant::now() + MP_DEADLINE;
+    let ranks = spawn_under_launcher(4, "allreduce", deadline);
+    let bound = Duration::from_secs(2);
+    survivors_recover_in(ranks, deadline, "launcher", 0, "KILL", bound);
 }
 
 #[test]

@@ -139,6 +139,53 @@ fn explicit_master_port_is_passed_through() {
 }
 
 #[test]
+fn the_launcher_hosts_the_store_unless_told_otherwise() {
+    let echo = "echo ${CHORUS_STORE_ADDR:-unset} $MASTER_PORT";
+    let plain = ["CHORUS_STORE_ADDR", "CHORUS_STORE"];
+    // Default: every rank gets the store chorus-run hosts, on MASTER_PORT.
+    let r = run_env(
+        &["-n", "2", "--timeout", "30", "--", "sh", "-c", echo],
+        &[],
+        &plain,
+    );
+    assert_eq!(r.code, Some(0), "stderr: {}", r.stderr);
+    for rank in 0..2 {
+        let lines = rank_lines(&r.stdout, rank);
+        let f: Vec<&str> = lines[0].split(' ').collect();
+        assert_eq!(f[0], format!("127.0.0.1:{}", f[1]), "{lines:?}");
+    }
+    // --store-on-rank0: rank 0 hosts it on MASTER_PORT; an inherited
+    // address is not passed on.
+    let r = run_env(
+        &[
+            "-n",
+            "2",
+            "--store-on-rank0",
+            "--timeout",
+            "30",
+            "--",
+            "sh",
+            "-c",
+            echo,
+        ],
+        &[],
+        &["CHORUS_STORE"],
+    );
+    assert_eq!(r.code, Some(0), "stderr: {}", r.stderr);
+    for rank in 0..2 {
+        assert!(rank_lines(&r.stdout, rank)[0].starts_with("unset "));
+    }
+    // A store named in the environment is passed through untouched.
+    let r = run_env(
+        &["-n", "1", "--timeout", "30", "--", "sh", "-c", echo],
+        &[("CHORUS_STORE_ADDR", "10.1.2.3:29500")],
+        &["CHORUS_STORE"],
+    );
+    assert_eq!(r.code, Some(0), "stderr: {}", r.stderr);
+    assert!(rank_lines(&r.stdout, 0)[0].starts_with("10.1.2.3:29500 "));
+}
+
+#[test]
 fn launcher_vars_that_bootstrap_prefers_are_removed_from_ranks() {
     let r = run_env(
         &[

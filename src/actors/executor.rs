@@ -28,10 +28,11 @@
 //! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
 //! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
 //! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
-//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead (WD-5). |
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
+//! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -55,6 +56,47 @@ pub(crate) const IDLE_POLL: Duration = Duration::from_millis(100);
 /// How long a failing op waits for the store to tell it which failure
 /// notice won (EX-4) before it completes with its own view.
 pub(crate) const NOTICE_ADOPT: Duration = Duration::from_millis(100);
+
+/// Longest a finalizing rank spends releasing the epoch's store keys (EX-8).
+pub(crate) const KEY_RELEASE: Duration = Duration::from_secs(1);
+
+/// The store keys of one communicator epoch, released at finalize (EX-8).
+pub(crate) struct KeyRelease {
+    pub(crate) store: std::sync::Arc<dyn crate::transport::Store>,
+    /// `chorus/<job>/<name>/<instance>/epoch/<epoch>`: every key of the
+    /// epoch (its splits' too) lives under it.
+    pub(crate) prefix: String,
+    pub(crate) size: usize,
+    /// The joiners' pointer (`latest` key, value) to this epoch.
+    pub(crate) latest: (String, Vec<u8>),
+}
+
+impl KeyRelease {
+    /// Count this rank out; the last one deletes the epoch's keys.
+    async fn release(&self) {
+        let prefix = &self.prefix;
+        let work = async {
+            let out = self.store.add(&format!("{prefix}/finalized"), 1).await?;
+            if usize::try_from(out).is_ok_and(|n| n >= self.size) {
+                let n = self.store.delete_prefix(&format!("{prefix}/")).await?;
+                let (key, value) = &self.latest;
+                // Only if it still points here (not at a later epoch).
+                if self.store.get(key).await?.as_ref() == Some(value) {
+                    self.store.delete(key).await?;
+                }
+                tracing::debug!(%prefix, keys = n, "last rank out: deleted the epoch's keys");
+            }
+            Ok::<_, crate::transport::TransportError>(())
+        };
+        match tokio::time::timeout(KEY_RELEASE, work).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(%prefix, error = %e, "cannot release the epoch's store keys")
+            }
+            Err(_) => tracing::warn!(%prefix, "the store did not answer; the epoch's keys stay"),
+        }
+    }
+}
 
 /// How a turn ended.
 pub(crate) enum TurnEnd {
@@ -87,11 +129,11 @@ impl Fatal {
 }
 
 /// The error an op completes with when the abort `cause` revokes it: a
-/// peer failure as itself (every rank then names the same ranks, AC-5),
-/// anything else as `Aborted` carrying the cause.
+/// peer failure as itself (every rank then names the same ranks, AC-5), the
+/// loss of the store as itself, anything else as `Aborted` carrying the cause.
 pub(crate) fn revoked_error(info: &CommInfo, cause: Option<&Error>) -> Error {
     match cause {
-        Some(e @ Error::PeerFailed { .. }) => e.clone(),
+        Some(e @ (Error::PeerFailed { .. } | Error::StoreUnreachable { .. })) => e.clone(),
         other => super::status::aborted_error(&info.name, info.rank, info.epoch, other),
     }
 }
@@ -114,6 +156,8 @@ pub(crate) struct Core {
     watchdog: Option<super::watchdog::Watchdog>,
     /// Counts this backend as live until the core is dropped.
     _live: LiveBackend,
+    /// The epoch's store keys, released at finalize (EX-8).
+    keys: Option<KeyRelease>,
     /// Next collective sequence number (AC-1).
     coll_seq: u64,
     /// Next point-to-point sequence number per peer (AC-2).
@@ -149,10 +193,17 @@ impl Core {
             info,
             backend,
             watchdog,
+            keys: None,
             _live: LiveBackend::new(),
             coll_seq: 0,
             closed: false,
         }
+    }
+
+    /// Release `keys` at finalize (EX-8).
+    pub(crate) fn with_keys(mut self, keys: Option<KeyRelease>) -> Core {
+        self.keys = keys;
+        self
     }
 
     /// The communicator's tracing span.
@@ -259,6 +310,7 @@ impl Core {
             Error::PeerFailed {
                 failed_ranks,
                 detail,
+                op,
                 ..
             },
             Some(w),
@@ -271,17 +323,42 @@ impl Core {
         }
         let config = w.config.clone();
         let (ranks, text) = (failed_ranks.clone(), detail.clone());
+        let down = config.clone();
         let publish = tokio::spawn(async move { config.publish(ranks, text).await });
-        if let Ok(Ok(Some(n))) = tokio::time::timeout(NOTICE_ADOPT, publish).await {
-            if n.failed_ranks != *failed_ranks {
-                *detail = format!(
-                    "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
-                    n.by, n.failed_ranks, n.detail
-                );
-                *failed_ranks = n.failed_ranks;
+        match tokio::time::timeout(NOTICE_ADOPT, publish).await {
+            Ok(Ok(Some(n))) => {
+                if n.failed_ranks != *failed_ranks {
+                    *detail = format!(
+                        "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                        n.by, n.failed_ranks, n.detail
+                    );
+                    *failed_ranks = n.failed_ranks;
+                }
+                e
             }
+            // WD-5: the store has been silent for several heartbeat rounds,
+            // so the peer that closed its link most likely aborted because it
+            // lost the store too; say that, not that the peer died.
+            _ => match down.store_down() {
+                Some(after) => {
+                    let last = down
+                        .health
+                        .last_error()
+                        .unwrap_or_else(|| "no answer".into());
+                    Error::StoreUnreachable {
+                        comm: self.info.name.clone(),
+                        rank: self.info.rank,
+                        epoch: self.info.epoch,
+                        op,
+                        after,
+                        detail: format!(
+                            "{last}; meanwhile ranks {failed_ranks:?} went away ({detail})"
+                        ),
+                    }
+                }
+                None => e,
+            },
         }
-        e
     }
 
     /// EX-7: poll the backend for an error found while no op runs. `Some`
@@ -340,6 +417,9 @@ impl Core {
             w.stop(true).await;
         }
         self.backend.finalize().await;
+        if let Some(k) = self.keys.take() {
+            k.release().await;
+        }
     }
 
     /// AC-1, AC-2: stamp `req` with its sequence numbers, in the order ops
@@ -709,6 +789,7 @@ mod tests {
             key_prefix: format!("test/{name}/epoch/0"),
             ctx: Arc::new(crate::elastic::CommCtx {
                 name: name.into(),
+                job: "test".into(),
                 base: format!("test/{name}"),
                 store,
                 secret: Arc::from(Vec::new()),

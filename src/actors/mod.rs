@@ -380,6 +380,7 @@ pub struct CommArgs {
     pub(crate) home: Arc<Home>,
     pub(crate) status: StatusWriter,
     pub(crate) watchdog: Option<watchdog::WatchdogConfig>,
+    pub(crate) keys: Option<executor::KeyRelease>,
 }
 
 /// The actor behind one communicator on one rank.
@@ -633,11 +634,12 @@ impl Actor for CommActor {
             home,
             status,
             watchdog,
+            keys,
         } = args;
         let _ = home.actor.set(myself.clone());
         let watchdog =
             watchdog.and_then(|cfg| watchdog::Watchdog::start(cfg, myself.clone(), home.clone()));
-        let core = Core::new(home.info.clone(), backend, watchdog);
+        let core = Core::new(home.info.clone(), backend, watchdog).with_keys(keys);
         // EX-7: only backends that can fail on their own are polled.
         let poll = core
             .polls_async_errors()

@@ -11,7 +11,9 @@
 //! the same failed ranks) and tells its [`CommActor`](super::CommActor),
 //! which fails every outstanding op with [`Error::PeerFailed`] and aborts the
 //! communicator. A rank that cannot reach the store for `heartbeat_timeout`
-//! declares itself failed (it is the one partitioned away).
+//! aborts with [`Error::StoreUnreachable`]: the store (or the path to it) is
+//! what failed, not this rank, and without it the ranks can no longer agree
+//! on failures.
 //!
 //! Invariants:
 //! - WD-1: a failure notice names the epoch it belongs to; a notice of another
@@ -22,10 +24,19 @@
 //!   mistake a clean exit for a failure.
 //! - WD-4: the task ends when the communicator finalizes or aborts; it never
 //!   outlives its executor (counted by [`crate::debug::live_watchdogs`]).
+//! - WD-5: losing the store is reported as [`Error::StoreUnreachable`],
+//!   never as this (live) rank's failure; `StoreHealth` tells the
+//!   executor how long the store has been silent, so a peer's link loss
+//!   seen while the store is down is reported the same way.
+//! - WD-6: a peer heartbeat that was seen and then vanished means the
+//!   epoch's keys were deleted (the next epoch formed without this rank, or
+//!   it is over): this rank declares itself out (`failed_ranks == [me]`) and
+//!   deletes its own heartbeat.
 //!
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
+//! [`Error::StoreUnreachable`]: crate::Error::StoreUnreachable
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -90,6 +101,53 @@ pub(crate) fn notice_key(prefix: &str) -> String {
     format!("{prefix}/failed")
 }
 
+/// When the watchdog last heard from the store (WD-5), shared with the
+/// executor.
+#[derive(Debug)]
+pub(crate) struct StoreHealth {
+    base: Instant,
+    /// Milliseconds after `base` of the last round the store answered.
+    last_ok_ms: AtomicU64,
+    /// Why the last round failed, if it did.
+    last_error: std::sync::Mutex<Option<String>>,
+}
+
+impl Default for StoreHealth {
+    fn default() -> StoreHealth {
+        StoreHealth {
+            base: Instant::now(),
+            last_ok_ms: AtomicU64::new(0),
+            last_error: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl StoreHealth {
+    fn ok(&self) {
+        let ms = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ok_ms.store(ms, Ordering::Release);
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    fn failed(&self, why: String) {
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+
+    /// How long the store has not answered a heartbeat round.
+    pub(crate) fn silent_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last_ok_ms.load(Ordering::Acquire));
+        self.base.elapsed().saturating_sub(last)
+    }
+
+    /// Why the last round failed (`None`: it did not, or is still waiting).
+    pub(crate) fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
 /// What a watchdog needs.
 #[derive(Clone)]
 pub(crate) struct WatchdogConfig {
@@ -100,9 +158,19 @@ pub(crate) struct WatchdogConfig {
     pub(crate) interval: Duration,
     pub(crate) timeout: Duration,
     pub(crate) store: Arc<dyn Store>,
+    /// Shared with the executor (WD-5).
+    pub(crate) health: Arc<StoreHealth>,
 }
 
 impl WatchdogConfig {
+    /// Whether the store has been silent long enough that a peer's link
+    /// loss is more likely its abort over the lost store than its death
+    /// (WD-5): three missed rounds, and at least 300 ms.
+    pub(crate) fn store_down(&self) -> Option<Duration> {
+        let silent = self.health.silent_for();
+        (silent > (self.interval * 3).max(Duration::from_millis(300))).then_some(silent)
+    }
+
     /// Publish a failure notice (first wins, WD-2) and return the winning one.
     /// Bounded by the heartbeat timeout; `None` if the store did not answer.
     pub(crate) async fn publish(&self, failed_ranks: Vec<usize>, detail: String) -> Option<Notice> {
@@ -179,6 +247,14 @@ impl Watchdog {
     }
 }
 
+/// Why a watchdog ended the communicator.
+enum Verdict {
+    /// These ranks failed.
+    Peers(Vec<usize>, String),
+    /// The store did not answer for this long (WD-5).
+    Store(Duration, String),
+}
+
 async fn run(
     cfg: WatchdogConfig,
     actor: ActorRef<CommMsg>,
@@ -202,7 +278,8 @@ async fn run(
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let bound = cfg.timeout.max(cfg.interval);
-    let verdict: Option<(Vec<usize>, String)> = loop {
+    cfg.health.ok();
+    let verdict: Option<Verdict> = loop {
         tokio::select! {
             biased;
             _ = cancel.cancelled() => break None,
@@ -233,13 +310,15 @@ async fn run(
         match r {
             Ok(Ok((notice, beats))) => {
                 store_ok = Instant::now();
+                cfg.health.ok();
                 if let Some(n) = notice.and_then(|raw| Notice::parse(&raw, cfg.epoch)) {
-                    break Some((
+                    break Some(Verdict::Peers(
                         n.failed_ranks,
                         format!("failure notice from rank {}: {}", n.by, n.detail),
                     ));
                 }
                 let mut failed = vec![];
+                let mut gone = false;
                 for (p, beat) in beats.into_iter().enumerate() {
                     if done[p] {
                         continue;
@@ -248,11 +327,30 @@ async fn run(
                         done[p] = true;
                         continue;
                     }
+                    gone |= beat.is_none() && last[p].0.is_some();
                     if beat.is_some() && beat != last[p].0 {
                         last[p] = (beat, now);
                     } else if now.duration_since(last[p].1) > cfg.timeout {
                         failed.push(p);
                     }
+                }
+                if gone {
+                    // WD-6: the epoch's keys were deleted while this rank
+                    // runs, so the others formed the next epoch without it.
+                    let _ = cfg.store.delete(&my_key).await;
+                    tracing::warn!(
+                        rank = me,
+                        epoch = cfg.epoch,
+                        "the epoch ended without this rank"
+                    );
+                    break Some(Verdict::Peers(
+                        vec![me],
+                        format!(
+                            "the keys of epoch {} were deleted: the other ranks formed the next \
+                             epoch without rank {me}",
+                            cfg.epoch
+                        ),
+                    ));
                 }
                 if !failed.is_empty() {
                     let detail = format!(
@@ -262,28 +360,40 @@ async fn run(
                     tracing::warn!(rank = me, epoch = cfg.epoch, ?failed, "heartbeat lost");
                     let n = cfg.publish(failed.clone(), detail.clone()).await;
                     break Some(match n {
-                        Some(n) => (n.failed_ranks, n.detail),
-                        None => (failed, detail),
+                        Some(n) => Verdict::Peers(n.failed_ranks, n.detail),
+                        None => Verdict::Peers(failed, detail),
                     });
                 }
             }
-            _ => {
-                if Instant::now().duration_since(store_ok) > cfg.timeout {
-                    tracing::warn!(rank = me, epoch = cfg.epoch, "rendezvous store unreachable");
-                    break Some((
-                        vec![me],
-                        format!(
-                            "rank {me} could not reach the rendezvous store for {:?}: it is \
-                             partitioned from the job",
-                            cfg.timeout
-                        ),
-                    ));
+            r => {
+                let why = match r {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer within {bound:?}"),
+                };
+                cfg.health.failed(why.clone());
+                let silent = Instant::now().duration_since(store_ok);
+                if silent > cfg.timeout {
+                    tracing::warn!(rank = me, epoch = cfg.epoch, error = %why, "rendezvous store unreachable");
+                    break Some(Verdict::Store(silent, why));
                 }
             }
         }
     };
     match verdict {
-        Some((failed_ranks, detail)) => {
+        Some(Verdict::Store(after, detail)) => {
+            let info = &home.info;
+            // WD-5: the store failed, not this rank; the abort carries that.
+            home.signal.raise(crate::error::Error::StoreUnreachable {
+                comm: info.name.clone(),
+                rank: info.rank,
+                epoch: info.epoch,
+                op: "watchdog",
+                after,
+                detail,
+            });
+            let _ = actor.send_message(CommMsg::Abort { done: None });
+        }
+        Some(Verdict::Peers(failed_ranks, detail)) => {
             let info = &home.info;
             home.signal.raise(crate::error::Error::PeerFailed {
                 comm: info.name.clone(),

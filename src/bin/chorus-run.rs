@@ -1,8 +1,17 @@
 //! `chorus-run`: start N local ranks of a program, torchrun style.
 //!
 //! ```text
-//! chorus-run -n 4 [--master-port P] [--timeout SECS] [--grace SECS] [--] program args...
+//! chorus-run -n 4 [--master-port P] [--store-on-rank0] [--timeout SECS] [--grace SECS] [--] program args...
 //! ```
+//!
+//! The launcher hosts the job's rendezvous store itself (a
+//! [`RendezvousServer`] on `127.0.0.1`), so the death of any rank, rank 0
+//! included, never takes the store down: the survivors still agree on who
+//! failed. `--store-on-rank0` restores the torchrun layout, where rank 0
+//! hosts the store (and its death takes the store with it). A
+//! `CHORUS_STORE_ADDR` or `CHORUS_STORE` already set in the environment (a
+//! standalone `chorus-rendezvous`, an etcd cluster) is passed through and
+//! `chorus-run` hosts nothing.
 //!
 //! Each rank is started with the environment that
 //! [`chorus::bootstrap`] reads:
@@ -11,8 +20,9 @@
 //! |----------|-------|
 //! | `RANK`, `LOCAL_RANK` | 0..N |
 //! | `WORLD_SIZE`, `LOCAL_WORLD_SIZE` | N |
+//! | `CHORUS_STORE_ADDR` | `127.0.0.1:P`, the store `chorus-run` hosts (not set with `--store-on-rank0`) |
 //! | `MASTER_ADDR` | `127.0.0.1` |
-//! | `MASTER_PORT` | `--master-port`, else a port free for both UDP (the QUIC store) and TCP |
+//! | `MASTER_PORT` | P: `--master-port`, else a port free for both UDP (the QUIC store) and TCP |
 //! | `CHORUS_SECRET` | inherited if set and non-empty, else 32 fresh random bytes, hex |
 //! | `CHORUS_JOB_ID` | inherited if set and non-empty, else fresh for each launch: scopes every store key, so a relaunch on a reused store never sees the last job's keys |
 //!
@@ -47,6 +57,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use chorus::transport::RendezvousServer;
 use clap::Parser;
 
 /// Exit code when `--timeout` expires (as coreutils `timeout`).
@@ -65,9 +76,14 @@ struct Args {
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     nproc: u32,
 
-    /// Port of the rendezvous store hosted by rank 0 (default: a free port).
+    /// Port of the rendezvous store (default: a free port).
     #[arg(long, value_name = "PORT")]
     master_port: Option<u16>,
+
+    /// Let rank 0 host the rendezvous store (torchrun style) instead of
+    /// `chorus-run`; the death of rank 0 then takes the store with it.
+    #[arg(long)]
+    store_on_rank0: bool,
 
     /// Stop every rank and exit 124 after this many seconds.
     #[arg(long, value_name = "SECS", value_parser = parse_secs)]
@@ -244,50 +260,74 @@ fn describe(status: &ExitStatus) -> String {
     }
 }
 
-/// Forward SIGINT, SIGTERM and SIGHUP to the event loop, from a small tokio
-/// runtime on its own thread.
-fn watch_signals(tx: mpsc::Sender<Event>) -> Result<(), String> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
+/// The launcher's own runtime: one worker thread runs the signal watcher and
+/// the rendezvous store it hosts.
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("chorus-run")
+        .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the signal watcher: {e}"))?;
+        .map_err(|e| format!("cannot start the launcher's runtime: {e}"))
+}
+
+/// Forward SIGINT, SIGTERM and SIGHUP to the event loop, from tasks on `rt`.
+fn watch_signals(rt: &tokio::runtime::Runtime, tx: mpsc::Sender<Event>) -> Result<(), String> {
+    use tokio::signal::unix::{signal, SignalKind};
     // Register the handlers before any rank starts, so no signal is lost.
     let kinds = [
         (SignalKind::interrupt(), SIGINT),
         (SignalKind::terminate(), SIGTERM),
         (SignalKind::hangup(), 1),
     ];
-    let mut streams = Vec::new();
-    {
-        let _g = rt.enter();
-        for (kind, num) in kinds {
-            let s = signal(kind).map_err(|e| format!("cannot watch signal {num}: {e}"))?;
-            streams.push((s, num));
-        }
+    let _g = rt.enter();
+    for (kind, num) in kinds {
+        let mut s = signal(kind).map_err(|e| format!("cannot watch signal {num}: {e}"))?;
+        let tx = tx.clone();
+        rt.spawn(async move {
+            while s.recv().await.is_some() {
+                if tx.send(Event::Signal(num)).is_err() {
+                    return;
+                }
+            }
+        });
     }
-    thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || {
-            rt.block_on(async move {
-                let mut tasks = Vec::new();
-                for (mut s, num) in streams {
-                    let tx = tx.clone();
-                    tasks.push(tokio::spawn(async move {
-                        while s.recv().await.is_some() {
-                            if tx.send(Event::Signal(num)).is_err() {
-                                return;
-                            }
-                        }
-                    }));
-                }
-                for t in tasks {
-                    let _ = t.await;
-                }
-            })
-        })
-        .map_err(|e| format!("cannot start the signal watcher: {e}"))?;
     Ok(())
+}
+
+/// Where the ranks find the store.
+enum StoreEnv {
+    /// The store this launcher hosts, at `127.0.0.1:port`.
+    Hosted(u16),
+    /// Rank 0 hosts it (`--store-on-rank0`).
+    Rank0,
+    /// `CHORUS_STORE_ADDR`/`CHORUS_STORE` from the environment: passed through.
+    Inherited,
+}
+
+/// Host the job's store on `127.0.0.1:port` unless the environment names
+/// one or `--store-on-rank0` asks rank 0 to host it.
+fn host_store(
+    rt: &tokio::runtime::Runtime,
+    args: &Args,
+    port: u16,
+    secret: &OsString,
+) -> Result<(StoreEnv, Option<RendezvousServer>), String> {
+    let inherited = ["CHORUS_STORE_ADDR", "CHORUS_STORE"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()));
+    if inherited {
+        return Ok((StoreEnv::Inherited, None));
+    }
+    if args.store_on_rank0 {
+        return Ok((StoreEnv::Rank0, None));
+    }
+    let addr = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port).into();
+    let server = rt
+        .block_on(RendezvousServer::bind(addr, secret.as_encoded_bytes()))
+        .map_err(|e| format!("cannot host the rendezvous store on {addr}: {e}"))?;
+    let port = server.local_addr().port();
+    Ok((StoreEnv::Hosted(port), Some(server)))
 }
 
 struct Rank {
@@ -299,6 +339,7 @@ fn spawn_rank(
     args: &Args,
     rank: usize,
     port: u16,
+    store: &StoreEnv,
     secret: &OsString,
     job_id: &OsString,
     tx: &mpsc::Sender<Event>,
@@ -321,6 +362,16 @@ fn spawn_rank(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    match store {
+        StoreEnv::Hosted(p) => {
+            cmd.env("CHORUS_STORE_ADDR", format!("127.0.0.1:{p}"));
+        }
+        StoreEnv::Rank0 => {
+            cmd.env_remove("CHORUS_STORE_ADDR")
+                .env_remove("CHORUS_STORE");
+        }
+        StoreEnv::Inherited => {}
+    }
     for var in [
         "CHORUS_RANK",
         "CHORUS_SIZE",
@@ -383,12 +434,15 @@ enum Stop {
 
 fn run(args: Args) -> Result<u8, String> {
     let (tx, rx) = mpsc::channel();
-    watch_signals(tx.clone())?;
+    let rt = runtime()?;
+    watch_signals(&rt, tx.clone())?;
     let port = match args.master_port {
         Some(p) => p,
         None => free_port()?,
     };
     let secret = job_secret()?;
+    // Lives until every rank has exited.
+    let (store, _server) = host_store(&rt, &args, port, &secret)?;
     let job_id = inherited_or_random("CHORUS_JOB_ID", 8)?;
     let started = Instant::now();
     let deadline = args.timeout.map(|t| started + t);
@@ -397,7 +451,7 @@ fn run(args: Args) -> Result<u8, String> {
     let mut streams_open = 0usize;
     let mut stop: Option<Stop> = None;
     for r in 0..args.nproc as usize {
-        match spawn_rank(&args, r, port, &secret, &job_id, &tx) {
+        match spawn_rank(&args, r, port, &store, &secret, &job_id, &tx) {
             Ok(rank) => {
                 ranks.push(rank);
                 streams_open += 2;

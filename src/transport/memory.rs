@@ -55,6 +55,13 @@ impl MemoryStore {
         self.lock().len()
     }
 
+    /// Every key, sorted (for tests and for operators inspecting a store).
+    pub fn keys(&self) -> Vec<String> {
+        let mut k: Vec<String> = self.lock().keys().cloned().collect();
+        k.sort();
+        k
+    }
+
     /// Whether the store holds no keys.
     pub fn is_empty(&self) -> bool {
         self.lock().is_empty()
@@ -217,11 +224,42 @@ impl Store for MemoryStore {
     async fn delete(&self, key: &str) -> Result<bool, TransportError> {
         Ok(self.lock().remove(key).is_some())
     }
+
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
+        super::check_prefix(prefix)?;
+        let mut map = self.lock();
+        let before = map.len();
+        map.retain(|k, _| !k.starts_with(prefix));
+        Ok((before - map.len()) as u64)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn delete_prefix_removes_a_subtree_only() {
+        let store = MemoryStore::new();
+        for k in [
+            "j/a/epoch/3/x",
+            "j/a/epoch/3/y/z",
+            "j/a/epoch/30/x",
+            "j/b/epoch/3/x",
+        ] {
+            store.set(k, vec![1]).await.unwrap();
+        }
+        assert_eq!(store.delete_prefix("j/a/epoch/3/").await.unwrap(), 2);
+        assert_eq!(store.get("j/a/epoch/30/x").await.unwrap(), Some(vec![1]));
+        assert_eq!(store.len(), 2);
+        for bad in ["", "j/a/epoch/3"] {
+            assert!(matches!(
+                store.delete_prefix(bad).await,
+                Err(TransportError::Store(_))
+            ));
+        }
+        assert_eq!(store.len(), 2);
+    }
 
     #[tokio::test]
     async fn wait_returns_once_every_key_is_set() {

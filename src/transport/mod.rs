@@ -2,8 +2,9 @@
 //!
 //! Ranks find each other through a key-value [`Store`]: each rank publishes
 //! its data-link address and waits for the others'. The store is served by
-//! rank 0 (torchrun style, at `MASTER_ADDR:MASTER_PORT`) or by the standalone
-//! `chorus-rendezvous` binary, over QUIC with TLS 1.3 ([`quic`]). Every
+//! the `chorus-run` launcher, by the standalone `chorus-rendezvous` binary,
+//! or by rank 0 (torchrun style, at `MASTER_ADDR:MASTER_PORT`), over QUIC
+//! with TLS 1.3 ([`quic`]). Every
 //! connection proves knowledge of the job secret with an HMAC challenge
 //! before any store request is served; a peer without it is refused.
 //!
@@ -14,19 +15,24 @@
 //! Invariants:
 //! - TP-1: no store request is served on a connection before it authenticated.
 //! - TP-2: a frame larger than [`wire::MAX_FRAME`] is never buffered.
-//! - TP-3: store keys are scoped by communicator name and epoch by their
-//!   users; the store itself has no process-wide counters.
+//! - TP-3: store keys are scoped by job, communicator name and epoch by
+//!   their users, who delete them when done ([`Store::delete_prefix`]); the
+//!   store itself has no process-wide counters.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod memory;
 pub mod quic;
 pub(crate) mod records;
 pub mod store;
 pub mod wire;
 
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdStore;
 pub use memory::MemoryStore;
 pub use store::{RendezvousServer, StoreClient};
 
@@ -118,4 +124,23 @@ pub trait Store: Send + Sync {
     ) -> Result<CompareSet, TransportError>;
     /// Delete `key`; returns whether it existed.
     async fn delete(&self, key: &str) -> Result<bool, TransportError>;
+    /// Delete every key that starts with `prefix` (a subtree such as
+    /// `chorus/<job>/<comm>/0/epoch/3/`); returns how many went. An empty
+    /// prefix, or one that does not end in `/`, is refused with
+    /// [`TransportError::Store`] (it would reach other jobs' keys, or
+    /// siblings such as `epoch/30/` for `epoch/3`).
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError>;
+}
+
+/// Check a [`Store::delete_prefix`] prefix.
+///
+/// # Errors
+/// [`TransportError::Store`] for an empty prefix or one not ending in `/`.
+pub fn check_prefix(prefix: &str) -> Result<(), TransportError> {
+    if prefix.is_empty() || !prefix.ends_with('/') {
+        return Err(TransportError::Store(format!(
+            "refusing to delete keys under {prefix:?}: a prefix must be non-empty and end in '/'"
+        )));
+    }
+    Ok(())
 }

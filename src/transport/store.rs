@@ -465,6 +465,13 @@ async fn execute(store: &MemoryStore, request: Request) -> Response {
             Ok(v) => Response::Bool(v),
             Err(e) => store_err(e),
         },
+        Request::DeletePrefix { prefix } => {
+            tracing::debug!(%prefix, "delete prefix");
+            match store.delete_prefix(&prefix).await {
+                Ok(n) => Response::Int(i64::try_from(n).unwrap_or(i64::MAX)),
+                Err(e) => store_err(e),
+            }
+        }
     }
 }
 
@@ -846,6 +853,19 @@ impl Store for StoreClient {
             other => Err(unexpected(other)),
         }
     }
+
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
+        super::check_prefix(prefix)?;
+        match self
+            .simple(Request::DeletePrefix {
+                prefix: prefix.to_string(),
+            })
+            .await?
+        {
+            Response::Int(n) => Ok(u64::try_from(n).unwrap_or(0)),
+            other => Err(unexpected(other)),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -878,6 +898,14 @@ mod tests {
                 CompareSet::Current(Some(_))
             ));
             assert!(client.delete("a").await.unwrap());
+            assert_eq!(server.store().len(), 1);
+            client.set("job/x/1", vec![]).await.unwrap();
+            client.set("job/x/2", vec![]).await.unwrap();
+            assert_eq!(client.delete_prefix("job/x/").await.unwrap(), 2);
+            assert!(matches!(
+                client.delete_prefix("").await,
+                Err(TransportError::Store(_))
+            ));
             assert_eq!(server.store().len(), 1);
             assert!(client.local_ip().is_loopback());
         })

@@ -26,7 +26,7 @@ use super::TransportError;
 pub const MAX_FRAME: usize = 16 << 20;
 
 /// Version of the control-plane protocol, exchanged in [`AuthMessage::ClientHello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Length of the random nonces of the authentication challenge.
 pub const NONCE_LEN: usize = 32;
@@ -86,6 +86,12 @@ mod messages {
         Delete {
             /// Key.
             key: String,
+        },
+        /// Delete every key under `prefix`. Answered with [`Response::Int`]
+        /// (how many went). Added in protocol version 2.
+        DeletePrefix {
+            /// Prefix, non-empty and ending in `/`.
+            prefix: String,
         },
     }
 
@@ -337,6 +343,9 @@ mod tests {
                 desired: vec![],
             },
             Request::Delete { key: "d".into() },
+            Request::DeletePrefix {
+                prefix: "p/".into(),
+            },
         ]
     }
 
