@@ -20,6 +20,9 @@
 //!   it then parks the export in [`RELEASES`], released under the GIL at the
 //!   next call into this module (never blocking a runtime thread on the GIL).
 //! - The GIL is released while an op is submitted and while it is waited on.
+//! - Objects without the buffer protocol but with `__dlpack__` arrive as
+//!   `memoryview`s of a [`dlpack::DlpackView`], which owns the DLPack tensor
+//!   (see [`dlpack`]); from then on they are buffers like any other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +33,8 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+
+mod dlpack;
 
 // ------------------------------------------------------------------ buffers
 
@@ -1140,6 +1145,8 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(join_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;
     m.add_function(wrap_pyfunction!(_copy_stats, m)?)?;
+    m.add_class::<dlpack::DlpackView>()?;
+    m.add_function(wrap_pyfunction!(dlpack::_dlpack_view, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
