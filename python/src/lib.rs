@@ -21,8 +21,8 @@
 //!   next call into this module (never blocking a runtime thread on the GIL).
 //! - The GIL is released while an op is submitted and while it is waited on.
 //! - Objects without the buffer protocol but with `__dlpack__` arrive as
-//!   `memoryview`s of a [`dlpack::DlpackView`], which owns the DLPack tensor
-//!   (see [`dlpack`]); from then on they are buffers like any other.
+//!   `memoryview`s of a `dlpack::DlpackView`, which owns the DLPack tensor
+//!   (see the `dlpack` module); from then on they are buffers like any other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
