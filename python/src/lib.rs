@@ -4,7 +4,7 @@
 //! (argument order, `async_op=`, lists of tensors, `timedelta`s); this module
 //! is the thin layer under it: one method per Chorus op, taking byte
 //! buffers (C-contiguous `memoryview`s cast to `'B'`) plus a dtype code, and
-//! returning a [`PyWork`].
+//! returning a `PyWork`.
 //!
 //! Buffers:
 //! - A buffer an op writes into (the tensor of `all_reduce`, `broadcast`,
@@ -17,7 +17,7 @@
 //! - The Python buffer export is held by the tensor's keep-alive owner, so
 //!   the array cannot be freed or resized while an op uses it, even after a
 //!   timeout. The owner may be dropped on a runtime thread without the GIL:
-//!   it then parks the export in [`RELEASES`], released under the GIL at the
+//!   it then parks the export in `RELEASES`, released under the GIL at the
 //!   next call into this module (never blocking a runtime thread on the GIL).
 //! - The GIL is released while an op is submitted and while it is waited on.
 //! - Objects without the buffer protocol but with `__dlpack__` arrive as
