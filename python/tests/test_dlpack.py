@@ -150,3 +150,20 @@ def test_the_capsule_is_renamed_used(comm):
     capsules.clear()
     comm.all_reduce(Keep(a, legacy=True), ReduceOp.SUM)
     assert '"used_dltensor"' in repr(capsules[0])
+
+
+def test_a_copy_made_by_the_producer_is_an_input_only(comm):
+    # NumPy sets DLPack 1.x's IS_COPIED flag for copy=True: a result written
+    # there would never reach the caller's array, so it is no output.
+    class Copying(DLPackOnly):
+        def __dlpack__(self, **kw):
+            if "max_version" not in kw:
+                raise AssertionError("Chorus did not ask for DLPack 1.x")
+            return super().__dlpack__(copy=True, **kw)
+
+    a = np.arange(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="read-only"):
+        comm.all_reduce(Copying(a), ReduceOp.SUM)
+    out = np.zeros(4, dtype=np.float32)
+    comm.all_gather_single(out, Copying(a))
+    assert np.array_equal(out, a)
