@@ -210,7 +210,9 @@ async fn large_transfers_between_same_host_ranks_take_the_single_copy_path() {
         let size = 2;
         let mut w = world(size).await;
         let before = chorus::debug::single_copy_reads();
-        let n = 1 << 20; // 4 MiB of i32: every frame is above the threshold
+        // 8 MiB of i32: all_gather's blocks reach the copy threshold (8 MiB),
+        // all_reduce's reduce-scatter blocks (4 MiB) the reduce one.
+        let n = 1 << 21;
         let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
             let mut reduce = OpData::AllReduce {
                 buf: Tensor::from_vec((0..n).map(|i| (i + r) as i32).collect()),

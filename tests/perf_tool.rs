@@ -167,3 +167,69 @@ fn chorus_perf_default_run_times_at_least_1000_ops() {
     assert!(line.contains("\"check\":true"), "{line}");
     assert!(in_place_ops(line) >= 1000, "{line}");
 }
+
+/// nccl-tests' bus-bandwidth factor of `op` on `n` ranks, as
+/// docs/performance.md states it.
+fn documented_bus_factor(op: &str, n: f64) -> f64 {
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "all_gather" | "reduce_scatter" | "gather" | "scatter" | "all_to_all"
+        | "all_to_all_single" => (n - 1.0) / n,
+        "broadcast" | "reduce" | "send_recv" | "ping_pong" => 1.0,
+        other => panic!("no documented factor for {other}"),
+    }
+}
+
+#[test]
+fn chorus_perf_json_of_every_op_parses_with_the_documented_bandwidths() {
+    for op in OPS {
+        // 64 KiB: large enough that algbw has significant digits in the
+        // 4 decimals printed.
+        let (ok, out, err) = run(&[
+            op,
+            "-b",
+            "64K",
+            "-e",
+            "64K",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-i",
+            "3",
+            "--in-place-only",
+            "--json",
+        ]);
+        assert!(ok, "{op}: chorus-perf failed\n{out}\n{err}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 1, "{op}:\n{out}");
+        let v: serde_json::Value = serde_json::from_str(lines[0])
+            .unwrap_or_else(|e| panic!("{op}: not JSON ({e}): {}", lines[0]));
+        assert_eq!(v["op"], op, "{v}");
+        assert_eq!(v["nranks"], 2, "{v}");
+        assert_eq!(v["size"], 64 << 10, "{v}");
+        assert_eq!(v["check"], true, "{v}");
+        assert!(v["out_of_place"].is_null(), "{v}");
+        let ip = &v["in_place"];
+        assert_eq!(ip["ops"], 3, "{v}");
+        let num = |k: &str| {
+            ip[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{op}: {k} is not a number: {v}"))
+        };
+        let (us, algbw, busbw) = (num("time_us"), num("algbw_gbs"), num("busbw_gbs"));
+        assert!(us > 0.0, "{v}");
+        // algbw = size / time (GB/s), busbw = algbw x factor, to the
+        // printed precision.
+        let want_alg = (64 << 10) as f64 / (us * 1e-6) / 1e9;
+        assert!(
+            (algbw - want_alg).abs() <= 1e-4 + want_alg * 1e-3,
+            "{op}: algbw {algbw}, size/time {want_alg}"
+        );
+        let want_bus = algbw * documented_bus_factor(op, 2.0);
+        assert!(
+            (busbw - want_bus).abs() <= 2e-4 + want_bus * 1e-3,
+            "{op}: busbw {busbw}, algbw x factor {want_bus}"
+        );
+    }
+}

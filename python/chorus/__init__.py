@@ -13,7 +13,8 @@
 Names and argument order follow ``torchcomms._comms`` (``TorchComm``,
 ``TorchWork``, ``BatchSendRecv``, ``ReduceOp``); docs/python.md lists the
 differences. Buffers are anything with the buffer protocol (NumPy arrays,
-``bytearray``, ``memoryview``) or CPU ``torch.Tensor``s, C-contiguous.
+``bytearray``, ``memoryview``), CPU ``torch.Tensor``s, or any CPU array with
+``__dlpack__`` (DLPack), C-contiguous.
 Ops write into the caller's arrays; an array must not be read or written
 until its op's work has been waited on.
 
@@ -101,10 +102,16 @@ def _buffer(obj):
     try:
         mv = memoryview(obj)
     except TypeError:
-        raise TypeError(
-            f"expected an array with the buffer protocol (numpy.ndarray, bytearray, "
-            f"CPU torch.Tensor), got {type(obj).__name__}"
-        ) from None
+        if not hasattr(type(obj), "__dlpack__"):
+            raise TypeError(
+                f"expected an array with the buffer protocol or __dlpack__ (numpy.ndarray, "
+                f"bytearray, CPU torch.Tensor), got {type(obj).__name__}"
+            ) from None
+        # No buffer protocol: import it through DLPack. The view owns the
+        # DLPack tensor (its deleter runs when the view is freed) and is a
+        # flat byte buffer; the dtype comes from the DLPack header.
+        view, code = _chorus._dlpack_view(obj)
+        return memoryview(view), code
     if not mv.c_contiguous:
         raise ValueError(
             "the array is not C-contiguous; pass numpy.ascontiguousarray(x) "

@@ -4,7 +4,7 @@
 //! (argument order, `async_op=`, lists of tensors, `timedelta`s); this module
 //! is the thin layer under it: one method per Chorus op, taking byte
 //! buffers (C-contiguous `memoryview`s cast to `'B'`) plus a dtype code, and
-//! returning a [`PyWork`].
+//! returning a `PyWork`.
 //!
 //! Buffers:
 //! - A buffer an op writes into (the tensor of `all_reduce`, `broadcast`,
@@ -17,9 +17,12 @@
 //! - The Python buffer export is held by the tensor's keep-alive owner, so
 //!   the array cannot be freed or resized while an op uses it, even after a
 //!   timeout. The owner may be dropped on a runtime thread without the GIL:
-//!   it then parks the export in [`RELEASES`], released under the GIL at the
+//!   it then parks the export in `RELEASES`, released under the GIL at the
 //!   next call into this module (never blocking a runtime thread on the GIL).
 //! - The GIL is released while an op is submitted and while it is waited on.
+//! - Objects without the buffer protocol but with `__dlpack__` arrive as
+//!   `memoryview`s of a `dlpack::DlpackView`, which owns the DLPack tensor
+//!   (see the `dlpack` module); from then on they are buffers like any other.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +33,8 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+
+mod dlpack;
 
 // ------------------------------------------------------------------ buffers
 
@@ -1140,6 +1145,8 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(join_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;
     m.add_function(wrap_pyfunction!(_copy_stats, m)?)?;
+    m.add_class::<dlpack::DlpackView>()?;
+    m.add_function(wrap_pyfunction!(dlpack::_dlpack_view, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -458,6 +458,32 @@ def gil(comm):
     side.finalize()
 
 
+def dlpack(comm):
+    """Arrays seen only through __dlpack__: ops read and write the producer's
+    memory in place, across ranks."""
+    from _dlpack import DLPackOnly
+
+    rank, size = comm.get_rank(), comm.get_size()
+    for legacy in (False, True):
+        a = values(np.float32, rank, 1 << 16)
+        comm.all_reduce(DLPackOnly(a, legacy=legacy), ReduceOp.SUM)
+        check(a, reference(ReduceOp.SUM, np.float32, size, 1 << 16), f"all_reduce legacy={legacy}")
+    b = np.full(100, rank + 7, dtype=np.int64)
+    comm.broadcast(DLPackOnly(b), 1)
+    check(b, np.full(100, 8, dtype=np.int64), "broadcast")
+    out = np.zeros(4 * size, dtype=np.int32)
+    comm.all_gather_single(DLPackOnly(out), DLPackOnly(np.full(4, rank, dtype=np.int32)))
+    check(out, np.repeat(np.arange(size, dtype=np.int32), 4), "all_gather_single")
+    got = np.zeros(1000, dtype=np.uint8)
+    w = comm.all_reduce(DLPackOnly(np.ones(16, dtype=np.float64)), ReduceOp.SUM, async_op=True)
+    if rank == 0:
+        comm.send(DLPackOnly(np.arange(1000, dtype=np.uint8)), 1)
+    elif rank == 1:
+        comm.recv(DLPackOnly(got), 0)
+        check(got, np.arange(1000, dtype=np.uint8), "recv")
+    w.wait()
+
+
 def torch_tensors(comm):
     import torch
 
@@ -487,6 +513,7 @@ SCENARIOS = {
     "rejoin": rejoin,
     "gil": gil,
     "torch": torch_tensors,
+    "dlpack": dlpack,
 }
 
 

@@ -12,6 +12,10 @@ def test_buffers_unaligned_readonly_strided_and_2d(ranks):
     ranks(2, "buffers").assert_ok("buffers")
 
 
+def test_dlpack_only_arrays_in_place_across_ranks(ranks):
+    ranks(2, "dlpack").assert_ok("dlpack")
+
+
 def test_mismatched_counts_raise_mismatch_error_on_every_rank(ranks):
     ranks(3, "mismatch").assert_ok("mismatch")
 

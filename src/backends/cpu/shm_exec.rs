@@ -25,7 +25,9 @@
 //!   else travels on the TCP link of a shared-memory peer) and becomes
 //!   `PeerFailed` with the peer's reason.
 //! - SX-4: in a step that both sends and receives, a payload of at least
-//!   [`CMA_MIN`] bytes to a peer that can read this process's memory (SH-5)
+//!   [`CMA_MIN`] bytes (steps that reduce what they receive) or
+//!   [`CMA_MIN_COPY`] (steps that only copy) to a peer that can read this
+//!   process's memory (SH-5)
 //!   travels as its address (prefix flag byte 2 = 1, 8 address bytes); the
 //!   receiver copies or reduces it straight from the sender's buffer with
 //!   `process_vm_readv`, then acks, and the send completes only after the
@@ -62,11 +64,18 @@ use crate::kernels;
 const PREFIX: usize = 24;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
-/// Smallest payload sent as an address ([SX-4]). Below it the ring's two
-/// pipelined copies cost less than the ack round trip.
+/// Smallest payload sent as an address ([SX-4]) in a step whose receives
+/// reduce (reduce_scatter, all_reduce's first phase). Below it the ring's
+/// two pipelined copies cost less than the ack round trip.
 ///
 /// [SX-4]: self#invariants
 const CMA_MIN: usize = 256 << 10;
+/// Smallest payload sent as an address in a step whose receives only copy
+/// (all_gather's ring, all_reduce's second phase, p2p). There the ring's
+/// copy-in and the peer's copy-out overlap, and measured on 2 ranks
+/// (docs/performance.md) the address path was slower at every all_gather
+/// size up to 8 MiB (4 MiB per rank) and no faster on average above it.
+const CMA_MIN_COPY: usize = 8 << 20;
 /// Bytes read per `process_vm_readv` into a reduction's scratch buffer
 /// (fits in cache, so the reduction reads it back from there).
 const CMA_REDUCE_STEP: usize = 256 << 10;
@@ -456,6 +465,14 @@ pub(crate) async fn run_shm(
     // ring, whose copy-in runs on this otherwise idle CPU in parallel with
     // the reader's copy-out.
     let receives_too = recvs.iter().any(|(_, frames)| !frames.is_empty());
+    // The peer's receives mirror this rank's in the ring steps that send
+    // and receive at once, so this rank's tell which threshold applies.
+    let reduces = recvs.iter().any(|(_, frames)| {
+        frames
+            .iter()
+            .any(|(_, _, into)| matches!(into, RecvInto::Reduce(..)))
+    });
+    let cma_min = if reduces { CMA_MIN } else { CMA_MIN_COPY };
     // Per peer, the queue of jobs in order; the engine works on the front.
     let mut send_q: Vec<(usize, std::collections::VecDeque<SendJob<'_>>)> = Vec::new();
     for (peer, frames) in sends {
@@ -463,7 +480,7 @@ pub(crate) async fn run_shm(
         let q = frames
             .into_iter()
             .map(|(kind, seq, payload)| {
-                let cma = receives_too && payload.len() >= CMA_MIN && l.tx.cma_ok();
+                let cma = receives_too && payload.len() >= cma_min && l.tx.cma_ok();
                 SendJob {
                     ring: &l.tx,
                     prefix: prefix(kind, class, seq, payload.len() as u64, cma),
