@@ -61,7 +61,8 @@
 //!
 //! [`Comm::split`] / [`Comm::split_by_color`] create child communicators
 //! (actors linked under the parent's; finalized or aborted before it), and
-//! [`Comm::hierarchy`] builds intra-host × inter-host groups. A watchdog
+//! [`Comm::hierarchy`] builds intra-host × inter-host groups; a [`DeviceMesh`]
+//! lays the ranks out on a named N-D grid with one child per dimension. A watchdog
 //! heartbeats through the store ([`CommOptions::heartbeat_interval`]); a dead,
 //! hung or partitioned rank completes every outstanding op with
 //! [`Error::PeerFailed`] stamped with the epoch, and [`Comm::reconfigure`]
@@ -93,6 +94,7 @@ pub mod flight_recorder;
 pub mod hints;
 pub mod hooks;
 pub mod kernels;
+mod mesh;
 pub mod op;
 mod options;
 mod runtime;
@@ -109,6 +111,7 @@ pub use elastic::{
 pub use error::{Error, Result};
 pub use flight_recorder::{FlightEntry, FlightState};
 pub use hooks::{AbortHookArgs, PostHookArgs, PreHookArgs, RemovableHandle};
+pub use mesh::DeviceMesh;
 pub use op::{OpKind, ReduceOp};
 pub use options::{
     parse_flight_recorder_size, parse_timeout_seconds, CommOptions, Device, Rendezvous,
