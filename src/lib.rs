@@ -27,8 +27,8 @@
 //! # Ok::<(), chorus::Error>(())
 //! ```
 //!
-//! Each communicator is a [ractor](https://docs.rs/ractor) actor
-//! ([`actors::CommActor`]) owning its backend; the [`Comm`] handle sends it
+//! Each communicator is a [ractor](https://docs.rs/ractor) actor owning
+//! its backend; the [`Comm`] handle sends it
 //! requests and gets exactly one completion per request. Ranks find each
 //! other through a rendezvous store served over QUIC with TLS and a job
 //! secret ([`transport`]); data moves over the backend's own links
@@ -44,7 +44,9 @@
 //! | `gloo` | `gloo` | `libgloo-dev` (Debian) | all |
 //! | `mpi` | `mpi` | Open MPI, launched by `mpirun` | all |
 //!
-//! Switching backends is a string: `new_comm("cpu", ..)`. An unknown name is
+//! Switching backends is a string: `new_comm("cpu", ..)`, and a program can
+//! add its own data plane under a name with [`register_backend`] (implementing
+//! [`Backend`]). An unknown name is
 //! [`Error::UnknownBackend`]; a known backend whose cargo feature is off, or
 //! whose library or device is missing at run time, is
 //! [`Error::BackendUnavailable`] saying what to enable or install.
@@ -83,7 +85,7 @@ use std::sync::Arc;
 
 use ractor::Actor;
 
-pub mod actors;
+pub(crate) mod actors;
 pub mod backends;
 pub mod bootstrap;
 mod comm;
@@ -102,8 +104,17 @@ pub mod tensor;
 pub mod transport;
 mod work;
 
+/// Internals that integration tests need and users do not; not part of the
+/// API and may change at any time.
+#[doc(hidden)]
+pub mod test_support {
+    /// A watchdog failure notice, as stored for the other ranks (tests
+    /// forge one to check that a new epoch rejects an old epoch's notice).
+    pub use crate::actors::watchdog::Notice;
+}
+
 pub use actors::status::{ChildFailure, State, Status};
-pub use backends::{Capabilities, SplitMode};
+pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode};
 pub use comm::{Comm, P2POp};
 pub use elastic::{
     join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
