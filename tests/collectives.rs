@@ -245,6 +245,19 @@ fn rooted_and_gathering_ops(n: usize) {
                     } else {
                         assert!(got.is_empty());
                     }
+                    // gather_single: the same data, contiguous on the root.
+                    let got = comm
+                        .gather_single(input(dtype, r + 20, count), root)
+                        .unwrap();
+                    if r == root {
+                        let want: Vec<f64> = (0..n)
+                            .flat_map(|p| (0..count).map(move |i| value(p + 20, i)))
+                            .collect();
+                        assert_close(dtype, &got, &want, &what("gather_single"));
+                    } else {
+                        assert_eq!(got.len(), 0, "{}", what("gather_single"));
+                        assert_eq!(got.dtype(), dtype);
+                    }
                 }
                 // all_to_all_single: block j of rank i holds value(i, j*count + k).
                 let full: Vec<f64> = (0..n * count).map(|i| value(r, i)).collect();
