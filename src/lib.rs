@@ -99,6 +99,7 @@ pub mod kernels;
 mod mesh;
 pub mod op;
 mod options;
+mod persistent;
 mod runtime;
 pub mod tensor;
 pub mod transport;
@@ -127,6 +128,7 @@ pub use op::{OpKind, ReduceOp};
 pub use options::{
     parse_flight_recorder_size, parse_timeout_seconds, CommOptions, Device, Rendezvous,
 };
+pub use persistent::PersistentAllGather;
 pub use tensor::{DType, Element, Tensor};
 pub use work::Work;
 
