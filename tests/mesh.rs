@@ -72,12 +72,20 @@ fn check_dims(comm: &Comm, mesh: &DeviceMesh, names: &[&str], shape: &[usize]) {
 
 #[test]
 fn mesh_2x2_gives_row_and_column_groups() {
-    let out = run_ranks(4, "mesh-2x2", |comm| {
+    run_ranks(4, "mesh-2x2", |comm| {
         let mesh = DeviceMesh::new(&comm, &[2, 2], &["dp", "tp"]).unwrap();
         check_dims(&comm, &mesh, &["dp", "tp"], &[2, 2]);
         let tp = mesh.get("tp").unwrap().ranks().in_parent;
         let dp = mesh.get("dp").unwrap().ranks().in_parent;
         assert_eq!(mesh.get("tp").unwrap().name(), "mesh-2x2.tp");
+        // Written out: PyTorch's init_device_mesh((2, 2), ("dp", "tp")).
+        let want = [
+            (vec![0, 2], vec![0, 1]),
+            (vec![1, 3], vec![0, 1]),
+            (vec![0, 2], vec![2, 3]),
+            (vec![1, 3], vec![2, 3]),
+        ];
+        assert_eq!((dp, tp), want[comm.rank()], "rank {}", comm.rank());
         // The parent keeps working after the mesh's splits.
         let p = comm
             .all_reduce(Tensor::full(1i32, 1), ReduceOp::Sum)
@@ -85,13 +93,7 @@ fn mesh_2x2_gives_row_and_column_groups() {
         assert_eq!(p.to_vec::<i32>(), vec![4]);
         comm.finalize().unwrap();
         assert!(!mesh.get("tp").unwrap().is_active());
-        (dp, tp)
     });
-    // Written out: PyTorch's init_device_mesh((2, 2), ("dp", "tp")).
-    assert_eq!(out[0], (vec![0, 2], vec![0, 1]));
-    assert_eq!(out[1], (vec![1, 3], vec![0, 1]));
-    assert_eq!(out[2], (vec![0, 2], vec![2, 3]));
-    assert_eq!(out[3], (vec![1, 3], vec![2, 3]));
 }
 
 #[test]
@@ -125,6 +127,9 @@ fn mesh_2x3_and_its_flattenings() {
             tp.ranks().in_parent,
             mesh.get("tp").unwrap().ranks().in_parent
         );
+        // Under mpirun rank 0's process hosts the store: keep it until
+        // every rank is done with its splits.
+        comm.barrier().unwrap();
         comm.finalize().unwrap();
     });
 }
@@ -147,6 +152,9 @@ fn mesh_2x2x2_with_a_flattened_pair() {
             .to_vec::<i64>();
         let want = group.iter().map(|&g| value(g)).max().unwrap();
         assert_eq!(s, vec![want; 2]);
+        // Under mpirun rank 0's process hosts the store: keep it until
+        // every rank is done with its splits.
+        comm.barrier().unwrap();
         comm.finalize().unwrap();
     });
 }
@@ -193,6 +201,9 @@ fn mesh_arguments_are_checked_before_any_communication() {
                 other => panic!("flatten({dims:?}, {name:?}): {other:?}"),
             }
         }
+        // Under mpirun rank 0's process hosts the store: keep it until
+        // every rank is done with its splits.
+        comm.barrier().unwrap();
         comm.finalize().unwrap();
     });
 }
@@ -212,6 +223,9 @@ fn mesh_layouts_that_differ_between_ranks_are_a_mismatch() {
         }
         let mesh = DeviceMesh::new(&comm, &[2, 2], &["dp", "tp"]).unwrap();
         assert_eq!(mesh.get("dp").unwrap().size(), 2);
+        // Under mpirun rank 0's process hosts the store: keep it until
+        // every rank is done with its splits.
+        comm.barrier().unwrap();
         comm.finalize().unwrap();
     });
 }
