@@ -982,30 +982,62 @@ impl Comm {
 
     /// Async form of [`Comm::gather`].
     pub fn gather_async(&self, input: Tensor, root: usize) -> Work<Vec<Tensor>> {
-        self.submit(to_tensors, || {
-            self.check_root("gather", root)?;
-            let out_len = if self.rank() == root {
-                input.len().checked_mul(self.size()).ok_or_else(|| {
-                    self.invalid("gather", "the gathered output would overflow usize")
-                })?
-            } else {
-                0
-            };
-            let output = self.output("gather", input.dtype(), out_len)?;
-            Ok(Request::collective(
-                OpKind::Gather,
-                None,
-                input.dtype(),
-                Some(root),
-                input.len(),
-                vec![],
-                OpData::Gather {
-                    input,
-                    output,
-                    root,
-                },
-            ))
+        self.submit(to_tensors, || self.gather_request("gather", input, root))
+    }
+
+    /// Gather every rank's `input` (all the same length) onto `root` as one
+    /// contiguous tensor, rank `r`'s input at `r * input.len()`; other ranks
+    /// get an empty tensor of the same dtype. TorchComms' `gather_single`:
+    /// the same op as [`Comm::gather`] (ranks may mix the two), without
+    /// cutting the root's output into per-rank tensors.
+    ///
+    /// ```
+    /// let comm = chorus::new_comm("cpu", chorus::Device::Cpu, "gs-doc", chorus::CommOptions::single())?;
+    /// let all = comm.gather_single(chorus::Tensor::from_vec(vec![1i32, 2]), 0)?;
+    /// assert_eq!(all.to_vec::<i32>(), vec![1, 2]);
+    /// comm.finalize()?;
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Comm::gather`].
+    pub fn gather_single(&self, input: Tensor, root: usize) -> Result<Tensor> {
+        self.blocking("gather_single", || self.gather_single_async(input, root))
+    }
+
+    /// Async form of [`Comm::gather_single`].
+    pub fn gather_single_async(&self, input: Tensor, root: usize) -> Work<Tensor> {
+        self.submit(to_tensor, || {
+            let mut req = self.gather_request("gather_single", input, root)?;
+            req.whole = true;
+            Ok(req)
         })
+    }
+
+    fn gather_request(&self, op: &'static str, input: Tensor, root: usize) -> Result<Request> {
+        self.check_root(op, root)?;
+        let out_len = if self.rank() == root {
+            input
+                .len()
+                .checked_mul(self.size())
+                .ok_or_else(|| self.invalid(op, "the gathered output would overflow usize"))?
+        } else {
+            0
+        };
+        let output = self.output(op, input.dtype(), out_len)?;
+        Ok(Request::collective(
+            OpKind::Gather,
+            None,
+            input.dtype(),
+            Some(root),
+            input.len(),
+            vec![],
+            OpData::Gather {
+                input,
+                output,
+                root,
+            },
+        ))
     }
 
     // ---------------------------------------------------------------- all_to_all

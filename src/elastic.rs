@@ -230,7 +230,7 @@ pub(crate) async fn publish_latest(comm: &Comm) {
     }
 }
 
-fn fnv(s: &[u8]) -> i64 {
+pub(crate) fn fnv(s: &[u8]) -> i64 {
     let mut h: u64 = 0xcbf29ce484222325;
     for b in s {
         h ^= u64::from(*b);
@@ -281,7 +281,7 @@ impl Comm {
     }
 
     /// Block (where allowed) on `f(self)` run on the communicator's runtime.
-    fn block<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
+    pub(crate) fn block<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T>
     where
         F: FnOnce(Comm) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<T>> + Send + 'static,

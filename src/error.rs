@@ -21,8 +21,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// `new_comm` was given a backend name that is not compiled in or does not exist.
-    #[error("unknown backend {name:?}; backends built into this binary: {available:?}")]
+    /// `new_comm` was given a backend name that is not compiled in, not
+    /// registered ([`register_backend`](crate::register_backend)) or does not exist.
+    #[error("unknown backend {name:?}; backends built in or registered: {available:?}")]
     UnknownBackend {
         /// The name that was asked for.
         name: String,

@@ -27,8 +27,8 @@
 //! # Ok::<(), chorus::Error>(())
 //! ```
 //!
-//! Each communicator is a [ractor](https://docs.rs/ractor) actor
-//! ([`actors::CommActor`]) owning its backend; the [`Comm`] handle sends it
+//! Each communicator is a [ractor](https://docs.rs/ractor) actor owning
+//! its backend; the [`Comm`] handle sends it
 //! requests and gets exactly one completion per request. Ranks find each
 //! other through a rendezvous store served over QUIC with TLS and a job
 //! secret ([`transport`]); data moves over the backend's own links
@@ -44,7 +44,9 @@
 //! | `gloo` | `gloo` | `libgloo-dev` (Debian) | all |
 //! | `mpi` | `mpi` | Open MPI, launched by `mpirun` | all |
 //!
-//! Switching backends is a string: `new_comm("cpu", ..)`. An unknown name is
+//! Switching backends is a string: `new_comm("cpu", ..)`, and a program can
+//! add its own data plane under a name with [`register_backend`] (implementing
+//! [`Backend`]). An unknown name is
 //! [`Error::UnknownBackend`]; a known backend whose cargo feature is off, or
 //! whose library or device is missing at run time, is
 //! [`Error::BackendUnavailable`] saying what to enable or install.
@@ -61,7 +63,8 @@
 //!
 //! [`Comm::split`] / [`Comm::split_by_color`] create child communicators
 //! (actors linked under the parent's; finalized or aborted before it), and
-//! [`Comm::hierarchy`] builds intra-host × inter-host groups. A watchdog
+//! [`Comm::hierarchy`] builds intra-host × inter-host groups; a [`DeviceMesh`]
+//! lays the ranks out on a named N-D grid with one child per dimension. A watchdog
 //! heartbeats through the store ([`CommOptions::heartbeat_interval`]); a dead,
 //! hung or partitioned rank completes every outstanding op with
 //! [`Error::PeerFailed`] stamped with the epoch, and [`Comm::reconfigure`]
@@ -82,7 +85,7 @@ use std::sync::Arc;
 
 use ractor::Actor;
 
-pub mod actors;
+pub(crate) mod actors;
 pub mod backends;
 pub mod bootstrap;
 mod comm;
@@ -93,15 +96,26 @@ pub mod flight_recorder;
 pub mod hints;
 pub mod hooks;
 pub mod kernels;
+mod mesh;
 pub mod op;
 mod options;
+mod persistent;
 mod runtime;
 pub mod tensor;
 pub mod transport;
 mod work;
 
+/// Internals that integration tests need and users do not; not part of the
+/// API and may change at any time.
+#[doc(hidden)]
+pub mod test_support {
+    /// A watchdog failure notice, as stored for the other ranks (tests
+    /// forge one to check that a new epoch rejects an old epoch's notice).
+    pub use crate::actors::watchdog::Notice;
+}
+
 pub use actors::status::{ChildFailure, State, Status};
-pub use backends::{Capabilities, SplitMode};
+pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode};
 pub use comm::{Comm, P2POp};
 pub use elastic::{
     join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
@@ -109,10 +123,12 @@ pub use elastic::{
 pub use error::{Error, Result};
 pub use flight_recorder::{FlightEntry, FlightState};
 pub use hooks::{AbortHookArgs, PostHookArgs, PreHookArgs, RemovableHandle};
+pub use mesh::DeviceMesh;
 pub use op::{OpKind, ReduceOp};
 pub use options::{
     parse_flight_recorder_size, parse_timeout_seconds, CommOptions, Device, Rendezvous,
 };
+pub use persistent::PersistentAllGather;
 pub use tensor::{Bool, DType, Element, ExternalError, Tensor};
 pub use work::Work;
 

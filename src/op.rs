@@ -17,7 +17,7 @@ use std::fmt;
 
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 
 /// Reduction operator.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -45,6 +45,24 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// `PremulSum` with this rank's factor held in a one-element tensor of
+    /// any dtype (TorchComms' `PREMUL_SUM(tensor)`). Each rank passes its
+    /// own factor; Chorus tensors live in host memory, so the factor is
+    /// read here, when the op is built. `None` unless `factor` holds
+    /// exactly one element, or if that element is not finite.
+    ///
+    /// ```
+    /// use chorus::{ReduceOp, Tensor};
+    /// assert_eq!(ReduceOp::premul_sum_tensor(&Tensor::from_vec(vec![0.5f32])), Some(ReduceOp::PremulSum(0.5)));
+    /// assert_eq!(ReduceOp::premul_sum_tensor(&Tensor::from_vec(vec![1i32, 2])), None);
+    /// ```
+    pub fn premul_sum_tensor(factor: &Tensor) -> Option<ReduceOp> {
+        match factor.to_f64_vec().as_slice() {
+            [f] if f.is_finite() => Some(ReduceOp::PremulSum(*f)),
+            _ => None,
+        }
+    }
+
     /// A code that identifies the operator (not the scalar) on the wire.
     pub const fn code(self) -> u8 {
         match self {

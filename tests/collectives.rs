@@ -245,6 +245,19 @@ fn rooted_and_gathering_ops(n: usize) {
                     } else {
                         assert!(got.is_empty());
                     }
+                    // gather_single: the same data, contiguous on the root.
+                    let got = comm
+                        .gather_single(input(dtype, r + 20, count), root)
+                        .unwrap();
+                    if r == root {
+                        let want: Vec<f64> = (0..n)
+                            .flat_map(|p| (0..count).map(move |i| value(p + 20, i)))
+                            .collect();
+                        assert_close(dtype, &got, &want, &what("gather_single"));
+                    } else {
+                        assert_eq!(got.len(), 0, "{}", what("gather_single"));
+                        assert_eq!(got.dtype(), dtype);
+                    }
                 }
                 // all_to_all_single: block j of rank i holds value(i, j*count + k).
                 let full: Vec<f64> = (0..n * count).map(|i| value(r, i)).collect();
@@ -748,4 +761,52 @@ fn bool_reductions_broadcast_and_gather_world_2() {
 #[test]
 fn bool_reductions_broadcast_and_gather_world_3() {
     bool_ops(3);
+}
+
+/// PremulSum with each rank's own factor in a one-element tensor (of
+/// several dtypes), through all_reduce, reduce and reduce_scatter.
+#[test]
+fn premul_sum_with_per_rank_tensor_factors() {
+    let n = 3;
+    // Rank r's factor, exact in every dtype used below.
+    let factor = |r: usize| (r + 1) as f64 * 0.5;
+    run_ranks(n, "premul-tensor", move |comm| {
+        let r = comm.rank();
+        for fdtype in [DType::F64, DType::F32, DType::BF16] {
+            let t = Tensor::from_f64s(fdtype, &[factor(r)]);
+            let op = ReduceOp::premul_sum_tensor(&t).expect("one finite element");
+            assert_eq!(op, ReduceOp::PremulSum(factor(r)));
+            let count = 7;
+            let want: Vec<f64> = (0..count)
+                .map(|i| (0..n).map(|p| factor(p) * value(p, i)).sum())
+                .collect();
+            let out = comm.all_reduce(input(DType::F32, r, count), op).unwrap();
+            assert_close(DType::F32, &out, &want, &format!("all_reduce {fdtype}"));
+            let out = comm.reduce(input(DType::F64, r, count), op, 1).unwrap();
+            if r == 1 {
+                assert_close(DType::F64, &out, &want, &format!("reduce {fdtype}"));
+            }
+            let full: Vec<f64> = (0..n * 2).map(|i| value(r, i)).collect();
+            let out = comm
+                .reduce_scatter(Tensor::from_f64s(DType::F32, &full), op)
+                .unwrap();
+            let want: Vec<f64> = (0..2)
+                .map(|i| (0..n).map(|p| factor(p) * value(p, r * 2 + i)).sum())
+                .collect();
+            assert_close(DType::F32, &out, &want, &format!("reduce_scatter {fdtype}"));
+        }
+        assert_eq!(
+            ReduceOp::premul_sum_tensor(&Tensor::zeros(DType::F32, 2)),
+            None
+        );
+        assert_eq!(
+            ReduceOp::premul_sum_tensor(&Tensor::zeros(DType::F32, 0)),
+            None
+        );
+        assert_eq!(
+            ReduceOp::premul_sum_tensor(&Tensor::from_vec(vec![f64::NAN])),
+            None
+        );
+        comm.finalize().unwrap();
+    });
 }

@@ -397,7 +397,7 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
             futures::executor::block_on(
                 store.set(
                     &format!("{prefix}/failed"),
-                    chorus::actors::watchdog::Notice {
+                    chorus::test_support::Notice {
                         epoch: 0,
                         by: 9,
                         failed_ranks: vec![1],

@@ -618,6 +618,7 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         OpData::AllGather { output, .. }
         | OpData::Broadcast { buf: output, .. }
         | OpData::Scatter { output, .. } => Completion::Tensor(output),
+        OpData::Gather { output, .. } if req.whole => Completion::Tensor(output),
         OpData::Gather { output, root, .. } => {
             if ctx.rank == root {
                 let counts = vec![req.count; n];

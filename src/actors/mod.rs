@@ -95,6 +95,8 @@ pub(crate) struct Request {
     /// all_gather / reduce_scatter `_into`: complete with `[output, input]`
     /// so the caller gets both buffers back for reuse.
     pub(crate) return_input: bool,
+    /// gather_single: complete with the root's whole output, unsplit.
+    pub(crate) whole: bool,
     pub(crate) timeout: Duration,
     pub(crate) completer: Option<Completer>,
     /// Collective sequence number (assigned by the executor).
@@ -121,6 +123,7 @@ impl Request {
             data,
             keep: None,
             return_input: false,
+            whole: false,
             timeout: Duration::from_secs(600),
             completer: None,
             seq: 0,

@@ -3,7 +3,7 @@
 //! A backend moves bytes between ranks. Everything else — argument
 //! validation, sequence numbers, the cross-rank consistency check, timeouts,
 //! ordering and abort — lives once above the [`Backend`] trait, in
-//! [`crate::actors`]. A backend never re-implements any of it.
+//! the communicator's executor. A backend never re-implements any of it.
 //!
 //! | name  | feature | needs | notes |
 //! |-------|---------|-------|-------|
@@ -13,7 +13,8 @@
 //! | `gloo` | `gloo` | Debian `libgloo-dev` at build time | C++ shim over Gloo's TCP transport |
 //! | `mpi` | `mpi` | Open MPI (`libopenmpi-dev`, `libclang-dev` to build), run under `mpirun` | rsmpi |
 //!
-//! Backends are selected by name at run time ([`create`]). Registry rules
+//! Backends are selected by name at run time ([`create`]); a program can
+//! add its own with [`register_backend`]. Registry rules
 //! (see `docs/backends.md`):
 //! - REG-1: a name Chorus does not know at all is
 //!   [`Error::UnknownBackend`], listing [`available`].
@@ -21,8 +22,13 @@
 //!   [`Error::BackendUnavailable`] whose
 //!   reason names the feature to enable; so is a compiled-in backend whose
 //!   run-time library or device is missing (never a panic).
-//! - REG-3: each backend runs on one kind of [`Device`](crate::Device)
-//!   ([`check_device`]); the wrong kind is rejected before any I/O.
+//! - REG-3: each built-in backend runs on one kind of
+//!   [`Device`](crate::Device) ([`check_device`]); the wrong kind is
+//!   rejected before any I/O. A registered backend's factory gets the
+//!   device and decides.
+//! - REG-4: [`register_backend`] adds a name to the ones [`create`] knows,
+//!   for the life of the process; it never shadows a name of [`KNOWN`] and
+//!   never replaces an earlier registration.
 //!
 //! The vendor backends (`nccl`, `rccl`, `gloo`, `mpi`) move data with their
 //! library and use a [`cpu::CpuBackend`] mesh as their control links: the
@@ -36,8 +42,12 @@
 //! # Invariants
 //! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
 //!   same op on every participant, with buffers whose sizes match the headers.
-//! - BE-2: after `execute` or `exchange_headers` returns an error, or its future
-//!   is dropped, the executor calls `abort` before anything else.
+//! - BE-2: after `execute` or `exchange_headers` returns a fatal error
+//!   ([`Error::is_fatal`]), or its future is dropped, the executor calls
+//!   `abort` before anything else. A non-fatal error (`UnsupportedOp`,
+//!   `NotSupported`, `InvalidArgument`) fails only that op and leaves the
+//!   communicator usable; a backend returns one only when every rank
+//!   refuses the op alike before moving any of its data.
 //! - BE-3: a backend whose library finds errors on its own (NCCL's
 //!   `ncclCommGetAsyncError`) says so with [`Backend::polls_async_errors`];
 //!   the executor then calls [`Backend::poll_async_error`] while the
@@ -57,15 +67,20 @@
 //! [BE-1]: self#invariants
 //! [BE-2]: self#invariants
 
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
-
-use async_trait::async_trait;
 
 use crate::error::{Error, Result};
 use crate::op::{OpKind, ReduceOp};
 use crate::tensor::Tensor;
 use crate::transport::Store;
+
+/// The attribute a [`Backend`] implementation is written with
+/// (`#[async_trait] impl Backend for MyBackend { .. }`), re-exported so
+/// that an implementation outside Chorus uses the same version.
+pub use async_trait::async_trait;
 
 pub mod cpu;
 #[cfg(feature = "gloo")]
@@ -87,8 +102,16 @@ pub const KNOWN: &[(&str, Option<&str>)] = &[
     ("mpi", Some("mpi")),
 ];
 
-/// Names of the backends compiled into this binary.
+/// Names of the backends this process can create: those compiled into
+/// this binary, then those registered with [`register_backend`].
 pub fn available() -> Vec<&'static str> {
+    let mut v = built_in();
+    v.extend(registry().iter().map(|(name, _)| *name));
+    v
+}
+
+/// Names of the backends compiled into this binary.
+fn built_in() -> Vec<&'static str> {
     let mut v = vec!["cpu"];
     if cfg!(feature = "nccl") {
         v.push("nccl");
@@ -114,6 +137,10 @@ pub fn available() -> Vec<&'static str> {
 ///
 /// [REG-3]: self#invariants
 pub fn check_device(name: &str, device: crate::Device) -> std::result::Result<(), String> {
+    if registered(name).is_some() {
+        // Its factory gets the device and decides.
+        return Ok(());
+    }
     let gpu = matches!(name, "nccl" | "rccl");
     match (gpu, device) {
         (true, crate::Device::Cuda(_)) | (false, crate::Device::Cpu) => Ok(()),
@@ -414,7 +441,11 @@ pub enum OpData {
 /// The data plane of one communicator on one rank.
 ///
 /// Called only by the communicator's executor, one op at a time, in issue
-/// order. See the module invariants [BE-1] and [BE-2].
+/// order. See the module invariants [BE-1] and [BE-2]. Implement it (with
+/// [`macro@async_trait`]) and [`register_backend`] a factory to run
+/// communicators on your own data plane; the executor does everything
+/// above moving bytes (validation, output sizing, the header check,
+/// timeouts, scaling for `Avg` and `PremulSum`).
 ///
 /// [BE-1]: self#invariants
 /// [BE-2]: self#invariants
@@ -503,6 +534,94 @@ pub trait Backend: Send {
     }
 }
 
+/// The future a [`BackendFactory`] returns: the connected backend.
+pub type BackendFuture = Pin<Box<dyn Future<Output = Result<Box<dyn Backend>>> + Send>>;
+
+/// Creates one rank's backend of a registered name ([`register_backend`]):
+/// given the communicator's device and how to connect ([`BackendInit`]),
+/// connect to the other ranks and return the backend.
+pub type BackendFactory = Arc<dyn Fn(crate::Device, BackendInit) -> BackendFuture + Send + Sync>;
+
+/// The registered backends, in registration order ([REG-4]).
+///
+/// [REG-4]: self#invariants
+static REGISTRY: RwLock<Vec<(&'static str, BackendFactory)>> = RwLock::new(Vec::new());
+
+fn registry() -> std::sync::RwLockReadGuard<'static, Vec<(&'static str, BackendFactory)>> {
+    // A panic while holding the lock cannot leave the list half-written
+    // (a push is the only write), so a poisoned lock is still sound.
+    REGISTRY.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn registered(name: &str) -> Option<BackendFactory> {
+    registry()
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, f)| f.clone())
+}
+
+/// Register a backend under `name`, so that [`new_comm`](crate::new_comm)
+/// `(name, ..)` (and [`join_comm`](crate::join_comm)) create communicators
+/// on it: a service's own data plane, or a fake for unit tests. See
+/// [`Backend`] for the contract an implementation keeps, and
+/// `docs/backends.md` for a walk-through.
+///
+/// `factory` is called once per communicator on each rank: by `new_comm`,
+/// by every [`split`](crate::Comm::split) child (unless the backend's
+/// [`Capabilities::split`] is [`SplitMode::Native`] or
+/// [`SplitMode::Unsupported`]) and by every new epoch of
+/// [`reconfigure`](crate::Comm::reconfigure). It gets the communicator's
+/// device, which it may refuse (with [`Error::BackendUnavailable`], say),
+/// and a [`BackendInit`] whose store and key prefix it uses to find its peers.
+/// A registration lasts as long as the process.
+///
+/// ```
+/// use chorus::backends::{Backend, BackendInit};
+///
+/// async fn connect(init: BackendInit) -> chorus::Result<Box<dyn Backend>> {
+///     // A real data plane connects its ranks here; this one is Chorus's own.
+///     Ok(Box::new(chorus::backends::cpu::CpuBackend::connect(init).await?))
+/// }
+/// chorus::register_backend("my-net", |_device, init| connect(init))?;
+/// let comm = chorus::new_comm("my-net", chorus::Device::Cpu, "reg-doc", chorus::CommOptions::single())?;
+/// assert_eq!(comm.backend(), "cpu"); // the name the backend reports
+/// comm.finalize()?;
+/// # Ok::<(), chorus::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Config`] if `name` is empty or contains `/`, is the name of a
+/// backend Chorus has (built in or behind a cargo feature, [`KNOWN`]), or
+/// is already registered; nothing is registered then.
+pub fn register_backend<F, Fut>(name: &str, factory: F) -> Result<()>
+where
+    F: Fn(crate::Device, BackendInit) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Box<dyn Backend>>> + Send + 'static,
+{
+    let refuse = |why: String| {
+        Err(Error::Config(format!(
+            "cannot register backend {name:?}: {why}"
+        )))
+    };
+    if name.is_empty() || name.contains('/') {
+        return refuse("a backend name must be non-empty and contain no '/'".into());
+    }
+    if KNOWN.iter().any(|(known, _)| *known == name) {
+        return refuse("Chorus has a backend of that name; pick another".into());
+    }
+    let mut reg = REGISTRY.write().unwrap_or_else(|e| e.into_inner());
+    if reg.iter().any(|(n, _)| *n == name) {
+        return refuse("it is already registered".into());
+    }
+    // Backend names are `&'static str` throughout (errors, `Comm::backend`);
+    // registrations are few and last as long as the process.
+    let name: &'static str = Box::leak(name.to_string().into_boxed_str());
+    let factory: BackendFactory = Arc::new(move |device, init| Box::pin(factory(device, init)));
+    reg.push((name, factory));
+    tracing::info!(backend = name, "backend registered");
+    Ok(())
+}
+
 /// Vendor worker threads (one per live `gloo` or `mpi` communicator) that
 /// have not ended yet in this process; 0 without those features. Finalize
 /// and abort end them (VW-2), except a worker still inside a vendor call
@@ -532,6 +651,9 @@ pub async fn create_on(
     init: BackendInit,
 ) -> Result<Box<dyn Backend>> {
     check_name(name)?;
+    if let Some(factory) = registered(name) {
+        return factory(device, init).await;
+    }
     let _ = device;
     match name {
         "cpu" => Ok(Box::new(cpu::CpuBackend::connect(init).await?)),

@@ -38,7 +38,7 @@
 //!   ([BE-3]): an error NCCL finds between ops (a lost peer, a device fault)
 //!   aborts the communicator and reaches `health()` without waiting for the
 //!   next op. NCCL does not say which rank failed, so such an error names
-//!   none unless the heartbeats ([WD-2]) name one first.
+//!   none unless the heartbeats (the watchdog's WD-2) name one first.
 //! - XC-8: `split` uses `ncclCommSplit` when the library has it (NCCL >=
 //!   2.18; [BE-4]): every parent rank calls it (non-members with
 //!   `NCCL_SPLIT_NOCOLOR`), the child's rank is the key, and the child gets
@@ -48,7 +48,6 @@
 //! [BE-2]: crate::backends#invariants
 //! [BE-3]: crate::backends#invariants
 //! [BE-4]: crate::backends#invariants
-//! [WD-2]: crate::actors::watchdog#invariants
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
