@@ -12,10 +12,13 @@
 //! hosts it, or rank 0), the fault and its victim, the survivors' detection
 //! times (median and max, from the fault to the error), the ranks they
 //! blamed, and the verdict. A row passes when every survivor got an error
-//! naming exactly the victim, within the bound: 200 ms after a kill, and
+//! naming exactly the victim (or, when the victim hosts the store,
+//! `StoreUnreachable`, shown as `store`), within the bound: 200 ms after a kill, and
 //! `heartbeat_timeout + 2 × heartbeat_interval` (here 1 s + 2 × 100 ms)
 //! after a stop. `--slack F` multiplies the bounds (for loaded machines;
-//! CI uses it). The process exits non-zero if any row fails.
+//! CI uses it). `--store launcher` or `--store rank0` runs only the
+//! scenarios of one store placement. The process exits non-zero if any row
+//! fails.
 //!
 //! The example re-executes itself as the ranks (`FAULT_MATRIX_RANK` set).
 //!
@@ -75,12 +78,13 @@ fn rank_main() -> std::process::ExitCode {
             }
             Err(e) => {
                 let blamed: Vec<String> = e.failed_ranks().iter().map(|r| r.to_string()).collect();
-                println!(
-                    "@@error {} {} [{}] {e}",
-                    now_us(),
-                    comm.rank(),
-                    blamed.join(",")
-                );
+                // The cause: a named peer, or the store itself.
+                let cause = if matches!(e, chorus::Error::StoreUnreachable { .. }) {
+                    "store".to_string()
+                } else {
+                    format!("[{}]", blamed.join(","))
+                };
+                println!("@@error {} {} {cause} {e}", now_us(), comm.rank());
                 return std::process::ExitCode::SUCCESS;
             }
         }
@@ -98,7 +102,13 @@ enum Fault {
     Kill,
     Stop,
     LinkDown,
+    /// `tc netem` delay and loss on the victim's link from the start: the
+    /// job must still run, with correct results.
+    Netem,
 }
+
+/// What the netem scenario applies to the victim's interface.
+const NETEM: [&str; 5] = ["delay", "20ms", "5ms", "loss", "2%"];
 
 /// Where the ranks run: this namespace, or one namespace per rank.
 #[derive(Clone, Debug)]
@@ -125,6 +135,7 @@ impl Net {
         Command::new("ip")
             .args(["netns", "exec", &format!("{p}{rank}")])
             .args(args)
+            .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
     }
@@ -228,6 +239,8 @@ struct Row {
     max: Option<Duration>,
     blamed: String,
     pass: bool,
+    /// Not run here (e.g. no netem in this kernel); not a failure.
+    skip: bool,
     note: String,
 }
 
@@ -250,11 +263,12 @@ fn run_scenario(
             Fault::Kill => "kill -9",
             Fault::Stop => "SIGSTOP",
             Fault::LinkDown => "link down",
+            Fault::Netem => "netem delay 20±5 ms, loss 2%, on",
         }
     );
     let bound = match fault {
         Fault::Kill => KILL_BOUND,
-        Fault::Stop | Fault::LinkDown => HB_TIMEOUT + 2 * HB_INTERVAL,
+        Fault::Stop | Fault::LinkDown | Fault::Netem => HB_TIMEOUT + 2 * HB_INTERVAL,
     }
     .mul_f64(slack);
     let fail = |note: String| Row {
@@ -264,9 +278,30 @@ fn run_scenario(
         max: None,
         blamed: "-".into(),
         pass: false,
+        skip: false,
         note,
     };
     let job = format!("fault-matrix-{}-{n}", std::process::id());
+    struct Qdisc<'a>(&'a Net, usize, bool);
+    impl Drop for Qdisc<'_> {
+        fn drop(&mut self) {
+            if self.2 {
+                self.0
+                    .in_ns(self.1, &["tc", "qdisc", "del", "dev", "eth0", "root"]);
+            }
+        }
+    }
+    let _qdisc = Qdisc(net, victim, fault == Fault::Netem);
+    if fault == Fault::Netem {
+        let mut args = vec!["tc", "qdisc", "add", "dev", "eth0", "root", "netem"];
+        args.extend_from_slice(&NETEM);
+        if !net.in_ns(victim, &args) {
+            return Row {
+                skip: true,
+                ..fail("this kernel has no netem qdisc (sch_netem)".into())
+            };
+        }
+    }
     let job = match spawn_job(net, host, store_addr, &job) {
         Ok(j) => j,
         Err(e) => return fail(format!("cannot start the ranks: {e}")),
@@ -286,8 +321,21 @@ fn run_scenario(
             Err(_) => return fail("the job did not start in time".into()),
         }
     }
+    if fault == Fault::Netem {
+        return Row {
+            name,
+            survivors: WORLD,
+            median: None,
+            max: None,
+            blamed: "-".into(),
+            pass: true,
+            skip: false,
+            note: "every rank ran 20 correct all-reduces".into(),
+        };
+    }
     let t0 = now_us();
     let injected = match fault {
+        Fault::Netem => true,
         Fault::Kill => signal(&job.children[victim], libc::SIGKILL),
         Fault::Stop => signal(&job.children[victim], libc::SIGSTOP),
         Fault::LinkDown => net.in_ns(victim, &["ip", "link", "set", "eth0", "down"]),
@@ -341,6 +389,9 @@ fn run_scenario(
         .collect();
     times.sort();
     let want = format!("[{victim}]");
+    // Losing the store is its own cause: when the victim hosts it, a
+    // survivor may report the store rather than the rank.
+    let store_victim = host == StoreHost::Rank0 && victim == 0;
     let blamed: Vec<String> = survivors
         .iter()
         .map(|&r| {
@@ -351,14 +402,20 @@ fn run_scenario(
     let wrong: Vec<usize> = survivors
         .iter()
         .copied()
-        .filter(|&r| seen[r].as_ref().map(|s| s.1 != want).unwrap_or(true))
+        .filter(|&r| {
+            seen[r]
+                .as_ref()
+                .map(|s| s.1 != want && !(store_victim && s.1 == "store"))
+                .unwrap_or(true)
+        })
         .collect();
     let max = times.last().copied();
     let late = max.is_some_and(|m| m > bound);
     let mut note = Vec::new();
     if !wrong.is_empty() {
         note.push(format!(
-            "ranks {wrong:?} did not name exactly rank {victim}"
+            "ranks {wrong:?} named neither exactly rank {victim}{}",
+            if store_victim { " nor the store" } else { "" }
         ));
     }
     if late {
@@ -371,6 +428,7 @@ fn run_scenario(
         max,
         blamed: blamed.join(" "),
         pass: wrong.is_empty() && !late,
+        skip: false,
         note: if note.is_empty() {
             format!("bound {bound:?}")
         } else {
@@ -385,6 +443,7 @@ fn main() -> std::process::ExitCode {
     }
     let mut slack = 1.0f64;
     let mut net = Net { netns: None };
+    let mut hosts = vec![StoreHost::Launcher, StoreHost::Rank0];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let v = args.next();
@@ -393,8 +452,12 @@ fn main() -> std::process::ExitCode {
                 slack = v.parse().unwrap_or(1.0)
             }
             ("--netns", Some(p)) if !p.is_empty() => net.netns = Some(p),
+            ("--store", Some(h)) if h == "launcher" => hosts = vec![StoreHost::Launcher],
+            ("--store", Some(h)) if h == "rank0" => hosts = vec![StoreHost::Rank0],
             _ => {
-                eprintln!("usage: fault_matrix [--slack FACTOR>=1] [--netns PREFIX]");
+                eprintln!(
+                    "usage: fault_matrix [--slack FACTOR>=1] [--netns PREFIX] [--store launcher|rank0]"
+                );
                 return std::process::ExitCode::from(2);
             }
         }
@@ -431,7 +494,9 @@ fn main() -> std::process::ExitCode {
     if net.netns.is_some() {
         scenarios.push((StoreHost::Launcher, Fault::LinkDown, 2));
         scenarios.push((StoreHost::Rank0, Fault::LinkDown, 2));
+        scenarios.push((StoreHost::Launcher, Fault::Netem, 2));
     }
+    scenarios.retain(|(h, _, _)| hosts.contains(h));
     println!("| scenario | survivors | detection median | detection max | blamed | verdict |");
     println!("|---|---|---|---|---|---|");
     let mut all_pass = true;
@@ -448,10 +513,16 @@ fn main() -> std::process::ExitCode {
             ms(row.median),
             ms(row.max),
             row.blamed,
-            if row.pass { "pass" } else { "FAIL" },
+            if row.skip {
+                "skip"
+            } else if row.pass {
+                "pass"
+            } else {
+                "FAIL"
+            },
             row.note
         );
-        all_pass &= row.pass;
+        all_pass &= row.pass || row.skip;
     }
     drop(server);
     if all_pass {
