@@ -18,7 +18,7 @@
 //! it to the communicator's observer (hooks, flight recorder:
 //! [`crate::hooks`]), which follows it through its `Work`'s completion.
 //!
-//! Invariants:
+//! # Invariants
 //! - CM-1: every method returns a `Work` that completes exactly once, even when
 //!   the communicator is finalized or aborted.
 //! - CM-2: all ranks must issue collectives in the same order; point-to-point

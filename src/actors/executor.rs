@@ -21,18 +21,20 @@
 //! communicator's status *before* the op completes, and every caller that
 //! sees the error also sees the communicator aborted.
 //!
-//! Invariants:
+//! # Invariants
 //!
 //! | tag | rule |
 //! |-----|------|
 //! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
 //! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
 //! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
-//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead (WD-5). |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead ([WD-5]). |
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
+//!
+//! [WD-5]: crate::actors::watchdog#invariants
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

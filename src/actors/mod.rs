@@ -37,7 +37,7 @@
 //! is reported in its parent's [`Comm::health`]. ractor's default
 //! (stopping the parent when any child exits) is overridden.
 //!
-//! Invariants:
+//! # Invariants
 //!
 //! | tag | rule |
 //! |-----|------|

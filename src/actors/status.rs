@@ -10,13 +10,17 @@
 //! interrupts the op in flight at once and carries the first cause given,
 //! and the actor turns it into the status.
 //!
-//! Invariants:
+//! # Invariants
 //!
 //! | tag | rule |
 //! |-----|------|
-//! | ST-1 | the state only moves forward: `Active` → `Finalized` or `Active` → `Aborted`, once. |
-//! | ST-2 | the cause is set together with the move to `Aborted` and never changes afterwards. |
-//! | ST-3 | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
+//! | [ST-1] | the state only moves forward: `Active` → `Finalized` or `Active` → `Aborted`, once. |
+//! | [ST-2] | the cause is set together with the move to `Aborted` and never changes afterwards. |
+//! | [ST-3] | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
+//!
+//! [ST-1]: crate::transport::store#invariants
+//! [ST-2]: crate::transport::store#invariants
+//! [ST-3]: crate::transport::store#invariants
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -77,7 +81,10 @@ struct Cell {
 #[derive(Debug, Clone)]
 pub(crate) struct StatusReader(Arc<Cell>);
 
-/// Writes a communicator's status: held by its actor alone (ST-1, ST-2).
+/// Writes a communicator's status: held by its actor alone ([ST-1], [ST-2]).
+///
+/// [ST-1]: crate::transport::store#invariants
+/// [ST-2]: crate::transport::store#invariants
 #[derive(Debug)]
 pub(crate) struct StatusWriter(Arc<Cell>);
 
@@ -166,8 +173,11 @@ impl StatusWriter {
         State::from_u8(self.0.state.load(Ordering::Acquire))
     }
 
-    /// `Active` → `Aborted` with `cause` (ST-1, ST-2). Returns false if the
+    /// `Active` → `Aborted` with `cause` ([ST-1], [ST-2]). Returns false if the
     /// communicator was no longer active.
+    ///
+    /// [ST-1]: crate::transport::store#invariants
+    /// [ST-2]: crate::transport::store#invariants
     pub(crate) fn abort(&self, cause: Error) -> bool {
         if self.state() != State::Active {
             return false;
@@ -178,7 +188,9 @@ impl StatusWriter {
         true
     }
 
-    /// `Active` → `Finalized` (ST-1). Returns false if it was not active.
+    /// `Active` → `Finalized` ([ST-1]). Returns false if it was not active.
+    ///
+    /// [ST-1]: crate::transport::store#invariants
     pub(crate) fn finalize(&self) -> bool {
         self.0
             .state
@@ -197,7 +209,9 @@ impl StatusWriter {
 }
 
 /// A request to abort a communicator: raised by anyone, acted on by its
-/// actor (ST-3).
+/// actor ([ST-3]).
+///
+/// [ST-3]: crate::transport::store#invariants
 #[derive(Debug)]
 pub(crate) struct AbortSignal {
     token: CancellationToken,
@@ -221,8 +235,10 @@ impl AbortSignal {
         })
     }
 
-    /// A child's signal: raised when `parent` is (ST-3). `parent_name`
+    /// A child's signal: raised when `parent` is ([ST-3]). `parent_name`
     /// names the parent in the child's cause.
+    ///
+    /// [ST-3]: crate::transport::store#invariants
     pub(crate) fn child_of(parent: &Arc<AbortSignal>, parent_name: &str) -> Arc<AbortSignal> {
         let token = parent.kids.child_token();
         Arc::new(AbortSignal {
@@ -248,7 +264,9 @@ impl AbortSignal {
         }
     }
 
-    /// Ask for an abort because of `cause`; the first cause wins (ST-3).
+    /// Ask for an abort because of `cause`; the first cause wins ([ST-3]).
+    ///
+    /// [ST-3]: crate::transport::store#invariants
     pub(crate) fn raise(&self, cause: Error) {
         let _ = self.cause.set(cause);
         self.token.cancel();

@@ -15,7 +15,7 @@
 //! what failed, not this rank, and without it the ranks can no longer agree
 //! on failures.
 //!
-//! Invariants:
+//! # Invariants
 //! - WD-1: a failure notice names the epoch it belongs to; a notice of another
 //!   epoch is ignored ([`Notice::parse`]).
 //! - WD-2: the first published notice wins; every rank that learns of a failure
@@ -47,13 +47,15 @@ use super::CommMsg;
 use crate::transport::records::{ranks_in, ranks_out, Record};
 use crate::transport::{CompareSet, Store};
 
-/// Heartbeat value written by a rank that finalized cleanly (WD-3).
+/// Heartbeat value written by a rank that finalized cleanly ([WD-3]).
+///
+/// [WD-3]: self#invariants
 const DONE: &[u8] = b"done";
 
 /// A failure notice, as published in the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notice {
-    /// Epoch of the communicator the notice is about (WD-1).
+    /// Epoch of the communicator the notice is about.
     pub epoch: u64,
     /// The rank that published it.
     pub by: usize,
@@ -76,7 +78,7 @@ impl Notice {
     }
 
     /// Decode a notice; `None` if malformed or about another epoch than
-    /// `epoch` (WD-1: a stale notice is rejected).
+    /// `epoch` (a notice of another epoch is rejected).
     pub fn parse(raw: &[u8], epoch: u64) -> Option<Notice> {
         let Record::Notice {
             epoch: e,
@@ -101,8 +103,10 @@ pub(crate) fn notice_key(prefix: &str) -> String {
     format!("{prefix}/failed")
 }
 
-/// When the watchdog last heard from the store (WD-5), shared with the
+/// When the watchdog last heard from the store ([WD-5]), shared with the
 /// executor.
+///
+/// [WD-5]: self#invariants
 #[derive(Debug)]
 pub(crate) struct StoreHealth {
     base: Instant,
@@ -158,21 +162,27 @@ pub(crate) struct WatchdogConfig {
     pub(crate) interval: Duration,
     pub(crate) timeout: Duration,
     pub(crate) store: Arc<dyn Store>,
-    /// Shared with the executor (WD-5).
+    /// Shared with the executor ([WD-5]).
+    ///
+    /// [WD-5]: self#invariants
     pub(crate) health: Arc<StoreHealth>,
 }
 
 impl WatchdogConfig {
     /// Whether the store has been silent long enough that a peer's link
     /// loss is more likely its abort over the lost store than its death
-    /// (WD-5): three missed rounds, and at least 300 ms.
+    /// ([WD-5]): three missed rounds, and at least 300 ms.
+    ///
+    /// [WD-5]: self#invariants
     pub(crate) fn store_down(&self) -> Option<Duration> {
         let silent = self.health.silent_for();
         (silent > (self.interval * 3).max(Duration::from_millis(300))).then_some(silent)
     }
 
-    /// Publish a failure notice (first wins, WD-2) and return the winning one.
+    /// Publish a failure notice (first wins, [WD-2]) and return the winning one.
     /// Bounded by the heartbeat timeout; `None` if the store did not answer.
+    ///
+    /// [WD-2]: self#invariants
     pub(crate) async fn publish(&self, failed_ranks: Vec<usize>, detail: String) -> Option<Notice> {
         let mine = Notice {
             epoch: self.epoch,
@@ -239,7 +249,9 @@ impl Watchdog {
         })
     }
 
-    /// Stop the task and wait for it; `clean` writes the `done` heartbeat (WD-3).
+    /// Stop the task and wait for it; `clean` writes the `done` heartbeat ([WD-3]).
+    ///
+    /// [WD-3]: self#invariants
     pub(crate) async fn stop(self, clean: bool) {
         self.clean.store(clean, Ordering::Release);
         self.cancel.cancel();
@@ -251,7 +263,9 @@ impl Watchdog {
 enum Verdict {
     /// These ranks failed.
     Peers(Vec<usize>, String),
-    /// The store did not answer for this long (WD-5).
+    /// The store did not answer for this long ([WD-5]).
+    ///
+    /// [WD-5]: self#invariants
     Store(Duration, String),
 }
 

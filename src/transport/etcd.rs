@@ -18,7 +18,7 @@
 //!   authentication (`CHORUS_ETCD_USER`, `CHORUS_ETCD_PASSWORD`) or network
 //!   policy.
 //!
-//! Invariants:
+//! # Invariants
 //! - EC-1: no value read from etcd is returned before its MAC verified.
 //! - EC-2: `add` and `compare_set` are single etcd transactions guarded by
 //!   the key's revision (or its absence), retried on conflict, so they are
@@ -178,7 +178,9 @@ impl EtcdStore {
         [tag.as_ref(), value].concat()
     }
 
-    /// EC-1: the value of a sealed record, once its MAC verified.
+    /// [EC-1]: the value of a sealed record, once its MAC verified.
+    ///
+    /// [EC-1]: self#invariants
     fn open(&self, full_key: &str, sealed: &[u8]) -> Result<Vec<u8>, TransportError> {
         let refused = || TransportError::AuthFailed {
             peer: self.endpoints.clone(),
@@ -220,7 +222,9 @@ impl EtcdStore {
         }
     }
 
-    /// EC-2: put `desired` if `full` is at `rev` (0: absent).
+    /// [EC-2]: put `desired` if `full` is at `rev` (0: absent).
+    ///
+    /// [EC-2]: self#invariants
     async fn put_if(&self, full: &str, rev: i64, desired: &[u8]) -> Result<bool, TransportError> {
         let cmp = if rev == 0 {
             Compare::create_revision(full, CompareOp::Equal, 0)
@@ -240,7 +244,9 @@ impl EtcdStore {
         Ok(r.succeeded())
     }
 
-    /// EC-3: wait until `full` exists, returning its verified value.
+    /// [EC-3]: wait until `full` exists, returning its verified value.
+    ///
+    /// [EC-3]: self#invariants
     async fn wait_one(
         &self,
         full: &str,

@@ -12,7 +12,7 @@
 //! (bytecheck) before use ([`wire`]); a malformed frame closes only the
 //! connection that sent it.
 //!
-//! Invariants:
+//! # Invariants
 //! - TP-1: no store request is served on a connection before it authenticated.
 //! - TP-2: a frame larger than [`wire::MAX_FRAME`] is never buffered.
 //! - TP-3: store keys are scoped by job, communicator name and epoch by

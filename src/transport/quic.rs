@@ -24,7 +24,7 @@
 //! A failed check closes the connection with [`CLOSE_AUTH_FAILED`]; the
 //! client maps that to [`TransportError::AuthFailed`].
 //!
-//! Invariants:
+//! # Invariants
 //! - TP-1: the server accepts no other stream before step 3 verified (see
 //!   [`store`](super::store)); the client sends no request before step 4 verified.
 //! - AU-1: proofs are compared in constant time (`ring::hmac::verify`).
@@ -71,7 +71,9 @@ pub const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Concurrent requests (bidirectional streams) an authenticated client may
 /// have open. Before authentication a client gets credit for one stream only
-/// (the challenge's), so TP-1 also holds at the QUIC flow-control level.
+/// (the challenge's), so [TP-1] also holds at the QUIC flow-control level.
+///
+/// [TP-1]: self#invariants
 pub const MAX_CONCURRENT_REQUESTS: u32 = 1024;
 
 /// Bytes a peer may have in flight on one stream / on one connection: bounds

@@ -6,7 +6,7 @@
 //! frame out ([`wire`]). Requests on one connection run
 //! concurrently, so a long `wait` does not hold up a `set`.
 //!
-//! Invariants:
+//! # Invariants
 //! - TP-1: a connection's request streams are accepted only after its
 //!   authentication succeeded.
 //! - ST-1: a malformed or oversized frame closes only the connection that
@@ -53,11 +53,15 @@ const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// more are refused (QUIC `CONNECTION_REFUSED`, which clients retry).
 pub const MAX_PENDING_CONNECTIONS: usize = 512;
 /// Connections from one IP address that may be unauthenticated at once
-/// (ST-6); more from that address are refused, so one flooding host cannot
+/// ([ST-6]); more from that address are refused, so one flooding host cannot
 /// take the slots of [`MAX_PENDING_CONNECTIONS`] from everyone else.
+///
+/// [ST-6]: self#invariants
 pub const MAX_PENDING_PER_SOURCE: usize = 64;
 /// How long a new connection has for its QUIC handshake and the secret
-/// challenge together (ST-6); a slot is never held longer.
+/// challenge together ([ST-6]); a slot is never held longer.
+///
+/// [ST-6]: self#invariants
 pub const PRE_AUTH_DEADLINE: Duration = Duration::from_secs(2);
 /// Stream reset code when a stream carried no request in time.
 const RESET_NO_REQUEST: u32 = 1;
@@ -174,8 +178,10 @@ pub const BIND_RETRY: Duration = Duration::from_secs(10);
 /// Bind the server's endpoint, retrying (10 ms, growing to 100 ms, for at
 /// most [`BIND_RETRY`]) while the port is in use: the socket of a server
 /// this process just dropped stays open until its connections drained, and
-/// a communicator re-created at once must not fail on that (ST-5). No
+/// a communicator re-created at once must not fail on that ([ST-5]). No
 /// `SO_REUSEADDR`: on UDP it would let two live servers share the port.
+///
+/// [ST-5]: self#invariants
 async fn bind_server(
     config: quinn::ServerConfig,
     addr: SocketAddr,
@@ -243,7 +249,9 @@ async fn accept_loop(
     tracing::debug!("accept loop ended");
 }
 
-/// Unauthenticated connections by source address (ST-6).
+/// Unauthenticated connections by source address ([ST-6]).
+///
+/// [ST-6]: self#invariants
 type PerSource = Arc<std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>>;
 
 /// One source's pending slot; released on drop.

@@ -6,7 +6,7 @@
 //! client writes one request frame and finishes the stream, the server answers
 //! with one response frame.
 //!
-//! Invariants:
+//! # Invariants
 //! - TP-2: the length prefix is checked against [`MAX_FRAME`] *before* any
 //!   buffer for the body is allocated, so a peer cannot make us buffer more
 //!   than that by announcing a large frame.
@@ -202,7 +202,9 @@ pub fn encode_auth(msg: &AuthMessage) -> Result<AlignedVec, TransportError> {
 }
 
 /// Run `f` on `bytes` if they are suitably aligned for rkyv, else on an
-/// aligned copy (WI-2).
+/// aligned copy ([WI-2]).
+///
+/// [WI-2]: self#invariants
 fn with_aligned<R>(bytes: &[u8], f: impl FnOnce(&[u8]) -> R) -> R {
     if (bytes.as_ptr() as usize) % AlignedVec::<16>::ALIGNMENT == 0 {
         f(bytes)
@@ -265,7 +267,9 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Resul
     Ok(())
 }
 
-/// Read one frame body of at most [`MAX_FRAME`] bytes (TP-2).
+/// Read one frame body of at most [`MAX_FRAME`] bytes ([TP-2]).
+///
+/// [TP-2]: self#invariants
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<AlignedVec, FrameError> {
     read_frame_limited(r, MAX_FRAME).await
 }
@@ -276,9 +280,11 @@ const READ_CHUNK: usize = 64 << 10;
 /// Read one frame body of at most `limit` bytes (capped at [`MAX_FRAME`]).
 ///
 /// The announced length is checked against the limit before anything is
-/// allocated (TP-2), and the buffer then grows only as body bytes actually
+/// allocated ([TP-2]), and the buffer then grows only as body bytes actually
 /// arrive, so a peer that announces a large frame and sends nothing costs
 /// at most one read chunk (64 KiB).
+///
+/// [TP-2]: self#invariants
 pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     r: &mut R,
     limit: usize,
