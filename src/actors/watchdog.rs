@@ -28,7 +28,7 @@
 //!   never as this (live) rank's failure; `StoreHealth` tells the
 //!   executor how long the store has been silent, so a peer's link loss
 //!   seen while the store is down is reported the same way.
-//! - WD-6: a peer heartbeat that was seen and then vanished means the
+//! - WD-6: every peer heartbeat that was seen vanishing at once means the
 //!   epoch's keys were deleted (the next epoch formed without this rank, or
 //!   it is over): this rank declares itself out (`failed_ranks == [me]`) and
 //!   deletes its own heartbeat.
@@ -332,7 +332,10 @@ async fn run(
                     ));
                 }
                 let mut failed = vec![];
-                let mut gone = false;
+                // WD-6 needs every heartbeat seen so far to be gone at once
+                // (the epoch's keys were deleted), not one peer's: a single
+                // key can vanish for that peer's own reasons.
+                let (mut seen, mut vanished) = (0usize, 0usize);
                 for (p, beat) in beats.into_iter().enumerate() {
                     if done[p] {
                         continue;
@@ -341,14 +344,17 @@ async fn run(
                         done[p] = true;
                         continue;
                     }
-                    gone |= beat.is_none() && last[p].0.is_some();
+                    if last[p].0.is_some() {
+                        seen += 1;
+                        vanished += usize::from(beat.is_none());
+                    }
                     if beat.is_some() && beat != last[p].0 {
                         last[p] = (beat, now);
                     } else if now.duration_since(last[p].1) > cfg.timeout {
                         failed.push(p);
                     }
                 }
-                if gone {
+                if seen > 0 && vanished == seen {
                     // WD-6: the epoch's keys were deleted while this rank
                     // runs, so the others formed the next epoch without it.
                     let _ = cfg.store.delete(&my_key).await;
