@@ -3,13 +3,24 @@
 //! measured), with the flight recorder off, on (2000 entries), and with a
 //! post hook. Prints ns/op for three interleaved rounds.
 //!
-//! `cargo bench --bench observe`
+//! `cargo bench --bench observe`. Under `cargo test`/nextest (no
+//! `--bench` flag) it lists no tests and, if run, does a short smoke run.
 
 use std::time::Instant;
 
 use chorus::{new_comm, CommOptions, Device, ReduceOp, Tensor};
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    // A test runner listing tests (libtest protocol): this bench has none.
+    if args.iter().any(|a| a == "--list") {
+        return;
+    }
+    let n = if args.iter().any(|a| a == "--bench") {
+        200_000
+    } else {
+        1_000
+    };
     let single = |size| CommOptions::single().with_flight_recorder_size(size);
     let off = new_comm("cpu", Device::Cpu, "observe-off", single(0)).expect("comm");
     let on = new_comm("cpu", Device::Cpu, "observe-on", single(2000)).expect("comm");
@@ -17,7 +28,6 @@ fn main() {
     let _hook = hooked.register_post_hook(|a| {
         std::hint::black_box(a.duration);
     });
-    let n = 200_000;
     for round in 0..3 {
         for (name, comm) in [
             ("recorder off, no hooks", &off),
