@@ -55,7 +55,7 @@ Work = _chorus.Work
 # ------------------------------------------------------------------ dtypes
 
 # Chorus's DType codes (src/tensor.rs).
-_F16, _BF16, _F32, _F64, _I8, _U8, _I32, _I64, _U32, _U64 = range(10)
+_F16, _BF16, _F32, _F64, _I8, _U8, _I32, _I64, _U32, _U64, _BOOL = range(11)
 
 DTYPES = {
     "float16": _F16,
@@ -68,6 +68,7 @@ DTYPES = {
     "int64": _I64,
     "uint32": _U32,
     "uint64": _U64,
+    "bool": _BOOL,
 }
 """The element types Chorus reduces and moves, by name."""
 
@@ -131,6 +132,9 @@ def _buffer(obj):
         code = _UINT_CODES[mv.itemsize]
     elif fmt == "c":
         code = _U8
+    elif fmt == "?" and mv.itemsize == 1:
+        # Reductions on bool are logical (SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and).
+        code = _BOOL
     else:
         raise TypeError(
             f"unsupported element type (format {mv.format!r}, {mv.itemsize} bytes); "

@@ -91,6 +91,7 @@ const KDL_INT: u8 = 0;
 const KDL_UINT: u8 = 1;
 const KDL_FLOAT: u8 = 2;
 const KDL_BFLOAT: u8 = 4;
+const KDL_BOOL: u8 = 6;
 
 const LEGACY: &CStr = c"dltensor";
 const LEGACY_USED: &CStr = c"used_dltensor";
@@ -142,6 +143,7 @@ fn dtype_of(t: DLDataType) -> PyResult<DType> {
         (KDL_UINT, 8, 1) => Some(DType::U8),
         (KDL_UINT, 32, 1) => Some(DType::U32),
         (KDL_UINT, 64, 1) => Some(DType::U64),
+        (KDL_BOOL, 8, 1) => Some(DType::Bool),
         _ => None,
     };
     d.ok_or_else(|| {

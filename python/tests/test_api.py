@@ -131,3 +131,14 @@ def test_unaligned_views_are_copied_in_and_back_out(comm):
     after = copies()
     assert (after[0] - before[0], after[1] - before[1]) == (8, 8)
     assert base[0] == 0 and (view == 7).all()
+
+
+def test_bool_arrays_reduce_logically_and_refuse_avg(comm):
+    a = np.array([True, False, True])
+    comm.all_reduce(a, ReduceOp.PRODUCT)
+    assert a.tolist() == [True, False, True]
+    b = np.zeros(2, dtype=bool)
+    comm.broadcast(b, 0)
+    assert b.tolist() == [False, False]
+    with pytest.raises(chorus.UnsupportedOpError):
+        comm.all_reduce(a, ReduceOp.AVG)

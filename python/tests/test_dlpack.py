@@ -109,6 +109,11 @@ def test_a_tensor_on_another_device_raises_value_error_naming_it(comm):
 @pytest.mark.parametrize("dtype", ["int16", "bool", "complex64", "float16"])
 def test_dtypes_map_or_raise_type_error(comm, dtype):
     a = np.zeros(4, dtype=dtype)
+    if dtype == "bool":
+        a[1] = True
+        comm.all_reduce(DLPackOnly(a), ReduceOp.MAX)
+        assert a.tolist() == [False, True, False, False]
+        return
     if dtype == "float16":
         a[:] = 1.5
         comm.all_reduce(DLPackOnly(a), ReduceOp.PREMUL_SUM(2.0))
