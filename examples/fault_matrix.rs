@@ -172,12 +172,7 @@ fn free_port() -> std::io::Result<u16> {
         .port())
 }
 
-fn spawn_job(
-    net: &Net,
-    host: StoreHost,
-    store_addr: Option<&str>,
-    job: &str,
-) -> std::io::Result<Job> {
+fn spawn_job(net: &Net, host: StoreHost, store_addr: &str, job: &str) -> std::io::Result<Job> {
     let exe = std::env::current_exe()?;
     let port = free_port()?;
     let (tx, lines) = mpsc::channel();
@@ -199,13 +194,13 @@ fn spawn_job(
             .env_remove("CHORUS_STORE_ADDR")
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        match (host, store_addr) {
-            (StoreHost::Launcher, Some(addr)) => {
+        match host {
+            StoreHost::Launcher => {
                 cmd.env("CHORUS_RANK", rank.to_string())
                     .env("CHORUS_SIZE", WORLD.to_string())
-                    .env("CHORUS_STORE_ADDR", addr);
+                    .env("CHORUS_STORE_ADDR", store_addr);
             }
-            _ => {
+            StoreHost::Rank0 => {
                 cmd.env("RANK", rank.to_string())
                     .env("WORLD_SIZE", WORLD.to_string())
                     .env("MASTER_ADDR", net.rank_ip(0))
@@ -249,7 +244,7 @@ fn run_scenario(
     host: StoreHost,
     fault: Fault,
     victim: usize,
-    store_addr: Option<&str>,
+    store_addr: &str,
     slack: f64,
     n: usize,
 ) -> Row {
@@ -501,7 +496,7 @@ fn main() -> std::process::ExitCode {
     println!("|---|---|---|---|---|---|");
     let mut all_pass = true;
     for (n, (host, fault, victim)) in scenarios.into_iter().enumerate() {
-        let row = run_scenario(&net, host, fault, victim, Some(&addr), slack, n);
+        let row = run_scenario(&net, host, fault, victim, &addr, slack, n);
         let ms = |d: Option<Duration>| {
             d.map(|d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
                 .unwrap_or_else(|| "-".into())
