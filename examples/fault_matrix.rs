@@ -85,6 +85,12 @@ fn rank_main() -> std::process::ExitCode {
                     format!("[{}]", blamed.join(","))
                 };
                 println!("@@error {} {} {cause} {e}", now_us(), comm.rank());
+                // Stay up, as an elastic job's survivors do to reconfigure,
+                // until the launcher ends the scenario (closes our stdin).
+                // A survivor that exits at once can reset its links before
+                // its peers have read its abort notice.
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
                 return std::process::ExitCode::SUCCESS;
             }
         }
@@ -192,6 +198,7 @@ fn spawn_job(net: &Net, host: StoreHost, store_addr: &str, job: &str) -> std::io
             .env("CHORUS_SECRET", "fault-matrix-secret")
             .env("CHORUS_JOB_ID", job)
             .env_remove("CHORUS_STORE_ADDR")
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         match host {
@@ -348,7 +355,8 @@ fn run_scenario(
     if !injected {
         return fail(format!("cannot inject {fault:?} on rank {victim}"));
     }
-    let mut seen: Vec<Option<(Duration, String)>> = vec![None; WORLD];
+    // Per survivor: detection time, blamed ranks, the error's text.
+    let mut seen: Vec<Option<(Duration, String, String)>> = vec![None; WORLD];
     let survivors: Vec<usize> = (0..WORLD).filter(|&r| r != victim).collect();
     while survivors.iter().any(|&r| seen[r].is_none()) {
         match job
@@ -363,8 +371,9 @@ fn run_scenario(
                 let at: u128 = it.next().and_then(|v| v.parse().ok()).unwrap_or(t0);
                 let _rank = it.next();
                 let blamed = it.next().unwrap_or("[]").to_string();
+                let text = it.collect::<Vec<_>>().join(" ");
                 let dt = Duration::from_micros(at.saturating_sub(t0) as u64);
-                seen[r] = Some((dt, blamed));
+                seen[r] = Some((dt, blamed, text));
             }
             Err(_) => {
                 let missing: Vec<usize> = survivors
@@ -412,6 +421,11 @@ fn run_scenario(
             "ranks {wrong:?} named neither exactly rank {victim}{}",
             if store_victim { " nor the store" } else { "" }
         ));
+        for &r in &wrong {
+            if let Some((_, _, text)) = &seen[r] {
+                note.push(format!("r{r}: {text}"));
+            }
+        }
     }
     if late {
         note.push(format!("slower than the {bound:?} bound"));
