@@ -474,7 +474,10 @@ impl Core {
                     .filter(|&p| p != me)
                     .map(|p| (p, req.seq, bytes.clone()))
                     .collect();
-                let received = self.backend.exchange_headers(ctx, outgoing).await?;
+                let received = self
+                    .backend
+                    .exchange_headers_with_data(ctx, outgoing, &req.data)
+                    .await?;
                 for (peer, raw) in received {
                     let h = OpHeader::decode(&raw).ok_or_else(|| {
                         ctx.peer_failed(vec![peer], "peer sent an undecodable op header")
@@ -559,7 +562,10 @@ impl Core {
             mine.push((p, seq, h));
         }
         let outgoing = mine.iter().map(|(p, s, h)| (*p, *s, h.encode())).collect();
-        let received = self.backend.exchange_headers(ctx, outgoing).await?;
+        let received = self
+            .backend
+            .exchange_headers_with_data(ctx, outgoing, &req.data)
+            .await?;
         // Check every peer; report the first problem (all peers were heard, so
         // every peer reaches its own verdict too).
         let mut first: Option<Error> = None;
