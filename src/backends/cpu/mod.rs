@@ -15,6 +15,10 @@
 //! copies. Point-to-point batches run every transfer concurrently across
 //! peers, in order per (peer, direction).
 //!
+//! Small ops skip the schedules: their payload travels in the Header
+//! frames, and `execute` only combines what arrived (see `fused` for the
+//! frame layout, the size limits and its invariants FU-1..FU-5).
+//!
 //! # Invariants
 //! - CPU-1: a schedule step runs per [SC-1]/[SC-2]: sends read the buffers as they
 //!   were before the step. A `Copy` receive whose range no other transfer of

@@ -16,7 +16,9 @@
 //! | 24..32 | len `u64` |
 //!
 //! An Abort payload is `count u32`, `count` failed ranks as `u32`, then the
-//! UTF-8 reason.
+//! UTF-8 reason. A Header payload is the encoded op header, followed, for
+//! a small op, by this rank's data for the peer (layout in the backend's
+//! `fused` module); the frame header is the same for every kind.
 //!
 //! # Invariants
 //! - LK-3: a frame's kind, class, epoch, seq and length are checked against
