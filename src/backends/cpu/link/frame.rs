@@ -46,8 +46,10 @@ pub(crate) const FRAME_HEADER_LEN: usize = 32;
 pub(crate) const MAX_HEADER_FRAME: u64 = 16 << 20;
 /// Largest Abort frame payload accepted ([LK-3](self#invariants)).
 pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
-/// Payloads up to this size are written together with their header.
-const COALESCE_LIMIT: usize = 16 << 10;
+/// Payloads up to this size are written together with their header, in one
+/// `write`: a small op's Header frame carries up to 16 KiB of data plus its
+/// op header, and two writes would be two segments on a `TCP_NODELAY` link.
+const COALESCE_LIMIT: usize = 32 << 10;
 
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +175,8 @@ pub(crate) struct LinkWriter {
     /// Set while a frame is partly written; still set if that write was
     /// cancelled, in which case the link cannot carry another frame ([LK-4](self#invariants)).
     mid_frame: bool,
+    /// Reused to write a small frame's header and payload at once.
+    coalesce: Vec<u8>,
 }
 
 impl LinkWriter {
@@ -198,10 +202,11 @@ impl LinkWriter {
         let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64);
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
-            let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+            let buf = &mut self.coalesce;
+            buf.clear();
             buf.extend_from_slice(&hdr);
             buf.extend_from_slice(payload);
-            self.half.write_all(&buf).await?;
+            self.half.write_all(buf).await?;
         } else {
             self.half.write_all(&hdr).await?;
             self.half.write_all(payload).await?;
@@ -472,6 +477,7 @@ pub(crate) fn split_link(peer: usize, epoch: u64, stream: TcpStream) -> (LinkRea
             epoch,
             half: w,
             mid_frame: false,
+            coalesce: Vec::new(),
         },
     )
 }
