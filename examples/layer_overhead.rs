@@ -71,13 +71,19 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 may_block: true,
                             };
                             let start = Instant::now();
-                            b.exchange_headers(&ctx, vec![(1 - rank, seq, vec![0u8; 48])])
-                                .await
-                                .expect("headers");
                             let mut data = OpData::AllReduce {
                                 buf,
                                 op: ReduceOp::Sum,
                             };
+                            // As a turn calls it: with the op's buffers, so a
+                            // small op's payload travels with the header.
+                            b.exchange_headers_with_data(
+                                &ctx,
+                                vec![(1 - rank, seq, vec![0u8; 48])],
+                                &data,
+                            )
+                            .await
+                            .expect("headers");
                             b.execute(&ctx, &mut data).await.expect("execute");
                             buf = match data {
                                 OpData::AllReduce { buf, .. } => buf,

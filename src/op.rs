@@ -324,22 +324,46 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
             })
         }
     };
-    let differ = |what: &str, f: &dyn Fn(&OpHeader) -> String| -> Result<(), HeaderMismatch> {
-        let v0 = f(h0);
-        for (r, h) in headers.iter().enumerate().skip(1) {
-            let v = f(h);
-            if v != v0 {
-                return fail(format!(
-                    "{what} differs: rank 0 has {v0}, rank {r} has {v} (rank 0: {}, rank {r}: {})",
-                    h0.describe(),
-                    h.describe()
-                ));
-            }
+    // Compares with `same` (no allocation on the success path: this runs
+    // on every op) and formats with `show` only to report a difference.
+    let differ_by = |what: &str,
+                     same: &dyn Fn(&OpHeader, &OpHeader) -> bool,
+                     show: &dyn Fn(&OpHeader) -> String|
+     -> Result<(), HeaderMismatch> {
+        match headers
+            .iter()
+            .enumerate()
+            .skip(1)
+            .find(|(_, h)| !same(h0, h))
+        {
+            Some((r, h)) => fail(format!(
+                "{what} differs: rank 0 has {}, rank {r} has {} (rank 0: {}, rank {r}: {})",
+                show(h0),
+                show(h),
+                h0.describe(),
+                h.describe()
+            )),
+            None => Ok(()),
         }
-        Ok(())
+    };
+    let count = || {
+        differ_by("count", &|a, b| a.count == b.count, &|h| {
+            h.count.to_string()
+        })
+    };
+    let redop = || {
+        differ_by("reduce op", &|a, b| a.redop == b.redop, &|h| {
+            h.redop.to_string()
+        })
+    };
+    let root = || differ_by("root", &|a, b| a.root == b.root, &|h| h.root.to_string());
+    let counts = || {
+        differ_by("split sizes", &|a, b| a.counts == b.counts, &|h| {
+            format!("{:?}", h.counts)
+        })
     };
     if kind != OpKind::Barrier {
-        differ("dtype", &|h| {
+        differ_by("dtype", &|a, b| a.dtype == b.dtype, &|h| {
             DType::from_code(h.dtype)
                 .map(|d| d.name().to_string())
                 .unwrap_or_else(|| format!("code {}", h.dtype))
@@ -347,21 +371,21 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
     }
     match kind {
         OpKind::AllReduce => {
-            differ("count", &|h| h.count.to_string())?;
-            differ("reduce op", &|h| h.redop.to_string())?;
+            count()?;
+            redop()?;
         }
         OpKind::Reduce => {
-            differ("root", &|h| h.root.to_string())?;
-            differ("count", &|h| h.count.to_string())?;
-            differ("reduce op", &|h| h.redop.to_string())?;
+            root()?;
+            count()?;
+            redop()?;
         }
         OpKind::Broadcast => {
-            differ("root", &|h| h.root.to_string())?;
-            differ("count", &|h| h.count.to_string())?;
+            root()?;
+            count()?;
         }
         OpKind::ReduceScatter => {
-            differ("reduce op", &|h| h.redop.to_string())?;
-            differ("split sizes", &|h| format!("{:?}", h.counts))?;
+            redop()?;
+            counts()?;
             if h0.counts.len() != n {
                 return fail(format!(
                     "split sizes have {} entries for {n} ranks",
@@ -370,7 +394,7 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
             }
         }
         OpKind::AllGather => {
-            differ("split sizes", &|h| format!("{:?}", h.counts))?;
+            counts()?;
             if h0.counts.len() != n {
                 return fail(format!(
                     "split sizes have {} entries for {n} ranks",
@@ -387,8 +411,8 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
             }
         }
         OpKind::Scatter | OpKind::Gather => {
-            differ("root", &|h| h.root.to_string())?;
-            differ("count", &|h| h.count.to_string())?;
+            root()?;
+            count()?;
         }
         OpKind::AllToAll => {
             for (r, h) in headers.iter().enumerate() {

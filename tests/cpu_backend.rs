@@ -896,3 +896,70 @@ async fn all_reduce_64_mib_world_4_timing_probe() {
     })
     .await;
 }
+
+/// A small op's payload travels with its header ([BE-5]): when the executor
+/// rejects the headers and never calls `execute`, the data that came with
+/// them is dropped and the links carry the next op correctly, whether the
+/// disagreeing ranks were both small or one small and one large.
+#[tokio::test]
+async fn data_sent_with_rejected_headers_is_dropped_and_the_links_stay_aligned() {
+    bounded(async {
+        let mut w = world(3).await;
+        let mut seq = 0;
+        // Rank 1's op differs: a bit larger, or far above the fused size.
+        for other in [5usize, 1 << 14] {
+            join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let n = if r == 1 { other } else { 4 };
+                let data = OpData::AllReduce {
+                    buf: Tensor::full(1.0f32, n),
+                    op: ReduceOp::Sum,
+                };
+                let out = (0..3)
+                    .filter(|&p| p != r)
+                    .map(|p| (p, seq, vec![r as u8; 8]))
+                    .collect();
+                let got = b
+                    .exchange_headers_with_data(&ctx(r, 3, OpKind::AllReduce, seq), out, &data)
+                    .await
+                    .expect("headers");
+                // Only the headers come back, never the data with them.
+                for (p, h) in got {
+                    assert_eq!(h, vec![p as u8; 8]);
+                }
+            }))
+            .await;
+            seq += 1;
+            // The next op, small then large, on every rank.
+            for n in [4usize, 1 << 14] {
+                let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                    let c = ctx(r, 3, OpKind::AllReduce, seq);
+                    let mut data = OpData::AllReduce {
+                        buf: Tensor::full((r + 1) as f32, n),
+                        op: ReduceOp::Sum,
+                    };
+                    let out = (0..3)
+                        .filter(|&p| p != r)
+                        .map(|p| (p, seq, vec![]))
+                        .collect();
+                    b.exchange_headers_with_data(&c, out, &data)
+                        .await
+                        .expect("headers");
+                    b.execute(&c, &mut data).await.expect("execute");
+                    match data {
+                        OpData::AllReduce { buf, .. } => buf.to_vec::<f32>(),
+                        _ => unreachable!(),
+                    }
+                }))
+                .await;
+                for v in res {
+                    assert_eq!(v, vec![6.0; n]);
+                }
+                seq += 1;
+            }
+        }
+        for b in &mut w {
+            b.finalize().await;
+        }
+    })
+    .await;
+}

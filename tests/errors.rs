@@ -162,6 +162,74 @@ fn mismatched_dtypes_roots_and_ops_give_mismatch_on_every_rank() {
     });
 }
 
+/// Small ops carry their payload with their headers, large ones move it
+/// after the check: both find the same mismatches, also when one rank's op
+/// is small and another's is large, and the communicator stays usable.
+#[test]
+fn mismatches_between_small_and_large_ops_give_mismatch_on_every_rank_and_comm_stays_usable() {
+    // 16 B of f32 travel with the header; 32 KiB per peer do not.
+    const S: usize = 4;
+    const L: usize = 8192;
+    run_ranks(3, "mm-small-large", |comm| {
+        let (r, n) = (comm.rank(), comm.size());
+        for (a, b) in [(S, S + 1), (L, L + 1), (S, L), (L, S)] {
+            let c = if r == 1 { b } else { a };
+            let what = |op: &str, e: &Error| {
+                assert!(is_mismatch(e), "{op}, rank {r}, counts {a}/{b}: {e}");
+            };
+            let e = comm
+                .all_reduce(Tensor::full(1.0f32, c), ReduceOp::Sum)
+                .unwrap_err();
+            what("all_reduce", &e);
+            let e = comm
+                .reduce(Tensor::full(1.0f32, c), ReduceOp::Sum, 2)
+                .unwrap_err();
+            what("reduce", &e);
+            let e = comm.broadcast(Tensor::full(1.0f32, c), 0).unwrap_err();
+            what("broadcast", &e);
+            let e = comm.all_gather(Tensor::full(1.0f32, c)).unwrap_err();
+            what("all_gather", &e);
+            let e = comm
+                .reduce_scatter(Tensor::full(1.0f32, n * c), ReduceOp::Sum)
+                .unwrap_err();
+            what("reduce_scatter", &e);
+            let e = comm.gather(Tensor::full(1.0f32, c), 0).unwrap_err();
+            what("gather", &e);
+            let inputs = (r == 0).then(|| vec![Tensor::full(1.0f32, c); n]);
+            let e = comm
+                .scatter(Tensor::zeros(DType::F32, c), inputs, 0)
+                .unwrap_err();
+            what("scatter", &e);
+            // A dtype that differs along with the size.
+            let t = if r == 2 {
+                Tensor::zeros(DType::F64, b)
+            } else {
+                Tensor::zeros(DType::F32, a)
+            };
+            let e = comm.all_reduce(t, ReduceOp::Sum).unwrap_err();
+            what("all_reduce dtype", &e);
+            match r {
+                0 => what("send", &comm.send(Tensor::full(1i32, a), 1).unwrap_err()),
+                1 => what(
+                    "recv",
+                    &comm.recv(Tensor::zeros(DType::I32, b), 0).unwrap_err(),
+                ),
+                _ => {}
+            }
+            // Usable, and correct, for small and large ops alike.
+            for c in [S, L] {
+                let t = comm
+                    .all_reduce(Tensor::full(1.0f32, c), ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(t.to_vec::<f32>(), vec![n as f32; c]);
+                let t = comm.broadcast(Tensor::full(r as i32, c), 1).unwrap();
+                assert_eq!(t.to_vec::<i32>(), vec![1; c]);
+            }
+        }
+        assert!(comm.is_active());
+    });
+}
+
 #[test]
 fn p2p_length_mismatch_errors_both_ends_and_comm_stays_usable() {
     run_ranks(2, "mm-p2p", |comm| {

@@ -780,7 +780,13 @@ fn fault_worker(what: &str) {
                     c.finalize()
                 })
         } else {
-            comm.all_reduce(Tensor::full(1.0f32, 1 << 16), ReduceOp::Sum)
+            // "allreduce_small": small enough to travel with its header.
+            let count = if what == "allreduce_small" {
+                4
+            } else {
+                1 << 16
+            };
+            comm.all_reduce(Tensor::full(1.0f32, count), ReduceOp::Sum)
                 .map(|s| assert!(s.as_slice::<f32>().iter().all(|&v| v == 4.0), "corrupt"))
         };
         match r {
@@ -885,6 +891,13 @@ fn survivors_recover_in(
 #[test]
 fn peer_killed_mid_all_reduce_errors_every_survivor_within_timeout_then_reconfigures() {
     survivors_recover("allreduce", 3, "KILL", HB_TIMEOUT + SLACK);
+}
+
+#[test]
+fn peer_killed_mid_small_all_reduce_errors_every_survivor_within_timeout_then_reconfigures() {
+    // 16 B per op: the payload travels with the header frames, and a
+    // survivor may be waiting for the victim's frame when it dies.
+    survivors_recover("allreduce_small", 3, "KILL", HB_TIMEOUT + SLACK);
 }
 
 #[test]

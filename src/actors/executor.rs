@@ -9,7 +9,9 @@
 //! 1. stamps its sequence numbers (`Core::stamp`) and marks the op started
 //!    for its hooks and flight-recorder entry ([`crate::hooks`]);
 //! 2. exchanges consistency headers with the participants and checks them
-//!    ([`crate::op`]);
+//!    ([`crate::op`]); the backend sees the op's buffers as it does
+//!    ([`Backend::exchange_headers_with_data`]), so a small op's payload may
+//!    travel with them, unused until the check passed ([BE-5]);
 //! 3. sizes outputs that depend on peers (the list form of all_to_all);
 //! 4. runs the transfer on the backend;
 //! 5. post-processes (`Avg`) and completes the [`Work`](crate::Work).
@@ -35,6 +37,7 @@
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
+//! [BE-5]: crate::backends#invariants
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -482,7 +485,10 @@ impl Core {
                     .filter(|&p| p != me)
                     .map(|p| (p, req.seq, bytes.clone()))
                     .collect();
-                let received = self.backend.exchange_headers(ctx, outgoing).await?;
+                let received = self
+                    .backend
+                    .exchange_headers_with_data(ctx, outgoing, &req.data)
+                    .await?;
                 for (peer, raw) in received {
                     let h = OpHeader::decode(&raw).ok_or_else(|| {
                         ctx.peer_failed(vec![peer], "peer sent an undecodable op header")
@@ -567,7 +573,10 @@ impl Core {
             mine.push((p, seq, h));
         }
         let outgoing = mine.iter().map(|(p, s, h)| (*p, *s, h.encode())).collect();
-        let received = self.backend.exchange_headers(ctx, outgoing).await?;
+        let received = self
+            .backend
+            .exchange_headers_with_data(ctx, outgoing, &req.data)
+            .await?;
         // Check every peer; report the first problem (all peers were heard, so
         // every peer reaches its own verdict too).
         let mut first: Option<Error> = None;

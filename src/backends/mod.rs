@@ -40,7 +40,8 @@
 //! on a runtime thread.
 //!
 //! # Invariants
-//! - BE-1: `execute` is only called after `exchange_headers` succeeded for the
+//! - BE-1: `execute` is only called after `exchange_headers` (or
+//!   `exchange_headers_with_data`) succeeded for the
 //!   same op on every participant, with buffers whose sizes match the headers.
 //! - BE-2: after `execute` or `exchange_headers` returns a fatal error
 //!   ([`Error::is_fatal`]), or its future is dropped, the executor calls
@@ -63,6 +64,17 @@
 //!   [`SplitMode::Unsupported`], a split fails with `NotSupported` on every
 //!   rank before the agreement step. A backend that is not
 //!   [`Capabilities::elastic`] refuses `reconfigure` the same way.
+//!
+//! - BE-5: a backend may send payload together with the headers
+//!   ([`Backend::exchange_headers_with_data`]), but it uses none of the
+//!   payload it received that way before `execute` is called for the same
+//!   op, that is, before every rank's check passed. When the check fails,
+//!   `execute` is not called and that payload is dropped; since every rank
+//!   still sent and received exactly its header frames, the links stay
+//!   usable and the mismatch is not fatal. Whether, and how much, a rank
+//!   sends with its headers must follow from the fields the check compares
+//!   (and the world size), so that ranks whose headers agree expect exactly
+//!   what their peers sent.
 //!
 //! [BE-1]: self#invariants
 //! [BE-2]: self#invariants
@@ -485,6 +497,24 @@ pub trait Backend: Send {
         ctx: &OpCtx,
         outgoing: Vec<(usize, u64, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>>;
+
+    /// [`Backend::exchange_headers`] for an op whose buffers are `data`,
+    /// so that a backend may send (part of) the op's payload in the same
+    /// frames as its headers, and run a small op in one round trip ([BE-5]).
+    /// The executor calls this, not `exchange_headers`, for every op with
+    /// more than one rank. The default ignores `data` and calls
+    /// [`Backend::exchange_headers`].
+    ///
+    /// [BE-5]: self#invariants
+    async fn exchange_headers_with_data(
+        &mut self,
+        ctx: &OpCtx,
+        outgoing: Vec<(usize, u64, Vec<u8>)>,
+        data: &OpData,
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
+        let _ = data;
+        self.exchange_headers(ctx, outgoing).await
+    }
 
     /// Move the data of one op. Called after the header check passed ([BE-1]).
     ///

@@ -15,6 +15,10 @@
 //! copies. Point-to-point batches run every transfer concurrently across
 //! peers, in order per (peer, direction).
 //!
+//! Small ops skip the schedules: their payload travels in the Header
+//! frames, and `execute` only combines what arrived (see `fused` for the
+//! frame layout, the size limits and its invariants FU-1..FU-5).
+//!
 //! # Invariants
 //! - CPU-1: a schedule step runs per [SC-1]/[SC-2]: sends read the buffers as they
 //!   were before the step. A `Copy` receive whose range no other transfer of
@@ -53,6 +57,7 @@ use crate::kernels;
 use crate::op::{OpKind, ReduceOp};
 use crate::tensor::Tensor;
 
+mod fused;
 mod link;
 mod plan;
 pub mod schedule;
@@ -102,7 +107,44 @@ pub struct CpuBackend {
     shm: Vec<Option<ShmLink>>,
     /// Reusable receive buffers for schedule steps.
     scratch: Vec<Vec<u8>>,
+    /// Reusable Header frames, sent and received, one per peer of an op.
+    out_frames: Vec<Vec<u8>>,
+    in_frames: Vec<Vec<u8>>,
+    /// Reusable memory for combining a fused op's data.
+    fuse_scratch: Vec<u8>,
+    /// What came with the headers of the op whose headers were exchanged
+    /// last, waiting for `execute` ([FU-3]).
+    ///
+    /// [FU-3]: self::fused#invariants
+    carried: Option<Carried>,
     state: State,
+}
+
+/// The data parts of the Header frames of one op ([FU-3]): what each peer
+/// sent after its header, not yet used.
+///
+/// [FU-3]: self::fused#invariants
+#[derive(Debug)]
+struct Carried {
+    kind: OpKind,
+    seq: u64,
+    /// Whether this rank sent its own data with its headers (the fused
+    /// plan of the op); otherwise it expects none from its peers.
+    with_data: bool,
+    /// Per received frame (`in_frames[i]`): the peer, the frame's seq and
+    /// the byte range of its data part.
+    peers: Vec<(usize, u64, Range<usize>)>,
+}
+
+/// What `execute` still has to do after the carried data was used.
+enum AfterCarried {
+    /// Nothing: the op was fused and is complete.
+    Done,
+    /// Run the op's own algorithm.
+    Unfused,
+    /// Point-to-point: skip the transfers of the directions that were
+    /// fused (per peer: sends to it, receives from it).
+    P2P(Vec<bool>, Vec<bool>),
 }
 
 type SendFrames<'a> = Vec<(FrameKind, u64, &'a [u8])>;
@@ -150,6 +192,10 @@ impl CpuBackend {
             readers,
             shm,
             scratch: Vec::new(),
+            out_frames: Vec::new(),
+            in_frames: Vec::new(),
+            fuse_scratch: Vec::new(),
+            carried: None,
             state: State::Ready,
         })
     }
@@ -396,7 +442,15 @@ impl CpuBackend {
         Ok(())
     }
 
-    async fn p2p_inner(&mut self, ctx: &OpCtx, ops: &mut [P2PTransfer]) -> Result<()> {
+    /// Run the transfers of a batch, but for the directions in `done`
+    /// (sends to peer `p` when `done.0[p]`, receives from it when
+    /// `done.1[p]`), which travelled with the headers.
+    async fn p2p_inner(
+        &mut self,
+        ctx: &OpCtx,
+        ops: &mut [P2PTransfer],
+        done: Option<(Vec<bool>, Vec<bool>)>,
+    ) -> Result<()> {
         let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
         let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
         for t in ops.iter_mut() {
@@ -405,6 +459,13 @@ impl CpuBackend {
                     "p2p transfer with rank {} on rank {} of {}",
                     t.peer, self.rank, self.size
                 )));
+            }
+            let skip = done.as_ref().is_some_and(|(s, r)| {
+                let d = if t.send { s } else { r };
+                d.get(t.peer).copied().unwrap_or(false)
+            });
+            if skip {
+                continue;
             }
             if t.send {
                 push_grouped(
@@ -424,6 +485,9 @@ impl CpuBackend {
                 );
             }
         }
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
         run_links(
             &mut self.writers,
             &mut self.readers,
@@ -436,36 +500,80 @@ impl CpuBackend {
         .await
     }
 
+    /// The header exchange, with this rank's data for each peer in the
+    /// same frame when `data`'s op is fused ([`fused`]).
+    async fn exchange(
+        &mut self,
+        ctx: &OpCtx,
+        outgoing: &[(usize, u64, Vec<u8>)],
+        data: Option<&OpData>,
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
+        let bytes: usize = outgoing.iter().map(|o| o.2.len()).sum();
+        let span = tracing::debug_span!("cpu_headers", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, peers = outgoing.len());
+        // FU-3: whatever an earlier op left is dropped, used or not.
+        self.carried = None;
+        self.enter(ctx)?;
+        let r = self
+            .exchange_inner(ctx, outgoing, data)
+            .instrument(span)
+            .await;
+        let r = r.map(|(received, carried)| {
+            self.carried = Some(carried);
+            received
+        });
+        self.leave(&r.as_ref().map(|_| ()).map_err(Clone::clone));
+        r
+    }
+
     async fn exchange_inner(
         &mut self,
         ctx: &OpCtx,
         outgoing: &[(usize, u64, Vec<u8>)],
-        received: &mut [Vec<u8>],
-    ) -> Result<()> {
+        data: Option<&OpData>,
+    ) -> Result<(Vec<(usize, Vec<u8>)>, Carried)> {
         let class = class_of(ctx);
-        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
-        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
-        for ((peer, seq, bytes), slot) in outgoing.iter().zip(received.iter_mut()) {
+        let plan = data.and_then(|d| fused::plan(self.rank, self.size, d));
+        let k = outgoing.len();
+        if self.out_frames.len() < k {
+            self.out_frames.resize_with(k, Vec::new);
+        }
+        if self.in_frames.len() < k {
+            self.in_frames.resize_with(k, Vec::new);
+        }
+        for (i, (peer, _, header)) in outgoing.iter().enumerate() {
             if *peer >= self.size {
                 return Err(Error::Internal(format!(
                     "header for rank {peer} on a communicator of {}",
                     self.size
                 )));
             }
+            let parts = plan
+                .as_ref()
+                .and_then(|p| p.send.get(*peer))
+                .and_then(Option::as_ref)
+                .map_or(&[][..], |v| &v[..]);
+            fused::encode_frame(&mut self.out_frames[i], header, parts)
+                .map_err(|w| Error::Internal(format!("header frame for rank {peer}: {w}")))?;
+        }
+        // FU-2: the largest header frame plus the largest data part.
+        let bound = MAX_HEADER_FRAME + (fused::PREFIX + 8 + fused::FUSE_PEER_MAX) as u64;
+        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
+        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        for (((peer, seq, _), out), slot) in outgoing
+            .iter()
+            .zip(self.out_frames.iter())
+            .zip(self.in_frames.iter_mut())
+        {
             if *peer == self.rank {
                 // A header to oneself comes straight back.
-                slot.clone_from(bytes);
+                slot.clone_from(out);
                 continue;
             }
-            push_grouped(&mut sends, *peer, (FrameKind::Header, *seq, &bytes[..]));
+            push_grouped(&mut sends, *peer, (FrameKind::Header, *seq, &out[..]));
             push_grouped(
                 &mut recvs,
                 *peer,
-                (
-                    FrameKind::Header,
-                    *seq,
-                    RecvInto::Bounded(slot, MAX_HEADER_FRAME),
-                ),
+                (FrameKind::Header, *seq, RecvInto::Bounded(slot, bound)),
             );
         }
         run_links(
@@ -477,7 +585,79 @@ impl CpuBackend {
             sends,
             recvs,
         )
-        .await
+        .await?;
+        let mut received = Vec::with_capacity(k);
+        let mut peers = Vec::with_capacity(k);
+        for ((peer, seq, _), frame) in outgoing.iter().zip(&self.in_frames) {
+            let (h, d) = fused::split_frame(frame).map_err(|w| {
+                ctx.peer_failed(
+                    vec![*peer],
+                    format!("rank {peer} sent a malformed header frame: {w}"),
+                )
+            })?;
+            received.push((*peer, frame[h].to_vec()));
+            peers.push((*peer, *seq, d));
+        }
+        let carried = Carried {
+            kind: ctx.kind,
+            seq: ctx.seq,
+            with_data: plan.is_some(),
+            peers,
+        };
+        Ok((received, carried))
+    }
+
+    /// Use the data that came with this op's headers, now that the check
+    /// passed ([FU-3]): check its lengths against this rank's own plan
+    /// ([FU-5]) and combine it ([FU-4]).
+    ///
+    /// [FU-3]: self::fused#invariants
+    /// [FU-4]: self::fused#invariants
+    /// [FU-5]: self::fused#invariants
+    fn use_carried(&mut self, ctx: &OpCtx, c: &Carried, data: &mut OpData) -> Result<AfterCarried> {
+        let (rank, size) = (self.rank, self.size);
+        let (recv, sent): (Option<Vec<Option<usize>>>, Vec<bool>) =
+            match c.with_data.then(|| fused::plan(rank, size, data)).flatten() {
+                Some(p) => (Some(p.recv), p.send.iter().map(Option::is_some).collect()),
+                None => (None, vec![false; size]),
+            };
+        let mut got: Vec<&[u8]> = vec![&[]; size];
+        let mut fused_recv = vec![false; size];
+        for ((peer, _, d), frame) in c.peers.iter().zip(&self.in_frames) {
+            if *peer == rank || *peer >= size {
+                continue;
+            }
+            let want = recv.as_ref().and_then(|r| r[*peer]);
+            if d.len() != want.unwrap_or(0) {
+                return Err(ctx.mismatch(format!(
+                    "rank {peer} sent {} data bytes with its header, but this rank expects {}; \
+                     the ranks do not run the same version or settings (CHORUS_FUSED)",
+                    d.len(),
+                    want.unwrap_or(0)
+                )));
+            }
+            fused_recv[*peer] = want.is_some();
+            got[*peer] = frame.get(d.clone()).unwrap_or(&[]);
+        }
+        let Some(recv) = recv else {
+            return Ok(AfterCarried::Unfused);
+        };
+        if let OpData::P2P { ops } = data {
+            // Each fused direction's data, split over its receives in order.
+            let mut at = vec![0usize; size];
+            for t in ops.iter_mut().filter(|t| !t.send && fused_recv[t.peer]) {
+                let n = t.buf.len_bytes();
+                let from = got[t.peer].get(at[t.peer]..at[t.peer] + n).ok_or_else(|| {
+                    Error::Internal(format!("fused p2p data from rank {} ran short", t.peer))
+                })?;
+                t.buf.as_bytes_mut().copy_from_slice(from);
+                at[t.peer] += n;
+            }
+            let recv_done = (0..size).map(|p| recv[p].is_some()).collect();
+            return Ok(AfterCarried::P2P(sent, recv_done));
+        }
+        fused::apply(rank, size, data, &got, &mut self.fuse_scratch)?;
+        Ok(AfterCarried::Done)
     }
 
     fn op_buffers<'d>(&self, data: &'d mut OpData) -> Result<Option<Planned<'d>>> {
@@ -612,6 +792,21 @@ struct Planned<'d> {
     op: ReduceOp,
     /// For reduce_scatter: copy this element range of `dst` into the tensor.
     copy_out: Option<(Range<usize>, &'d mut Tensor)>,
+}
+
+/// Whether `c` came with the headers of the op `ctx`/`data` (the one whose
+/// headers were exchanged last; for point-to-point, every transfer's
+/// per-peer seq).
+fn carried_for(c: &Carried, ctx: &OpCtx, data: &OpData) -> bool {
+    if c.kind != ctx.kind || c.seq != ctx.seq {
+        return false;
+    }
+    match data {
+        OpData::P2P { ops } => ops
+            .iter()
+            .all(|t| c.peers.iter().any(|(p, s, _)| *p == t.peer && *s == t.seq)),
+        _ => true,
+    }
 }
 
 fn class_of(ctx: &OpCtx) -> FrameClass {
@@ -778,17 +973,16 @@ impl Backend for CpuBackend {
         ctx: &OpCtx,
         outgoing: Vec<(usize, u64, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>> {
-        let bytes: usize = outgoing.iter().map(|o| o.2.len()).sum();
-        let span = tracing::debug_span!("cpu_headers", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, peers = outgoing.len());
-        let mut received: Vec<Vec<u8>> = vec![Vec::new(); outgoing.len()];
-        self.enter(ctx)?;
-        let r = self
-            .exchange_inner(ctx, &outgoing, &mut received)
-            .instrument(span)
-            .await;
-        self.leave(&r);
-        r?;
-        Ok(outgoing.iter().map(|o| o.0).zip(received).collect())
+        self.exchange(ctx, &outgoing, None).await
+    }
+
+    async fn exchange_headers_with_data(
+        &mut self,
+        ctx: &OpCtx,
+        outgoing: Vec<(usize, u64, Vec<u8>)>,
+        data: &OpData,
+    ) -> Result<Vec<(usize, Vec<u8>)>> {
+        self.exchange(ctx, &outgoing, Some(data)).await
     }
 
     async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
@@ -853,10 +1047,18 @@ impl Backend for CpuBackend {
 
 impl CpuBackend {
     async fn execute_inner(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
+        let mut p2p_done = None;
+        if let Some(c) = self.carried.take().filter(|c| carried_for(c, ctx, data)) {
+            match self.use_carried(ctx, &c, data)? {
+                AfterCarried::Done => return Ok(()),
+                AfterCarried::Unfused => {}
+                AfterCarried::P2P(s, r) => p2p_done = Some((s, r)),
+            }
+        }
         if let OpData::P2P { ops } = data {
             let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();
             let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes);
-            return self.p2p_inner(ctx, ops).instrument(span).await;
+            return self.p2p_inner(ctx, ops, p2p_done).instrument(span).await;
         }
         let Some(plan) = self.op_buffers(data)? else {
             return Ok(()); // Barrier: the header exchange already synchronised.

@@ -18,7 +18,9 @@
 //! | 24..32 | len `u64` |
 //!
 //! An Abort payload is `count u32`, `count` failed ranks as `u32`, then the
-//! UTF-8 reason.
+//! UTF-8 reason. A Header payload is the encoded op header, followed, for
+//! a small op, by this rank's data for the peer (layout in the backend's
+//! `fused` module); the frame header is the same for every kind.
 //!
 //! With `CHORUS_CHECKSUM=1` ([`checksum_from_env`]) every Header and Data
 //! frame carries the CRC32C of its payload, and a reader with the setting on
@@ -55,8 +57,10 @@ pub(crate) const FRAME_HEADER_LEN: usize = 32;
 pub(crate) const MAX_HEADER_FRAME: u64 = 16 << 20;
 /// Largest Abort frame payload accepted ([LK-3](self#invariants)).
 pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
-/// Payloads up to this size are written together with their header.
-const COALESCE_LIMIT: usize = 16 << 10;
+/// Payloads up to this size are written together with their header, in one
+/// `write`: a small op's Header frame carries up to 16 KiB of data plus its
+/// op header, and two writes would be two segments on a `TCP_NODELAY` link.
+const COALESCE_LIMIT: usize = 32 << 10;
 /// Frame flag: bytes 4..8 of the header hold the payload's CRC32C.
 pub(crate) const FLAG_CRC: u8 = 1;
 
@@ -245,6 +249,8 @@ pub(crate) struct LinkWriter {
     mid_frame: bool,
     /// Send a CRC32C with every Header and Data frame ([LK-7](self#invariants)).
     checksum: bool,
+    /// Reused to write a small frame's header and payload at once.
+    coalesce: Vec<u8>,
 }
 
 impl LinkWriter {
@@ -271,10 +277,11 @@ impl LinkWriter {
         let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64, crc);
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
-            let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+            let buf = &mut self.coalesce;
+            buf.clear();
             buf.extend_from_slice(&hdr);
             buf.extend_from_slice(payload);
-            self.half.write_all(&buf).await?;
+            self.half.write_all(buf).await?;
         } else {
             self.half.write_all(&hdr).await?;
             self.half.write_all(payload).await?;
@@ -571,6 +578,7 @@ pub(crate) fn split_link(
             half: w,
             mid_frame: false,
             checksum,
+            coalesce: Vec::new(),
         },
     )
 }
