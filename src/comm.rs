@@ -91,6 +91,8 @@ pub(crate) struct Shared {
     pub(crate) backend: &'static str,
     /// What the backend can do beyond the ops, asked when it started.
     pub(crate) caps: crate::backends::Capabilities,
+    /// Whether the backend implements one-sided windows, asked when it started.
+    pub(crate) windows: bool,
     /// The backend's version, asked when it started.
     pub(crate) backend_version: String,
     /// The op timeout of handles without their own ([`Comm::set_timeout`]).
@@ -427,7 +429,7 @@ impl Comm {
         })
     }
 
-    fn submit<T>(
+    pub(crate) fn submit<T>(
         &self,
         map: fn(Completion) -> Result<T>,
         build: impl FnOnce() -> Result<Request>,
@@ -481,7 +483,11 @@ impl Comm {
     /// a turn on this thread when the communicator is idle, so a blocking
     /// op costs no thread hand-off. Never blocks a worker of the caller's
     /// runtime ([`crate::runtime::blocking`]).
-    fn blocking<T>(&self, name: &'static str, op: impl FnOnce() -> Work<T>) -> Result<T> {
+    pub(crate) fn blocking<T>(
+        &self,
+        name: &'static str,
+        op: impl FnOnce() -> Work<T>,
+    ) -> Result<T> {
         struct Reset;
         impl Drop for Reset {
             fn drop(&mut self) {
@@ -1397,7 +1403,18 @@ fn describe(req: &Request) -> OpDesc {
             };
             (name, ops.iter().map(|t| t.buf.len()).sum(), peers)
         }
-        _ => (req.kind.name(), req.count, vec![]),
+        _ => match &req.window {
+            Some(w) => {
+                let peers = match w {
+                    crate::backends::WindowOp::Put { dst, .. }
+                    | crate::backends::WindowOp::Signal { dst, .. } => vec![*dst],
+                    crate::backends::WindowOp::WaitSignal { src, .. } => vec![*src],
+                    _ => vec![],
+                };
+                (w.name(), req.count, peers)
+            }
+            None => (req.kind.name(), req.count, vec![]),
+        },
     };
     OpDesc {
         op,

@@ -103,6 +103,7 @@ mod persistent;
 mod runtime;
 pub mod tensor;
 pub mod transport;
+mod window;
 mod work;
 
 /// Internals that integration tests need and users do not; not part of the
@@ -115,7 +116,7 @@ pub mod test_support {
 }
 
 pub use actors::status::{ChildFailure, State, Status};
-pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode};
+pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode, WindowAccess};
 pub use comm::{Comm, P2POp};
 pub use elastic::{
     join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
@@ -130,6 +131,7 @@ pub use options::{
 };
 pub use persistent::PersistentAllGather;
 pub use tensor::{Bool, DType, Element, ExternalError, Tensor};
+pub use window::{Window, WindowAttr};
 pub use work::Work;
 
 /// Create a communicator: connect this rank to the others and start its actor.
@@ -334,6 +336,7 @@ pub(crate) async fn start_with_backend(
     let options = &ctx.options;
     let backend_name = backend_impl.name();
     let caps = backend_impl.capabilities();
+    let windows = backend_impl.supports_windows();
     let backend_version = backend_impl.version();
     let hints = Arc::new(hints::Hints::parse(options.hints.clone(), &name, rank)?);
     let observer = Arc::new(hooks::Observer::new(
@@ -414,6 +417,7 @@ pub(crate) async fn start_with_backend(
         device,
         backend: backend_name,
         caps,
+        windows,
         backend_version,
         default_timeout: comm::AtomicDuration::new(options.timeout),
         hints,

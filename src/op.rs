@@ -167,6 +167,11 @@ pub enum OpKind {
     Barrier = 9,
     /// send / recv / batched point-to-point
     P2P = 10,
+    /// new_window: collective creation of a one-sided window
+    NewWindow = 11,
+    /// one-sided window ops (put, signal, wait_signal, read): no header,
+    /// no collective sequence number
+    Window = 12,
 }
 
 impl OpKind {
@@ -184,6 +189,8 @@ impl OpKind {
             OpKind::AllToAllSingle => "all_to_all_single",
             OpKind::Barrier => "barrier",
             OpKind::P2P => "p2p",
+            OpKind::NewWindow => "new_window",
+            OpKind::Window => "window",
         }
     }
 
@@ -201,6 +208,8 @@ impl OpKind {
             AllToAllSingle,
             Barrier,
             P2P,
+            NewWindow,
+            Window,
         ]
         .get(c as usize)
         .copied()
@@ -422,10 +431,11 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
                 }
             }
         }
-        OpKind::Barrier => {}
-        OpKind::P2P => {
+        // Window sizes may differ per rank; the backend exchanges them.
+        OpKind::Barrier | OpKind::NewWindow => {}
+        OpKind::P2P | OpKind::Window => {
             return Err(HeaderMismatch {
-                detail: "point-to-point header in a collective slot".into(),
+                detail: format!("{} header in a collective slot", kind.name()),
                 fatal: true,
             })
         }

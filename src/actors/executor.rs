@@ -444,7 +444,8 @@ impl Core {
                     }
                 }
             }
-        } else {
+        } else if req.kind != OpKind::Window {
+            // One-sided window ops pair with nothing on other ranks.
             req.seq = self.coll_seq;
             self.coll_seq += 1;
         }
@@ -453,6 +454,13 @@ impl Core {
     async fn run_inner(&mut self, ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         let n = ctx.size;
         let me = ctx.rank;
+        if req.kind == OpKind::Window {
+            let op = req
+                .window
+                .take()
+                .ok_or_else(|| Error::Internal("window request without its op".into()))?;
+            return Ok(Completion::Window(self.backend.window(ctx, op).await?));
+        }
         if req.kind == OpKind::P2P {
             self.p2p_headers(ctx, req).await?;
         } else {
@@ -505,6 +513,10 @@ impl Core {
                         })?;
                 }
             }
+        }
+        if let Some(op) = req.window.take() {
+            // NewWindow: collective, after the header check.
+            return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         self.backend.execute(ctx, &mut req.data).await?;
         finish(ctx, req)

@@ -58,6 +58,7 @@ mod plan;
 pub mod schedule;
 mod shm;
 mod shm_exec;
+mod window;
 
 use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
 use plan::{carve, plan_step_with, read_from, Item};
@@ -103,6 +104,8 @@ pub struct CpuBackend {
     /// Reusable receive buffers for schedule steps.
     scratch: Vec<Vec<u8>>,
     state: State,
+    /// One-sided windows (`window`), freed at finalize and abort.
+    windows: window::Windows,
 }
 
 type SendFrames<'a> = Vec<(FrameKind, u64, &'a [u8])>;
@@ -135,6 +138,7 @@ impl CpuBackend {
                 }
             }
         }
+        let windows = window::Windows::new(&init);
         let shm = link::setup_shm(&init, &mut writers, &mut readers)
             .await?
             .into_iter()
@@ -150,6 +154,7 @@ impl CpuBackend {
             shm,
             scratch: Vec::new(),
             state: State::Ready,
+            windows,
         })
     }
 
@@ -772,6 +777,14 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn supports_windows(&self) -> bool {
+        true
+    }
+
+    async fn window(&mut self, ctx: &OpCtx, op: super::WindowOp) -> Result<super::WindowDone> {
+        self.window_op(ctx, op).await
+    }
+
     async fn exchange_headers(
         &mut self,
         ctx: &OpCtx,
@@ -801,6 +814,7 @@ impl Backend for CpuBackend {
         if matches!(self.state, State::Aborted { .. } | State::Finalized) {
             return;
         }
+        self.windows.close(false).await;
         self.state = State::Aborted {
             reason: reason.to_string(),
             failed: failed.to_vec(),
@@ -840,6 +854,7 @@ impl Backend for CpuBackend {
         if matches!(self.state, State::Aborted { .. }) {
             return;
         }
+        self.windows.close(true).await;
         self.state = State::Finalized;
         let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
