@@ -323,6 +323,10 @@ impl Drop for CpuWindow {
 /// The windows of one cpu communicator (CW-4).
 #[derive(Debug)]
 pub(super) struct Windows {
+    /// The runtime the backend was connected on: window sockets and
+    /// receiver tasks live there, not on whichever runtime a turn runs
+    /// (a caller's runtime may stop before the communicator does).
+    rt: Option<tokio::runtime::Handle>,
     secret: Arc<[u8]>,
     key_prefix: String,
     bind_ip: std::net::IpAddr,
@@ -332,6 +336,7 @@ pub(super) struct Windows {
 impl Windows {
     pub(super) fn new(init: &BackendInit) -> Windows {
         Windows {
+            rt: tokio::runtime::Handle::try_current().ok(),
             secret: init.secret.clone(),
             key_prefix: init.key_prefix.clone(),
             bind_ip: init.bind_ip,
@@ -516,8 +521,14 @@ impl CpuBackend {
             .unwrap_or_default();
         let mut local = WinMem::init(mapping, n, size);
 
-        let listener = TcpListener::bind((self.windows.bind_ip, 0))
-            .await
+        let rt = self
+            .windows
+            .rt
+            .clone()
+            .unwrap_or_else(tokio::runtime::Handle::current);
+        let bind_ip = self.windows.bind_ip;
+        let listener = on(&rt, async move { TcpListener::bind((bind_ip, 0)).await })
+            .await?
             .map_err(|e| io_err("binding a window listener", e))?;
         let addr = listener
             .local_addr()
@@ -572,8 +583,11 @@ impl CpuBackend {
             &self.windows.secret,
             &format!("{}/cpu/win/{id}", self.windows.key_prefix),
         );
-        let streams = connect_pairs(ctx, &auth, &listener, &addrs).await?;
-        drop(listener);
+        let pair_ctx = ctx.clone();
+        let streams = on(&rt, async move {
+            connect_pairs(&pair_ctx, &auth, &listener, &addrs).await
+        })
+        .await??;
 
         // Everyone mapped what it could: the files can go (CW-3).
         let acks = (0..n)
@@ -595,7 +609,7 @@ impl CpuBackend {
                 let _ = s.set_nodelay(true);
                 let (r, w) = s.into_split();
                 tx[p] = Some(w);
-                tasks.push(tokio::spawn(receive(local.clone(), p, r)));
+                tasks.push(rt.spawn(receive(local.clone(), p, r)));
             }
         }
         let access = targets
@@ -615,6 +629,25 @@ impl CpuBackend {
         tracing::debug!(comm = %ctx.comm, rank = me, id, size, "window created");
         Ok(WindowDone::Created(WindowInfo { id, sizes, access }))
     }
+}
+
+/// Run `fut` as a task of `rt` (so the sockets it creates belong to that
+/// runtime) and wait for it; dropping the wait (an abort, a timeout)
+/// cancels the task.
+async fn on<T: Send + 'static>(
+    rt: &tokio::runtime::Handle,
+    fut: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T> {
+    struct Cancel(tokio::task::AbortHandle);
+    impl Drop for Cancel {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let task = rt.spawn(fut);
+    let _cancel = Cancel(task.abort_handle());
+    task.await
+        .map_err(|e| Error::Internal(format!("window setup task failed: {e}")))
 }
 
 /// Open this window's connection with every peer (see `create_window`).
@@ -775,12 +808,14 @@ async fn wait_signal(ctx: &OpCtx, local: &Local, src: usize, value: u64) -> Resu
                     ),
                 ))
             }
-            Some(FAILED) => return Err(ctx.peer_failed(
-                vec![src],
-                format!(
+            Some(FAILED) => {
+                return Err(ctx.peer_failed(
+                    vec![src],
+                    format!(
                     "rank {src} is gone (window connection lost) before its signal reached {value}"
                 ),
-            )),
+                ))
+            }
             _ => {}
         }
         if spins < 64 {
