@@ -1179,6 +1179,112 @@ impl Comm {
         })
     }
 
+    /// [`Comm::all_to_all_v_single`] for 2-D data, with TorchComms' split
+    /// semantics: `input` holds rows of `row_width` elements (dimension 0
+    /// is `input.len() / row_width`), and the split sizes count rows, not
+    /// elements. `input_split_rows[j]` rows go to rank `j` and
+    /// `output_split_rows[j]` rows come from rank `j`; the input's split
+    /// sizes may add up to fewer rows than it has (the rows after them are
+    /// not sent). The result holds `sum(output_split_rows)` rows.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (before any communication) if
+    /// `row_width` is 0 for a non-empty input or does not divide its
+    /// length, if a list does not have `size()` entries, if the input's
+    /// split sizes add up to more rows than it has, or if a size overflows;
+    /// [`Error::Mismatch`] (on every rank) if rank `i` sends rank `j` a
+    /// different number of rows than `j` expects.
+    pub fn all_to_all_v_single_rows(
+        &self,
+        input: Tensor,
+        row_width: usize,
+        input_split_rows: &[usize],
+        output_split_rows: &[usize],
+    ) -> Result<Tensor> {
+        self.blocking("all_to_all_v_single", || {
+            self.all_to_all_v_single_rows_async(
+                input,
+                row_width,
+                input_split_rows,
+                output_split_rows,
+            )
+        })
+    }
+
+    /// Async form of [`Comm::all_to_all_v_single_rows`].
+    pub fn all_to_all_v_single_rows_async(
+        &self,
+        input: Tensor,
+        row_width: usize,
+        input_split_rows: &[usize],
+        output_split_rows: &[usize],
+    ) -> Work<Tensor> {
+        const OP: &str = "all_to_all_v_single";
+        let elems = |rows: &[usize], what: &str| -> Result<Vec<usize>> {
+            if rows.len() != self.size() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "{} {what} split sizes given for {} ranks",
+                        rows.len(),
+                        self.size()
+                    ),
+                ));
+            }
+            rows.iter()
+                .map(|&r| {
+                    r.checked_mul(row_width).ok_or_else(|| {
+                        self.invalid(
+                            OP,
+                            format!("{r} rows of {row_width} elements overflow usize"),
+                        )
+                    })
+                })
+                .collect()
+        };
+        let prepared = (|| {
+            if row_width == 0 && !input.is_empty() {
+                return Err(self.invalid(OP, "row width 0 for a non-empty input"));
+            }
+            if row_width != 0 && input.len() % row_width != 0 {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "input has {} elements, not a whole number of rows of {row_width}",
+                        input.len()
+                    ),
+                ));
+            }
+            let send = elems(input_split_rows, "input")?;
+            let recv = elems(output_split_rows, "output")?;
+            let used = self.checked_total(OP, &send)?;
+            if used > input.len() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "input split sizes {input_split_rows:?} add up to {} rows, but the input has {} rows of {row_width}",
+                        used / row_width.max(1),
+                        input.len() / row_width.max(1)
+                    ),
+                ));
+            }
+            self.checked_total(OP, &recv)?;
+            let input = if used == input.len() {
+                input
+            } else {
+                // Only the rows the splits cover are sent.
+                let es = input.dtype().size();
+                Tensor::from_bytes(input.dtype(), &input.as_bytes()[..used * es])
+                    .ok_or_else(|| self.invalid(OP, "cannot copy the input's leading rows"))?
+            };
+            Ok((input, send, recv))
+        })();
+        match prepared {
+            Ok((input, send, recv)) => self.all_to_all_v_single_async(input, &send, &recv),
+            Err(e) => Work::ready(to_tensor, Err(e)),
+        }
+    }
+
     // ---------------------------------------------------------------- barrier
 
     /// Block until every rank has entered the barrier.
