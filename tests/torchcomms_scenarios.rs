@@ -81,10 +81,10 @@ fn input_of(
     let mut v = Vec::new();
     for j in 0..n {
         for k in 0..units(p, count, me, j) {
-            v.extend(std::iter::repeat(value(me, j, k)).take(width));
+            v.extend(std::iter::repeat_n(value(me, j, k), width));
         }
     }
-    v.extend(std::iter::repeat(SENTINEL).take(extra * width));
+    v.extend(std::iter::repeat_n(SENTINEL, extra * width));
     Tensor::from_f64s(dtype, &v)
 }
 
@@ -92,7 +92,7 @@ fn expected_output(p: Pattern, count: usize, me: usize, n: usize, width: usize) 
     let mut v = Vec::new();
     for i in 0..n {
         for k in 0..units(p, count, i, me) {
-            v.extend(std::iter::repeat(value(i, me, k)).take(width));
+            v.extend(std::iter::repeat_n(value(i, me, k), width));
         }
     }
     v
