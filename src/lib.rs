@@ -71,6 +71,16 @@
 //! forms the next epoch from the survivors (and ranks that [`join_comm`]ed),
 //! under a majority rule ([`Error::NoQuorum`]).
 //!
+//! ## One-sided windows
+//!
+//! [`Comm::new_window`] gives every rank a byte buffer its peers write into
+//! with [`Window::put`], without the owner posting a receive, and per-pair
+//! signal counters ([`Window::signal`], [`Window::wait_signal`]) that are
+//! counted only after the puts before them landed. The `cpu` backend maps
+//! same-host peers' windows (shared memory) and reaches other hosts over
+//! TCP; other backends refuse windows with [`Error::UnsupportedOp`]
+//! (`docs/windows.md`).
+//!
 //! ## Observing ops
 //!
 //! [`Comm::register_pre_hook`], [`Comm::register_post_hook`] and
