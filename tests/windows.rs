@@ -215,6 +215,39 @@ fn every_rank_puts_into_every_window_over_tcp_world_4() {
 }
 
 #[test]
+fn a_window_created_on_a_callers_runtime_keeps_receiving_after_that_runtime_stops() {
+    tcp_only();
+    run_ranks(2, "win-caller-rt", |comm| {
+        // The creating turn may run on this runtime's worker; the window's
+        // sockets and receiver tasks must not belong to it.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let c = comm.clone();
+        let win = rt
+            .block_on(
+                async move { tokio::spawn(async move { c.new_window_async(64).await }).await },
+            )
+            .expect("join")
+            .expect("new_window");
+        drop(rt);
+        if comm.rank() == 0 {
+            win.put_bytes(&[5; 16], 1, 8).expect("put");
+            win.signal(1, 1).expect("signal");
+        } else {
+            win.with_timeout(Duration::from_secs(10))
+                .wait_signal(0, 1)
+                .expect("the receiver still runs");
+            assert_eq!(win.read(8, 16).expect("read"), vec![5; 16]);
+        }
+        comm.barrier().expect("barrier");
+        comm.finalize().expect("finalize");
+    });
+}
+
+#[test]
 fn windows_of_different_sizes_and_bad_ranges_are_invalid_argument_before_any_io() {
     run_ranks(2, "win-args", |comm| {
         let me = comm.rank();
@@ -389,6 +422,13 @@ fn worker() {
         .with_connect_timeout(Duration::from_secs(20));
     let comm = new_comm("cpu", Device::Cpu, "win-death", opts).expect("new_comm");
     let win = comm.new_window(64).expect("new_window");
+    let access = win.get_attr(1 - rank).expect("attr").access_type;
+    let want = if std::env::var("CHORUS_SHM").as_deref() == Ok("0") {
+        WindowAccess::Separate
+    } else {
+        WindowAccess::Unified
+    };
+    assert_eq!(access, want, "the test covers the path it names");
     if rank == 1 {
         // Die without any cleanup while rank 0 waits for a signal.
         std::process::abort();
@@ -405,7 +445,16 @@ fn worker() {
 }
 
 #[test]
-fn a_dead_peer_fails_a_pending_wait_signal_with_peer_failed() {
+fn a_dead_same_host_peer_fails_a_pending_wait_signal_with_peer_failed() {
+    dead_peer(false);
+}
+
+#[test]
+fn a_dead_peer_over_tcp_fails_a_pending_wait_signal_with_peer_failed() {
+    dead_peer(true);
+}
+
+fn dead_peer(tcp: bool) {
     let port = free_port();
     let exe = std::env::current_exe().expect("exe");
     let mut children: Vec<_> = (0..2)
@@ -415,6 +464,7 @@ fn a_dead_peer_fails_a_pending_wait_signal_with_peer_failed() {
                 .env("CHORUS_TEST_WORKER", "1")
                 .env("RANK", rank.to_string())
                 .env("PORT", port.to_string())
+                .env("CHORUS_SHM", if tcp { "0" } else { "1" })
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())

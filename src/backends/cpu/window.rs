@@ -324,8 +324,10 @@ impl Drop for CpuWindow {
 #[derive(Debug)]
 pub(super) struct Windows {
     /// The runtime the backend was connected on: window sockets and
-    /// receiver tasks live there, not on whichever runtime a turn runs
-    /// (a caller's runtime may stop before the communicator does).
+    /// receiver tasks live there, so they outlive any caller's runtime.
+    /// (Turns already run inside this runtime's context, even on a
+    /// caller's worker; binding to it explicitly keeps the window
+    /// independent of where a turn is polled.)
     rt: Option<tokio::runtime::Handle>,
     secret: Arc<[u8]>,
     key_prefix: String,
