@@ -14,7 +14,15 @@ use std::time::{Duration, Instant};
 
 use chorus::backends::{async_trait, Backend, BackendInit, OpCtx, OpData};
 use chorus::{new_comm, CommOptions, DType, Device, Error, Rendezvous, Tensor, WindowAccess};
-use common::run_ranks;
+/// Windows exist on the cpu backend only: these tests run there whatever
+/// `CHORUS_TEST_BACKEND` says.
+fn run_ranks<T, F>(size: usize, name: &str, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(chorus::Comm) -> T + Send + Sync + 'static,
+{
+    common::run_ranks_on("cpu", size, name, |_, o| o, f)
+}
 
 fn tcp_only() {
     // Only this test's process reads it (one process per test).
