@@ -256,6 +256,38 @@ fn a_window_created_on_a_callers_runtime_keeps_receiving_after_that_runtime_stop
 }
 
 #[test]
+fn window_ops_show_in_the_flight_record_without_sequence_numbers() {
+    run_ranks(2, "win-record", |comm| {
+        let win = comm.new_window(16).expect("new_window");
+        let peer = 1 - comm.rank();
+        win.put_bytes(&[1; 4], peer, 0).expect("put");
+        win.signal(peer, 1).expect("signal");
+        win.wait_signal(peer, 1).expect("wait");
+        win.read(0, 4).expect("read");
+        comm.barrier().expect("barrier");
+        let rec = comm.flight_record();
+        let ops: Vec<(&str, Option<u64>, Vec<usize>)> =
+            rec.iter().map(|e| (e.op, e.seq, e.peers.clone())).collect();
+        assert_eq!(
+            ops,
+            vec![
+                ("new_window", Some(0), vec![]),
+                ("window_put", None, vec![peer]),
+                ("window_signal", None, vec![peer]),
+                ("window_wait_signal", None, vec![peer]),
+                ("window_read", None, vec![]),
+                // One-sided ops took no collective number.
+                ("barrier", Some(1), vec![]),
+            ]
+        );
+        assert!(rec
+            .iter()
+            .all(|e| e.state == chorus::FlightState::Completed));
+        comm.finalize().expect("finalize");
+    });
+}
+
+#[test]
 fn windows_of_different_sizes_and_bad_ranges_are_invalid_argument_before_any_io() {
     run_ranks(2, "win-args", |comm| {
         let me = comm.rank();

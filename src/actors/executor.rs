@@ -235,10 +235,12 @@ impl Core {
             return TurnEnd::Done;
         };
         self.stamp(&mut req);
-        completer.started(Some(match &req.data {
-            OpData::P2P { ops } => ops.first().map(|t| t.seq).unwrap_or(0),
-            _ => req.seq,
-        }));
+        completer.started(match &req.data {
+            OpData::P2P { ops } => Some(ops.first().map(|t| t.seq).unwrap_or(0)),
+            // One-sided window ops take no sequence number.
+            _ if req.kind == OpKind::Window => None,
+            _ => Some(req.seq),
+        });
         let ctx = OpCtx {
             comm: self.info.name.clone(),
             rank: self.info.rank,
