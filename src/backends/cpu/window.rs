@@ -348,23 +348,23 @@ impl Windows {
 
     /// Free every window; with `graceful`, tell the peers first (CW-4).
     pub(super) async fn close(&mut self, graceful: bool) {
-        let list = std::mem::take(&mut self.list);
-        if graceful {
-            let writers = list.iter().map(|w| w.tx.len()).sum::<usize>();
-            tracing::debug!(windows = list.len(), writers, "closing windows");
-            let mut list = list;
-            futures::future::join_all(list.iter_mut().flat_map(|w| w.tx.iter_mut()).flatten().map(
-                |tx| async move {
-                    let _ = tokio::time::timeout(CLOSE_BOUND, async {
-                        tx.write_all(&[TAG_CLOSE]).await?;
-                        tx.shutdown().await
-                    })
-                    .await;
-                },
-            ))
-            .await;
-            drop(list);
+        let mut list = std::mem::take(&mut self.list);
+        if graceful && !list.is_empty() {
+            tracing::debug!(windows = list.len(), "closing windows");
+            let writers =
+                list.iter_mut()
+                    .flat_map(|w| w.tx.iter_mut())
+                    .flatten()
+                    .map(|tx| async move {
+                        let _ = tokio::time::timeout(CLOSE_BOUND, async {
+                            tx.write_all(&[TAG_CLOSE]).await?;
+                            tx.shutdown().await
+                        })
+                        .await;
+                    });
+            futures::future::join_all(writers).await;
         }
+        drop(list);
     }
 }
 
@@ -886,4 +886,57 @@ async fn receive(local: Arc<Local>, src: usize, mut rx: OwnedReadHalf) {
         s.store(end, Ordering::Release);
     }
     local.notify.notify_waiters();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_round_trip_and_truncated_ones_are_refused() {
+        let o = Offer {
+            size: 12345,
+            addr: "127.0.0.1:4567".parse().expect("addr"),
+            path: "/dev/shm/chorus-0123456789abcdef-42-0-1".into(),
+        };
+        let b = o.encode();
+        let d = Offer::decode(&b).expect("decodes");
+        assert_eq!(
+            (d.size, d.addr, d.path.as_str()),
+            (o.size, o.addr, o.path.as_str())
+        );
+        for cut in 0..b.len() {
+            assert!(Offer::decode(&b[..cut]).is_none(), "prefix of {cut} bytes");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(Offer::decode(&long).is_none(), "trailing bytes");
+    }
+
+    #[test]
+    fn cw_2_window_memory_refuses_out_of_range_writes_and_reads() {
+        let n = 3;
+        let m = WinMem::init(Mapping::anonymous(data_offset(n) + 10).expect("map"), n, 10);
+        assert!(m.write(6, &[1, 2, 3, 4]));
+        assert_eq!(m.read(6, 4), Some(vec![1, 2, 3, 4]));
+        assert!(!m.write(7, &[0; 4]));
+        assert!(!m.write(usize::MAX, &[0]));
+        assert_eq!(m.read(11, 0), None);
+        assert_eq!(m.read(10, 0), Some(vec![]));
+        assert!(m.counter(2).is_some() && m.counter(3).is_none());
+        // The counters do not overlap the bytes.
+        m.counter(2)
+            .expect("counter")
+            .fetch_add(u64::MAX, Ordering::Release);
+        assert_eq!(m.read(0, 10), Some(vec![0, 0, 0, 0, 0, 0, 1, 2, 3, 4]));
+    }
+
+    #[test]
+    fn cw_2_a_mapping_with_another_layout_is_refused() {
+        let m = WinMem::init(Mapping::anonymous(data_offset(2) + 8).expect("map"), 2, 8);
+        let WinMem { map, .. } = m;
+        assert!(WinMem::check(map, 2, 16).is_err(), "size differs");
+        let blank = Mapping::anonymous(data_offset(2) + 8).expect("map");
+        assert!(WinMem::check(blank, 2, 8).is_err(), "no magic");
+    }
 }
