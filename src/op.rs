@@ -172,6 +172,8 @@ pub enum OpKind {
     /// one-sided window ops (put, signal, wait_signal, read): no header,
     /// no collective sequence number
     Window = 12,
+    /// free_window: collective release of a one-sided window
+    FreeWindow = 13,
 }
 
 impl OpKind {
@@ -191,6 +193,7 @@ impl OpKind {
             OpKind::P2P => "p2p",
             OpKind::NewWindow => "new_window",
             OpKind::Window => "window",
+            OpKind::FreeWindow => "free_window",
         }
     }
 
@@ -210,6 +213,7 @@ impl OpKind {
             P2P,
             NewWindow,
             Window,
+            FreeWindow,
         ]
         .get(c as usize)
         .copied()
@@ -433,6 +437,7 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
         }
         // Window sizes may differ per rank; the backend exchanges them.
         OpKind::Barrier | OpKind::NewWindow => {}
+        OpKind::FreeWindow => differ("window", &|h| h.count.to_string())?,
         OpKind::P2P | OpKind::Window => {
             return Err(HeaderMismatch {
                 detail: format!("{} header in a collective slot", kind.name()),

@@ -19,10 +19,11 @@
 //!   signal to a target is counted only after every earlier put to it
 //!   landed; so once `wait_signal(src, v)` returns, every put `src` issued
 //!   before the signal that reached `v` is visible in the local window.
-//! - WN-3: windows live as long as their communicator: finalize and abort
-//!   free them on every rank (memory unmapped, shared-memory files removed,
-//!   connections closed); a window op after that fails like any op of a
-//!   closed communicator.
+//! - WN-3: a window lives until [`Window::free`] (collective) or its
+//!   communicator's finalize or abort, which free it on every rank (memory
+//!   unmapped, shared-memory files removed, connections closed); a window
+//!   op after that fails (`InvalidArgument` after `free`, like any op of a
+//!   closed communicator after finalize or abort).
 
 use crate::actors::Request;
 use crate::backends::{WindowAccess, WindowDone, WindowInfo, WindowOp};
@@ -30,6 +31,8 @@ use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use crate::work::{Completion, Work};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// A one-sided window of a communicator ([`Comm::new_window`]).
 ///
@@ -54,13 +57,16 @@ use crate::work::{Completion, Work};
 /// win.signal(0, 1)?;
 /// win.wait_signal(0, 1)?;
 /// assert_eq!(win.read(8, 4)?, vec![1, 2, 3, 4]);
-/// comm.finalize()?; // frees the window
+/// win.free()?; // collective; or leave it to finalize
+/// comm.finalize()?;
 /// # Ok::<(), chorus::Error>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct Window {
     comm: Comm,
     info: WindowInfo,
+    /// Set by [`Window::free`], shared by clones.
+    freed: Arc<AtomicBool>,
 }
 
 /// A window's attributes for one peer ([`Window::get_attr`]), as
@@ -121,6 +127,7 @@ impl Comm {
         Ok(Window {
             comm: self.clone(),
             info,
+            freed: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -133,6 +140,7 @@ impl Comm {
         Ok(Window {
             comm: self.clone(),
             info,
+            freed: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -197,6 +205,7 @@ impl Window {
         Window {
             comm: self.comm.with_timeout(timeout),
             info: self.info.clone(),
+            freed: self.freed.clone(),
         }
     }
 
@@ -210,6 +219,9 @@ impl Window {
     }
 
     fn check_rank(&self, op: &'static str, r: usize) -> Result<()> {
+        if self.freed.load(Ordering::Acquire) {
+            return Err(self.invalid(op, format!("window {} was freed", self.info.id)));
+        }
         if r >= self.comm.size() {
             return Err(self.invalid(
                 op,
@@ -362,6 +374,47 @@ impl Window {
         })?;
         Tensor::from_bytes(dtype, bytes.as_bytes())
             .ok_or_else(|| Error::Internal(format!("{len} bytes are not {count} x {dtype}")))
+    }
+
+    /// Free this window on every rank: its memory, files and connections.
+    /// Collective: every rank frees the same window, in order with the
+    /// communicator's other collectives. Every handle of the window (its
+    /// clones too) refuses ops from the call on with `InvalidArgument`,
+    /// even if the free itself fails (the window then stays allocated
+    /// until finalize). Not needed before [`Comm::finalize`], which frees
+    /// every window.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the window was already freed;
+    /// [`Error::Mismatch`] if ranks free different windows (or issue other
+    /// ops); the communicator's failures otherwise.
+    pub fn free(self) -> Result<()> {
+        self.comm.blocking("free_window", || self.free_work())
+    }
+
+    /// Async form of [`Window::free`].
+    ///
+    /// # Errors
+    /// As [`Window::free`].
+    pub async fn free_async(self) -> Result<()> {
+        self.free_work().await
+    }
+
+    fn free_work(&self) -> Work<()> {
+        self.comm.submit(to_done, || {
+            if self.freed.swap(true, Ordering::AcqRel) {
+                return Err(self.invalid(
+                    "free_window",
+                    format!("window {} was freed already", self.info.id),
+                ));
+            }
+            Ok(Request::window(
+                WindowOp::Free {
+                    window: self.info.id,
+                },
+                self.info.id as usize,
+            ))
+        })
     }
 
     fn read_request(&self, offset: usize, len: usize) -> Result<Request> {

@@ -391,6 +391,49 @@ fn windows_are_freed_at_finalize_with_no_files_left() {
     assert!(my_shm_files().is_empty(), "left: {:?}", my_shm_files());
 }
 
+#[test]
+fn free_releases_a_window_on_every_rank_and_later_ops_are_invalid_argument() {
+    run_ranks(3, "win-free", |comm| {
+        let a = comm.new_window(1 << 12).expect("window a");
+        let b = comm.new_window(64).expect("window b");
+        let a2 = a.clone();
+        a.free().expect("free a");
+        for r in [
+            a2.put_bytes(&[1], 0, 0),
+            a2.signal(0, 1),
+            a2.wait_signal(0, 1),
+            a2.read(0, 1).map(drop),
+            a2.clone().free(),
+        ] {
+            assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+        }
+        // The other window still works, and a new one gets the next id.
+        let peer = (comm.rank() + 1) % comm.size();
+        let from = (comm.rank() + comm.size() - 1) % comm.size();
+        b.put_bytes(&[comm.rank() as u8; 8], peer, 0)
+            .expect("put b");
+        b.signal(peer, 1).expect("signal b");
+        b.wait_signal(from, 1).expect("wait b");
+        assert_eq!(b.read(0, 8).expect("read b"), vec![from as u8; 8]);
+        let c = comm.new_window(8).expect("window c");
+        assert_eq!(c.id(), 2);
+        // Ranks freeing different windows: a non-fatal mismatch.
+        let r = if comm.rank() == 0 {
+            b.free()
+        } else {
+            c.clone().free()
+        };
+        assert!(
+            matches!(r, Err(Error::Mismatch { fatal: false, .. })),
+            "{r:?}"
+        );
+        assert!(comm.is_active());
+        comm.finalize().expect("finalize");
+    });
+    no_windows_left();
+    assert!(my_shm_files().is_empty(), "left: {:?}", my_shm_files());
+}
+
 /// A backend that moves data with the cpu backend but has no windows.
 struct NoWindows(chorus::backends::cpu::CpuBackend);
 

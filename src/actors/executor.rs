@@ -517,7 +517,7 @@ impl Core {
             }
         }
         if let Some(op) = req.window.take() {
-            // NewWindow: collective, after the header check.
+            // NewWindow, FreeWindow: collective, after the header check.
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         self.backend.execute(ctx, &mut req.data).await?;

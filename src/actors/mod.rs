@@ -134,13 +134,14 @@ impl Request {
         }
     }
 
-    /// A window op: `NewWindow` for [`crate::backends::WindowOp::Create`]
-    /// (collective), `Window` for the one-sided others.
+    /// A window op: `NewWindow` / `FreeWindow` for
+    /// [`crate::backends::WindowOp::Create`] / `Free` (collective, header
+    /// checked), `Window` for the one-sided others.
     pub(crate) fn window(op: crate::backends::WindowOp, count: usize) -> Request {
-        let kind = if matches!(op, crate::backends::WindowOp::Create { .. }) {
-            OpKind::NewWindow
-        } else {
-            OpKind::Window
+        let kind = match op {
+            crate::backends::WindowOp::Create { .. } => OpKind::NewWindow,
+            crate::backends::WindowOp::Free { .. } => OpKind::FreeWindow,
+            _ => OpKind::Window,
         };
         let mut r =
             Request::collective(kind, None, DType::U8, None, count, vec![], OpData::Barrier);

@@ -509,6 +509,13 @@ pub enum WindowOp {
         /// The counter value to reach.
         value: u64,
     },
+    /// Collective: free window `window` on this rank (memory, files and
+    /// connections). Runs after the header exchange, on every rank, in the
+    /// same order; later ops on the window are refused.
+    Free {
+        /// Window id.
+        window: u64,
+    },
     /// Copy `len` bytes at byte `offset` of this rank's window out.
     Read {
         /// Window id.
@@ -525,6 +532,7 @@ impl WindowOp {
     pub fn name(&self) -> &'static str {
         match self {
             WindowOp::Create { .. } => "new_window",
+            WindowOp::Free { .. } => "free_window",
             WindowOp::Put { .. } => "window_put",
             WindowOp::Signal { .. } => "window_signal",
             WindowOp::WaitSignal { .. } => "window_wait_signal",
@@ -541,7 +549,7 @@ pub enum WindowDone {
     Created(WindowInfo),
     /// `Put`: the data buffer, handed back; `Read`: the bytes read (`U8`).
     Buffer(Tensor),
-    /// `Signal`, `WaitSignal`.
+    /// `Signal`, `WaitSignal`, `Free`.
     Done,
 }
 
@@ -648,9 +656,9 @@ pub trait Backend: Send {
         false
     }
 
-    /// Run one window op ([`WindowOp`]). `Create` is collective and runs
-    /// after the header exchange; the others are one-sided and run without
-    /// one, in this rank's issue order. Called only when
+    /// Run one window op ([`WindowOp`]). `Create` and `Free` are
+    /// collective and run after the header exchange; the others are
+    /// one-sided and run without one, in this rank's issue order. Called only when
     /// [`Backend::supports_windows`]; the default refuses every op.
     ///
     /// # Errors

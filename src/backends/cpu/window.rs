@@ -36,9 +36,9 @@
 //! - CW-3: a window file exists only during creation: unlinked once every
 //!   same-host peer answered, and on every error path (`Mapping` unlinks on
 //!   drop).
-//! - CW-4: finalize and abort free every window: receiver tasks stopped,
-//!   mappings unmapped, connections closed (finalize first sends a close
-//!   frame, bounded in time).
+//! - CW-4: `Free`, finalize and abort free windows: receiver tasks
+//!   stopped, mappings unmapped, connections closed (`Free` and finalize
+//!   first send a close frame, bounded in time).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -332,7 +332,8 @@ pub(super) struct Windows {
     secret: Arc<[u8]>,
     key_prefix: String,
     bind_ip: std::net::IpAddr,
-    list: Vec<CpuWindow>,
+    /// By window id; `None` once freed.
+    list: Vec<Option<CpuWindow>>,
 }
 
 impl Windows {
@@ -351,21 +352,22 @@ impl Windows {
         let mut list = std::mem::take(&mut self.list);
         if graceful && !list.is_empty() {
             tracing::debug!(windows = list.len(), "closing windows");
-            let writers =
-                list.iter_mut()
-                    .flat_map(|w| w.tx.iter_mut())
-                    .flatten()
-                    .map(|tx| async move {
-                        let _ = tokio::time::timeout(CLOSE_BOUND, async {
-                            tx.write_all(&[TAG_CLOSE]).await?;
-                            tx.shutdown().await
-                        })
-                        .await;
-                    });
-            futures::future::join_all(writers).await;
+            futures::future::join_all(list.iter_mut().flatten().map(close_one)).await;
         }
         drop(list);
     }
+}
+
+/// Tell every peer this window is closing (close frame, bounded in time).
+async fn close_one(w: &mut CpuWindow) {
+    let writers = w.tx.iter_mut().flatten().map(|tx| async move {
+        let _ = tokio::time::timeout(CLOSE_BOUND, async {
+            tx.write_all(&[TAG_CLOSE]).await?;
+            tx.shutdown().await
+        })
+        .await;
+    });
+    futures::future::join_all(writers).await;
 }
 
 /// What a rank offers its peers when a window is created.
@@ -422,20 +424,48 @@ impl CpuBackend {
                 data,
             } => {
                 let bad = self.bad_args(ctx, window, dst);
-                let w = self.windows.list.get_mut(window as usize).ok_or(bad)?;
+                let w = self
+                    .windows
+                    .list
+                    .get_mut(window as usize)
+                    .and_then(Option::as_mut)
+                    .ok_or(bad)?;
                 put(ctx, w, dst, offset, data.as_bytes()).await?;
                 Ok(WindowDone::Buffer(data))
             }
             WindowOp::Signal { window, dst, value } => {
                 let bad = self.bad_args(ctx, window, dst);
-                let w = self.windows.list.get_mut(window as usize).ok_or(bad)?;
+                let w = self
+                    .windows
+                    .list
+                    .get_mut(window as usize)
+                    .and_then(Option::as_mut)
+                    .ok_or(bad)?;
                 signal(ctx, w, dst, value).await?;
                 Ok(WindowDone::Done)
             }
             WindowOp::WaitSignal { window, src, value } => {
                 let bad = self.bad_args(ctx, window, src);
-                let w = self.windows.list.get(window as usize).ok_or(bad)?;
+                let w = self
+                    .windows
+                    .list
+                    .get(window as usize)
+                    .and_then(Option::as_ref)
+                    .ok_or(bad)?;
                 wait_signal(ctx, &w.local, src, value).await?;
+                Ok(WindowDone::Done)
+            }
+            WindowOp::Free { window } => {
+                let bad = self.bad_args(ctx, window, ctx.rank);
+                let mut w = self
+                    .windows
+                    .list
+                    .get_mut(window as usize)
+                    .and_then(Option::take)
+                    .ok_or(bad)?;
+                close_one(&mut w).await;
+                drop(w);
+                tracing::debug!(comm = %ctx.comm, rank = ctx.rank, window, "window freed");
                 Ok(WindowDone::Done)
             }
             WindowOp::Read {
@@ -444,7 +474,12 @@ impl CpuBackend {
                 len,
             } => {
                 let bad = self.bad_args(ctx, window, ctx.rank);
-                let w = self.windows.list.get(window as usize).ok_or(bad)?;
+                let w = self
+                    .windows
+                    .list
+                    .get(window as usize)
+                    .and_then(Option::as_ref)
+                    .ok_or(bad)?;
                 let bytes = w
                     .local
                     .mem
@@ -461,7 +496,7 @@ impl CpuBackend {
             rank: ctx.rank,
             op: ctx.kind.name(),
             reason: format!(
-                "window {window} does not exist here (or rank {rank} is out of range): {} windows",
+                "window {window} does not exist here or was freed (or rank {rank} is out of range): {} windows created",
                 self.windows.list.len()
             ),
         }
@@ -622,12 +657,12 @@ impl CpuBackend {
             })
             .collect();
         crate::debug::LIVE_WINDOWS.fetch_add(1, Ordering::AcqRel);
-        self.windows.list.push(CpuWindow {
+        self.windows.list.push(Some(CpuWindow {
             local,
             targets,
             tx,
             tasks,
-        });
+        }));
         tracing::debug!(comm = %ctx.comm, rank = me, id, size, "window created");
         Ok(WindowDone::Created(WindowInfo { id, sizes, access }))
     }
