@@ -17,8 +17,11 @@
 //! `heartbeat_timeout + 2 × heartbeat_interval` (here 1 s + 2 × 100 ms)
 //! after a stop. `--slack F` multiplies the bounds (for loaded machines;
 //! CI uses it). `--store launcher` or `--store rank0` runs only the
-//! scenarios of one store placement. The process exits non-zero if any row
-//! fails.
+//! scenarios of one store placement. `--store etcd` (built with `--features
+//! etcd`, and an `etcd` binary on `PATH` or in `CHORUS_TEST_ETCD`) starts an
+//! etcd server on loopback and runs the kill and stop rows with every rank
+//! on `CHORUS_STORE=etcd://...`, as a job spanning hosts would. The process
+//! exits non-zero if any row fails.
 //!
 //! The example re-executes itself as the ranks (`FAULT_MATRIX_RANK` set).
 //!
@@ -85,6 +88,12 @@ fn rank_main() -> std::process::ExitCode {
                     format!("[{}]", blamed.join(","))
                 };
                 println!("@@error {} {} {cause} {e}", now_us(), comm.rank());
+                // Stay up, as an elastic job's survivors do to reconfigure,
+                // until the launcher ends the scenario (closes our stdin).
+                // A survivor that exits at once can reset its links before
+                // its peers have read its abort notice.
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
                 return std::process::ExitCode::SUCCESS;
             }
         }
@@ -95,6 +104,61 @@ fn rank_main() -> std::process::ExitCode {
 enum StoreHost {
     Launcher,
     Rank0,
+    /// An etcd server the launcher starts (`--store etcd`).
+    Etcd,
+}
+
+/// A running etcd server on loopback; killed and its data removed on drop.
+struct Etcd {
+    child: Child,
+    dir: std::path::PathBuf,
+    endpoint: String,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Start etcd on free loopback ports and wait until its client port
+/// accepts connections (at most 20 s).
+fn start_etcd() -> Result<Etcd, String> {
+    let bin = std::env::var("CHORUS_TEST_ETCD").unwrap_or_else(|_| "etcd".into());
+    let port = || free_port().map_err(|e| format!("no free port: {e}"));
+    let (client, peer) = (port()?, port()?);
+    let dir = std::env::temp_dir().join(format!("chorus-fault-matrix-etcd-{}", std::process::id()));
+    let c = format!("http://127.0.0.1:{client}");
+    let p = format!("http://127.0.0.1:{peer}");
+    let child = Command::new(&bin)
+        .args(["--name", "fm", "--data-dir"])
+        .arg(&dir)
+        .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])
+        .args(["--listen-peer-urls", &p, "--initial-advertise-peer-urls", &p])
+        .args(["--initial-cluster", &format!("fm={p}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| {
+            format!("cannot start `{bin}` ({e}): install Debian etcd-server (./scripts/install-deps.sh)")
+        })?;
+    let etcd = Etcd {
+        child,
+        dir,
+        endpoint: format!("etcd://127.0.0.1:{client}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], client));
+    while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_err() {
+        if Instant::now() > deadline {
+            return Err(format!("etcd did not listen on {addr} within 20 s"));
+        }
+        // Polling a port that is not up yet: nothing to wait on instead.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(etcd)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -192,6 +256,8 @@ fn spawn_job(net: &Net, host: StoreHost, store_addr: &str, job: &str) -> std::io
             .env("CHORUS_SECRET", "fault-matrix-secret")
             .env("CHORUS_JOB_ID", job)
             .env_remove("CHORUS_STORE_ADDR")
+            .env_remove("CHORUS_STORE")
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         match host {
@@ -199,6 +265,11 @@ fn spawn_job(net: &Net, host: StoreHost, store_addr: &str, job: &str) -> std::io
                 cmd.env("CHORUS_RANK", rank.to_string())
                     .env("CHORUS_SIZE", WORLD.to_string())
                     .env("CHORUS_STORE_ADDR", store_addr);
+            }
+            StoreHost::Etcd => {
+                cmd.env("CHORUS_RANK", rank.to_string())
+                    .env("CHORUS_SIZE", WORLD.to_string())
+                    .env("CHORUS_STORE", store_addr);
             }
             StoreHost::Rank0 => {
                 cmd.env("RANK", rank.to_string())
@@ -253,6 +324,7 @@ fn run_scenario(
         match host {
             StoreHost::Launcher => "launcher",
             StoreHost::Rank0 => "rank 0",
+            StoreHost::Etcd => "etcd",
         },
         match fault {
             Fault::Kill => "kill -9",
@@ -348,7 +420,8 @@ fn run_scenario(
     if !injected {
         return fail(format!("cannot inject {fault:?} on rank {victim}"));
     }
-    let mut seen: Vec<Option<(Duration, String)>> = vec![None; WORLD];
+    // Per survivor: detection time, blamed ranks, the error's text.
+    let mut seen: Vec<Option<(Duration, String, String)>> = vec![None; WORLD];
     let survivors: Vec<usize> = (0..WORLD).filter(|&r| r != victim).collect();
     while survivors.iter().any(|&r| seen[r].is_none()) {
         match job
@@ -363,8 +436,9 @@ fn run_scenario(
                 let at: u128 = it.next().and_then(|v| v.parse().ok()).unwrap_or(t0);
                 let _rank = it.next();
                 let blamed = it.next().unwrap_or("[]").to_string();
+                let text = it.collect::<Vec<_>>().join(" ");
                 let dt = Duration::from_micros(at.saturating_sub(t0) as u64);
-                seen[r] = Some((dt, blamed));
+                seen[r] = Some((dt, blamed, text));
             }
             Err(_) => {
                 let missing: Vec<usize> = survivors
@@ -412,6 +486,11 @@ fn run_scenario(
             "ranks {wrong:?} named neither exactly rank {victim}{}",
             if store_victim { " nor the store" } else { "" }
         ));
+        for &r in &wrong {
+            if let Some((_, _, text)) = &seen[r] {
+                note.push(format!("r{r}: {text}"));
+            }
+        }
     }
     if late {
         note.push(format!("slower than the {bound:?} bound"));
@@ -449,9 +528,10 @@ fn main() -> std::process::ExitCode {
             ("--netns", Some(p)) if !p.is_empty() => net.netns = Some(p),
             ("--store", Some(h)) if h == "launcher" => hosts = vec![StoreHost::Launcher],
             ("--store", Some(h)) if h == "rank0" => hosts = vec![StoreHost::Rank0],
+            ("--store", Some(h)) if h == "etcd" => hosts = vec![StoreHost::Etcd],
             _ => {
                 eprintln!(
-                    "usage: fault_matrix [--slack FACTOR>=1] [--netns PREFIX] [--store launcher|rank0]"
+                    "usage: fault_matrix [--slack FACTOR>=1] [--netns PREFIX] [--store launcher|rank0|etcd]"
                 );
                 return std::process::ExitCode::from(2);
             }
@@ -476,6 +556,25 @@ fn main() -> std::process::ExitCode {
         }
     };
     let addr = server.local_addr().to_string();
+    let etcd = if hosts.contains(&StoreHost::Etcd) {
+        if !cfg!(feature = "etcd") {
+            eprintln!("fault_matrix: --store etcd needs a build with --features etcd");
+            return std::process::ExitCode::from(2);
+        }
+        if net.netns.is_some() {
+            eprintln!("fault_matrix: --store etcd runs on loopback only, not with --netns");
+            return std::process::ExitCode::from(2);
+        }
+        match start_etcd() {
+            Ok(e) => Some(e),
+            Err(e) => {
+                eprintln!("fault_matrix: {e}");
+                return std::process::ExitCode::from(2);
+            }
+        }
+    } else {
+        None
+    };
     let mut scenarios = vec![
         (StoreHost::Launcher, Fault::Kill, 0),
         (StoreHost::Launcher, Fault::Kill, 2),
@@ -485,6 +584,10 @@ fn main() -> std::process::ExitCode {
         (StoreHost::Rank0, Fault::Kill, 2),
         (StoreHost::Rank0, Fault::Stop, 0),
         (StoreHost::Rank0, Fault::Stop, 2),
+        (StoreHost::Etcd, Fault::Kill, 0),
+        (StoreHost::Etcd, Fault::Kill, 2),
+        (StoreHost::Etcd, Fault::Stop, 0),
+        (StoreHost::Etcd, Fault::Stop, 2),
     ];
     if net.netns.is_some() {
         scenarios.push((StoreHost::Launcher, Fault::LinkDown, 2));
@@ -496,7 +599,11 @@ fn main() -> std::process::ExitCode {
     println!("|---|---|---|---|---|---|");
     let mut all_pass = true;
     for (n, (host, fault, victim)) in scenarios.into_iter().enumerate() {
-        let row = run_scenario(&net, host, fault, victim, &addr, slack, n);
+        let store_addr = match (&etcd, host) {
+            (Some(e), StoreHost::Etcd) => e.endpoint.as_str(),
+            _ => addr.as_str(),
+        };
+        let row = run_scenario(&net, host, fault, victim, store_addr, slack, n);
         let ms = |d: Option<Duration>| {
             d.map(|d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
                 .unwrap_or_else(|| "-".into())
@@ -520,6 +627,7 @@ fn main() -> std::process::ExitCode {
         all_pass &= row.pass || row.skip;
     }
     drop(server);
+    drop(etcd);
     if all_pass {
         std::process::ExitCode::SUCCESS
     } else {

@@ -147,6 +147,10 @@ pub struct Connected {
     /// in-process [`Rendezvous::Store`]): then ranks agree on a job id
     /// through it ([`agreed_job_id`]).
     pub shared: bool,
+    /// The rank whose process hosts the store (rank 0 of a `Master`
+    /// rendezvous, as torchrun lays it out), or `None` when the store lives
+    /// outside the job's ranks (a launcher, `chorus-rendezvous`, etcd).
+    pub store_host: Option<usize>,
 }
 
 fn need_secret(secret: &Option<Vec<u8>>) -> Result<Vec<u8>> {
@@ -184,6 +188,7 @@ pub async fn connect_store(
             server: None,
             local_ip: loopback,
             shared: false,
+            store_host: None,
         }),
         Rendezvous::Server(addr) => {
             let secret = need_secret(secret)?;
@@ -194,6 +199,7 @@ pub async fn connect_store(
                 server: None,
                 local_ip,
                 shared: true,
+                store_host: None,
             })
         }
         Rendezvous::Master(addr) => {
@@ -227,6 +233,7 @@ pub async fn connect_store(
                 server,
                 local_ip,
                 shared: true,
+                store_host: Some(0),
             })
         }
     }
@@ -263,6 +270,7 @@ async fn connect_url(url: &str, secret: &Option<Vec<u8>>, timeout: Duration) -> 
             server: None,
             local_ip,
             shared: true,
+            store_host: None,
         })
     }
     #[cfg(not(feature = "etcd"))]

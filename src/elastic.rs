@@ -56,6 +56,9 @@ pub(crate) struct CommCtx {
     pub(crate) bind_ip: IpAddr,
     pub(crate) options: CommOptions,
     pub(crate) server: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The world rank whose process hosts the store, if a rank does
+    /// ([`crate::bootstrap::Connected::store_host`]).
+    pub(crate) store_host: Option<usize>,
     /// For a split child: its members' ranks in the parent and in the world,
     /// by child rank, at epoch 0. `None` for a top-level communicator.
     pub(crate) lineage: Option<CommRanks>,
@@ -578,6 +581,7 @@ impl Comm {
                 bind_ip: parent.bind_ip,
                 options: parent.options.clone(),
                 server: parent.server.clone(),
+                store_host: parent.store_host,
                 lineage: Some(self.lineage_of(members.iter().map(|&(_, r)| r).collect())),
             }),
             parent: Some(self.shared.clone()),
@@ -1068,6 +1072,7 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
                 bind_ip: crate::bootstrap::bind_ip(&options, connected.local_ip)?,
                 options: options.clone(),
                 server: None,
+                store_host: None,
                 lineage: None,
             });
             let rank = closed.survivors.len() + ticket;

@@ -122,6 +122,28 @@ pub enum Error {
         detail: String,
     },
 
+    /// Bytes received from `peer` did not match the checksum it sent with
+    /// them (`CHORUS_CHECKSUM=1`): they were changed in transit or in a
+    /// shared-memory ring. The op's output is not valid and the
+    /// communicator is aborted.
+    #[error(
+        "corrupted data on communicator {comm:?} (rank {rank}, epoch {epoch}) during {op}: from rank {peer}: {detail}"
+    )]
+    Corrupted {
+        /// Communicator name.
+        comm: String,
+        /// This rank.
+        rank: usize,
+        /// Epoch of the communicator.
+        epoch: u64,
+        /// Operation in flight.
+        op: &'static str,
+        /// The rank the bytes came from.
+        peer: usize,
+        /// What did not match.
+        detail: String,
+    },
+
     /// This rank lost the rendezvous store: it did not answer for `after`.
     /// This rank is alive, and its peers may be too; what failed is the
     /// store or the network path to it. Without the store the ranks can no
@@ -273,6 +295,7 @@ impl Error {
             self,
             Error::Timeout { .. }
                 | Error::PeerFailed { .. }
+                | Error::Corrupted { .. }
                 | Error::StoreUnreachable { .. }
                 | Error::Aborted { .. }
                 | Error::Mismatch { fatal: true, .. }

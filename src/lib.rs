@@ -256,6 +256,7 @@ async fn create(
             server: connected
                 .server
                 .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
+            store_host: connected.store_host,
             lineage: None,
         }),
         parent: None,
@@ -326,6 +327,18 @@ fn actor_name(info: &actors::CommInfo) -> String {
     name
 }
 
+/// This communicator's rank whose process hosts the store, if one does.
+/// Known for epoch 0 (a top-level communicator, or a split child through
+/// its lineage); later epochs renumber ranks and report `None`.
+fn store_host_rank(ctx: &elastic::CommCtx, epoch: u64) -> Option<usize> {
+    let host = ctx.store_host?;
+    match (&ctx.lineage, epoch) {
+        (_, e) if e > 0 => None,
+        (None, _) => Some(host),
+        (Some(l), _) => l.in_world.iter().position(|&w| w == host),
+    }
+}
+
 /// Start the communicator's actor over an already connected backend. Runs
 /// on the communicator's runtime.
 pub(crate) async fn start_with_backend(
@@ -390,6 +403,7 @@ pub(crate) async fn start_with_backend(
             timeout: options.heartbeat_timeout,
             store: ctx.store.clone(),
             health: Default::default(),
+            store_host: store_host_rank(&ctx, epoch),
         }),
         keys: Some(actors::executor::KeyRelease {
             store: ctx.store.clone(),

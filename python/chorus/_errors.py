@@ -22,6 +22,8 @@ __all__ = [
     "MismatchError",
     "TimeoutError",
     "PeerFailedError",
+    "StoreUnreachableError",
+    "CorruptedError",
     "AbortedError",
     "FinalizedError",
     "UnsupportedOpError",
@@ -67,6 +69,14 @@ class TimeoutError(ChorusError, builtins.TimeoutError):
 
 class PeerFailedError(ChorusError):
     """A peer died or reported a failure; ``failed_ranks`` names it."""
+
+
+class StoreUnreachableError(ChorusError):
+    """This rank lost the rendezvous store; it is alive, the store is not."""
+
+
+class CorruptedError(ChorusError):
+    """Bytes from a peer failed their checksum (``CHORUS_CHECKSUM=1``)."""
 
 
 class AbortedError(ChorusError):

@@ -272,6 +272,8 @@ fn class_of(e: &chorus::Error) -> &'static str {
         E::Mismatch { .. } => "MismatchError",
         E::Timeout { .. } => "TimeoutError",
         E::PeerFailed { .. } => "PeerFailedError",
+        E::StoreUnreachable { .. } => "StoreUnreachableError",
+        E::Corrupted { .. } => "CorruptedError",
         E::Aborted { .. } => "AbortedError",
         E::Finalized { .. } => "FinalizedError",
         E::UnsupportedOp { .. } => "UnsupportedOpError",

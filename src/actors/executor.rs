@@ -28,7 +28,7 @@
 //! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
 //! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
 //! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
-//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background). When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead ([WD-5]). |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background); a failure naming the rank that hosts the store (store on rank 0) does not wait at all, since the store died with it. When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead ([WD-5]). |
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
@@ -328,7 +328,15 @@ impl Core {
         let config = w.config.clone();
         let (ranks, text) = (failed_ranks.clone(), detail.clone());
         let down = config.clone();
+        let host_lost = config.store_host.is_some_and(|h| failed_ranks.contains(&h));
         let publish = tokio::spawn(async move { config.publish(ranks, text).await });
+        if host_lost {
+            // The rank that died hosted the store, which died with it:
+            // asking it would only wait out NOTICE_ADOPT. Publish in the
+            // background (a restarted store may still take it).
+            drop(publish);
+            return e;
+        }
         match tokio::time::timeout(NOTICE_ADOPT, publish).await {
             Ok(Ok(Some(n))) => {
                 if n.failed_ranks != *failed_ranks {
@@ -685,6 +693,7 @@ mod tests {
 
     use crate::backends::{Backend, IdleCtx, OpCtx, OpData, SplitArgs};
     use crate::error::{Error, Result};
+    use crate::transport::TransportError;
     use crate::{CommOptions, Device, ReduceOp, Tensor};
 
     /// What the fake backend saw.
@@ -794,6 +803,91 @@ mod tests {
         }
     }
 
+    /// A store that never answers, as one on a killed rank's host.
+    struct SilentStore;
+
+    #[async_trait]
+    impl crate::transport::Store for SilentStore {
+        async fn set(&self, _: &str, _: Vec<u8>) -> std::result::Result<(), TransportError> {
+            std::future::pending().await
+        }
+        async fn get(&self, _: &str) -> std::result::Result<Option<Vec<u8>>, TransportError> {
+            std::future::pending().await
+        }
+        async fn wait(
+            &self,
+            _: &[String],
+            _: Duration,
+        ) -> std::result::Result<Vec<Vec<u8>>, TransportError> {
+            std::future::pending().await
+        }
+        async fn add(&self, _: &str, _: i64) -> std::result::Result<i64, TransportError> {
+            std::future::pending().await
+        }
+        async fn compare_set(
+            &self,
+            _: &str,
+            _: Option<Vec<u8>>,
+            _: Vec<u8>,
+        ) -> std::result::Result<crate::transport::CompareSet, TransportError> {
+            std::future::pending().await
+        }
+        async fn delete(&self, _: &str) -> std::result::Result<bool, TransportError> {
+            std::future::pending().await
+        }
+        async fn delete_prefix(&self, _: &str) -> std::result::Result<u64, TransportError> {
+            std::future::pending().await
+        }
+    }
+
+    fn peer_failed(rank: usize) -> Error {
+        Error::PeerFailed {
+            comm: "w".into(),
+            rank: 1,
+            epoch: 0,
+            op: "all_reduce",
+            failed_ranks: vec![rank],
+            detail: format!("receiving from rank {rank} failed: reset"),
+        }
+    }
+
+    /// EX-4 with the store on rank 0: a failure naming rank 0 completes at
+    /// once (the store died with it); one naming another rank still asks
+    /// the store, for at most NOTICE_ADOPT. Virtual time, so exact.
+    #[tokio::test(start_paused = true)]
+    async fn ex4_a_failure_of_the_store_host_does_not_wait_for_the_store() {
+        let config = crate::actors::watchdog::WatchdogConfig {
+            prefix: "test/w/epoch/0".into(),
+            rank: 1,
+            size: 4,
+            epoch: 0,
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_secs(1),
+            store: Arc::new(SilentStore),
+            health: Default::default(),
+            store_host: Some(0),
+        };
+        let info = super::CommInfo {
+            name: "w".into(),
+            rank: 1,
+            size: 4,
+            epoch: 0,
+        };
+        let seen = Arc::new(Seen::default());
+        let mut core = super::Core::new(
+            info,
+            Box::new(Fake::new(false, &seen)),
+            Some(crate::actors::watchdog::Watchdog::detached(config)),
+        );
+        let t0 = tokio::time::Instant::now();
+        let e = core.adopt_notice(peer_failed(0)).await;
+        assert_eq!(t0.elapsed(), Duration::ZERO, "waited on a dead store");
+        assert_eq!(e.failed_ranks(), [0]);
+        let e = core.adopt_notice(peer_failed(2)).await;
+        assert_eq!(t0.elapsed(), super::NOTICE_ADOPT);
+        assert_eq!(e.failed_ranks(), [2]);
+    }
+
     fn comm_over(name: &str, fake: Fake) -> crate::Comm {
         let store: Arc<dyn crate::transport::Store> =
             Arc::new(crate::transport::MemoryStore::new());
@@ -813,6 +907,7 @@ mod tests {
                 bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
                 options: CommOptions::single().with_timeout(Duration::from_secs(20)),
                 server: None,
+                store_host: None,
                 lineage: None,
             }),
             parent: None,

@@ -166,6 +166,13 @@ pub(crate) struct WatchdogConfig {
     ///
     /// [WD-5]: self#invariants
     pub(crate) health: Arc<StoreHealth>,
+    /// This communicator's rank whose process hosts the store, if one does
+    /// (the torchrun layout, store on rank 0): that rank's death takes the
+    /// store with it, so a failure naming it is not checked against the
+    /// store ([EX-4]).
+    ///
+    /// [EX-4]: crate::actors::executor#invariants
+    pub(crate) store_host: Option<usize>,
 }
 
 impl WatchdogConfig {
@@ -247,6 +254,19 @@ impl Watchdog {
             handle,
             config,
         })
+    }
+
+    /// A watchdog that sends no heartbeats, for tests of what the executor
+    /// does with its config.
+    #[cfg(test)]
+    pub(crate) fn detached(config: WatchdogConfig) -> Watchdog {
+        crate::debug::LIVE_WATCHDOGS.fetch_add(1, Ordering::AcqRel);
+        Watchdog {
+            cancel: CancellationToken::new(),
+            clean: Arc::new(AtomicBool::new(false)),
+            handle: tokio::spawn(async { drop(LiveGuard) }),
+            config,
+        }
     }
 
     /// Stop the task and wait for it; `clean` writes the `done` heartbeat ([WD-3]).

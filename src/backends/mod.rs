@@ -225,6 +225,19 @@ impl OpCtx {
         }
     }
 
+    /// A `Corrupted` error for this op: bytes from `peer` failed their
+    /// checksum.
+    pub fn corrupted(&self, peer: usize, detail: impl Into<String>) -> Error {
+        Error::Corrupted {
+            comm: self.comm.clone(),
+            rank: self.rank,
+            epoch: self.epoch,
+            op: self.kind.name(),
+            peer,
+            detail: detail.into(),
+        }
+    }
+
     /// A fatal `Mismatch` error for this op (ranks out of step).
     pub fn mismatch(&self, detail: impl Into<String>) -> Error {
         Error::Mismatch {

@@ -125,10 +125,11 @@ impl CpuBackend {
         let streams = link::connect_mesh(&init).instrument(span).await?;
         let mut writers = Vec::with_capacity(init.size);
         let mut readers = Vec::with_capacity(init.size);
+        let checksum = link::checksum_from_env();
         for (peer, s) in streams.into_iter().enumerate() {
             match s {
                 Some(stream) => {
-                    let (r, w) = link::split_link(peer, init.epoch, stream);
+                    let (r, w) = link::split_link(peer, init.epoch, stream, checksum);
                     readers.push(Some(r));
                     writers.push(Some(w));
                 }
@@ -142,7 +143,7 @@ impl CpuBackend {
         let shm = link::setup_shm(&init, &mut writers, &mut readers)
             .await?
             .into_iter()
-            .map(|p| p.map(|(tx, rx)| ShmLink { tx, rx }))
+            .map(|p| p.map(|(tx, rx)| ShmLink { tx, rx, checksum }))
             .collect();
         Ok(CpuBackend {
             comm: init.comm,

@@ -1,9 +1,10 @@
 //! Moving frames over shared-memory rings: the progress engine used for
 //! same-host peers.
 //!
-//! A message on a ring is a 24-byte prefix (`kind u8`, `class u8`, 6 zero
-//! bytes, `seq u64`, `len u64`, little endian; the same fields as a TCP
-//! frame header), `len` payload bytes, and zero padding to a multiple of 8,
+//! A message on a ring is a 24-byte prefix (`kind u8`, `class u8`, the
+//! single-copy flag `u8`, the checksum flag `u8` and the payload's CRC32C
+//! `u32` or zeros, `seq u64`, `len u64`, little endian; the same fields as a
+//! TCP frame header), `len` payload bytes, and zero padding to a multiple of 8,
 //! so every payload starts 8-aligned in the ring and no element of any dtype
 //! straddles the wrap point. One thread drives every transfer of a step:
 //! it copies send payloads into the peers' rings and copies — or reduces —
@@ -15,6 +16,13 @@
 //! - SX-1: messages between one ordered pair of ranks are matched in order
 //!   ([SC-3]); a prefix whose kind, class, seq or length is not the expected
 //!   one is a `Mismatch`, checked before any payload byte is used (as LK-3).
+//! - SX-6: with `CHORUS_CHECKSUM=1` every message carries the CRC32C of its
+//!   payload, computed by the sender over its buffer before the prefix is
+//!   written; the receiver folds every payload byte it takes out of the ring
+//!   (or reads from the sender's memory) into a running CRC and checks it
+//!   when the last byte is in, before the op can complete: a mismatch is
+//!   `Error::Corrupted`, a missing checksum a fatal `Mismatch`, as on TCP
+//!   links ([LK-7]).
 //! - SX-2: waiting never spins unboundedly: a short spin, then futex sleeps
 //!   of at most [`SLEEP`] (no `sched_yield`: on a loaded machine a yielding
 //!   rank lost its CPU for a whole time slice, measured as bimodal 2-4 ms
@@ -51,10 +59,11 @@
 //!   runtime instead.
 //!
 //! [SC-3]: crate::backends::cpu::schedule#invariants
+//! [LK-7]: crate::backends::cpu::link::frame#invariants
 
 use std::time::{Duration, Instant};
 
-use super::link::{FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
+use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
@@ -111,13 +120,26 @@ pub(crate) struct ShmLink {
     pub(crate) tx: RingProducer,
     /// Peer -> this rank.
     pub(crate) rx: RingConsumer,
+    /// Send and require a CRC32C per message ([SX-6](self#invariants)).
+    pub(crate) checksum: bool,
 }
 
-fn prefix(kind: FrameKind, class: FrameClass, seq: u64, len: u64, cma: bool) -> [u8; PREFIX] {
+fn prefix(
+    kind: FrameKind,
+    class: FrameClass,
+    seq: u64,
+    len: u64,
+    cma: bool,
+    crc: Option<u32>,
+) -> [u8; PREFIX] {
     let mut h = [0u8; PREFIX];
     h[0] = kind as u8;
     h[1] = class as u8;
     h[2] = u8::from(cma);
+    if let Some(c) = crc {
+        h[3] = link::FLAG_CRC;
+        h[4..8].copy_from_slice(&c.to_le_bytes());
+    }
     h[8..16].copy_from_slice(&seq.to_le_bytes());
     h[16..24].copy_from_slice(&len.to_le_bytes());
     h
@@ -243,6 +265,13 @@ struct RecvJob<'a> {
     ///
     /// [SX-4]: self#invariants
     cma: Option<CmaRecv>,
+    /// [SX-6]: require a checksum; the one sent; the CRC of the payload
+    /// bytes taken so far.
+    ///
+    /// [SX-6]: self#invariants
+    checksum: bool,
+    sent_crc: Option<u32>,
+    crc: u32,
 }
 
 impl RecvJob<'_> {
@@ -290,6 +319,9 @@ impl RecvJob<'_> {
                 None => {
                     let step = (self.len - off).min(CMA_COPY_STEP);
                     shm::cma_read(c.pid, addr, &mut dst[off..off + step]).map_err(failed)?;
+                    if self.sent_crc.is_some() {
+                        self.crc = crc32c::crc32c_append(self.crc, &dst[off..off + step]);
+                    }
                     step
                 }
                 Some((dtype, op)) => {
@@ -297,6 +329,9 @@ impl RecvJob<'_> {
                     let step = (self.len - off).min(CMA_REDUCE_STEP / es * es);
                     c.scratch.resize(step, 0);
                     shm::cma_read(c.pid, addr, &mut c.scratch).map_err(failed)?;
+                    if self.sent_crc.is_some() {
+                        self.crc = crc32c::crc32c_append(self.crc, &c.scratch);
+                    }
                     kernels::reduce_into(dtype, op, &mut dst[off..off + step], &c.scratch)?;
                     step
                 }
@@ -311,6 +346,17 @@ impl RecvJob<'_> {
             return Ok(true);
         }
         if !c.acked {
+            // SX-6: check before the ack, so the op cannot complete with
+            // bytes that changed under the read.
+            let (sent, crc) = (self.sent_crc, self.crc);
+            link::verify_crc(
+                ctx,
+                peer,
+                self.checksum,
+                sent,
+                || crc,
+                "single-copy payload",
+            )?;
             self.ring.cma_ack();
             c.acked = true;
             crate::debug::SINGLE_COPY_READS.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -353,12 +399,21 @@ impl RecvJob<'_> {
             let off = self.got - PREFIX;
             let n = if off < self.len {
                 let want = self.len - off;
-                match &mut self.into {
+                let folding = self.sent_crc.is_some();
+                let crc = &mut self.crc;
+                let mut fold = |b: &[u8]| {
+                    if folding {
+                        *crc = crc32c::crc32c_append(*crc, b);
+                    }
+                };
+                let n = match &mut self.into {
                     RecvInto::Exact(buf) => self.ring.consume_with(want, |b| {
+                        fold(b);
                         buf[off..off + b.len()].copy_from_slice(b);
                         b.len()
                     }),
                     RecvInto::Bounded(buf, _) => self.ring.consume_with(want, |b| {
+                        fold(b);
                         buf[off..off + b.len()].copy_from_slice(b);
                         b.len()
                     }),
@@ -367,6 +422,7 @@ impl RecvJob<'_> {
                         let mut res = Ok(());
                         let n = self.ring.consume_with(want, |b| {
                             let k = b.len() / es * es;
+                            fold(&b[..k]);
                             res =
                                 kernels::reduce_into(*dtype, *op, &mut buf[off..off + k], &b[..k]);
                             k
@@ -374,7 +430,13 @@ impl RecvJob<'_> {
                         res?;
                         n
                     }
+                };
+                if n > 0 && off + n == self.len {
+                    // SX-6: the last payload byte is in.
+                    let (sent, crc) = (self.sent_crc, self.crc);
+                    link::verify_crc(ctx, self.peer, self.checksum, sent, || crc, "ring message")?;
                 }
+                n
             } else {
                 let pad = padded(self.len) - self.got;
                 self.ring.consume_with(pad, |b| b.len())
@@ -396,12 +458,15 @@ impl RecvJob<'_> {
         };
         let (seq, len) = (le(&h[8..16]), le(&h[16..24]));
         let peer = self.peer;
-        if h[0] != self.kind as u8
-            || h[1] != self.class as u8
-            || h[2] > 1
-            || h[3..8] != [0u8; 5]
-            || seq != self.seq
-        {
+        // Bytes 3..8 have the layout of a TCP frame header's (LK-7).
+        let mut field = [0u8; 8];
+        field[3..8].copy_from_slice(&h[3..8]);
+        let crc = if h[2] > 1 {
+            None
+        } else {
+            link::crc_field(&field)
+        };
+        if h[0] != self.kind as u8 || h[1] != self.class as u8 || crc.is_none() || seq != self.seq {
             return Err(ctx.mismatch(format!(
                 "rank {peer} is out of step: expected frame kind {} class {} seq {} on the shared-memory link, got kind {} class {} seq {seq} ({len} bytes)",
                 self.kind as u8, self.class as u8, self.seq, h[0], h[1]
@@ -411,6 +476,18 @@ impl RecvJob<'_> {
             .accepts(len)
             .map_err(|w| ctx.mismatch(format!("rank {peer} {w} (seq {seq})")))?;
         self.len = len as usize;
+        self.sent_crc = crc.flatten();
+        if self.len == 0 {
+            // SX-6: no payload byte will arrive to trigger the check.
+            link::verify_crc(
+                ctx,
+                peer,
+                self.checksum,
+                self.sent_crc,
+                || 0,
+                "ring message",
+            )?;
+        }
         if let RecvInto::Bounded(buf, _) = &mut self.into {
             buf.clear();
             buf.resize(self.len, 0);
@@ -481,9 +558,10 @@ pub(crate) async fn run_shm(
             .into_iter()
             .map(|(kind, seq, payload)| {
                 let cma = receives_too && payload.len() >= cma_min && l.tx.cma_ok();
+                let crc = l.checksum.then(|| crc32c::crc32c(payload));
                 SendJob {
                     ring: &l.tx,
-                    prefix: prefix(kind, class, seq, payload.len() as u64, cma),
+                    prefix: prefix(kind, class, seq, payload.len() as u64, cma, crc),
                     payload,
                     desc: cma.then(|| (payload.as_ptr() as usize as u64).to_le_bytes()),
                     ticket: None,
@@ -509,6 +587,9 @@ pub(crate) async fn run_shm(
                 got: 0,
                 len: 0,
                 cma: None,
+                checksum: l.checksum,
+                sent_crc: None,
+                crc: 0,
             })
             .collect();
         recv_q.push((peer, q));

@@ -10,7 +10,9 @@
 //! |--------|-------|
 //! | 0      | kind: 1 = Header, 2 = Data, 3 = Abort |
 //! | 1      | class: 1 = Collective, 2 = P2P |
-//! | 2..8   | zero padding |
+//! | 2      | zero |
+//! | 3      | flags: bit 0 = bytes 4..8 hold a checksum |
+//! | 4..8   | CRC32C (Castagnoli) of the payload, `u32`, or zero |
 //! | 8..16  | epoch `u64` |
 //! | 16..24 | seq `u64` |
 //! | 24..32 | len `u64` |
@@ -18,11 +20,20 @@
 //! An Abort payload is `count u32`, `count` failed ranks as `u32`, then the
 //! UTF-8 reason.
 //!
+//! With `CHORUS_CHECKSUM=1` ([`checksum_from_env`]) every Header and Data
+//! frame carries the CRC32C of its payload, and a reader with the setting on
+//! requires one on every such frame and checks it before the payload is
+//! used (a reduction's bytes are checked before they are combined).
+//!
 //! # Invariants
 //! - LK-3: a frame's kind, class, epoch, seq and length are checked against
 //!   what the reader expects *before* any payload is buffered; Header frames
 //!   are at most [`MAX_HEADER_FRAME`] bytes, Abort frames at most
 //!   [`MAX_ABORT_FRAME`]. Anything unexpected is a `Mismatch`, never a panic.
+//! - LK-7: with checksums on, a payload whose CRC32C does not match is
+//!   `Error::Corrupted` naming the sending rank, and a frame without a
+//!   checksum is a fatal `Mismatch` (the ranks disagree on the setting); a
+//!   reader with checksums off still checks any checksum it is sent.
 //! - LK-4: a writer knows whether it stopped in the middle of a frame
 //!   ([`LinkWriter::mid_frame`]); an Abort frame is only written on a link
 //!   that is at a frame boundary, so it is never read as payload.
@@ -46,6 +57,62 @@ pub(crate) const MAX_HEADER_FRAME: u64 = 16 << 20;
 pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
 /// Payloads up to this size are written together with their header.
 const COALESCE_LIMIT: usize = 16 << 10;
+/// Frame flag: bytes 4..8 of the header hold the payload's CRC32C.
+pub(crate) const FLAG_CRC: u8 = 1;
+
+/// Whether `CHORUS_CHECKSUM` asks for a CRC32C on every frame and ring
+/// message ([LK-7](self#invariants)): `1`, `true`, `yes` or `on`. Read when
+/// a communicator's links are set up.
+pub(crate) fn checksum_from_env() -> bool {
+    std::env::var("CHORUS_CHECKSUM").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
+}
+
+/// The checksum bytes of a header: `(flags, crc)`; `None` if malformed
+/// (a nonzero byte 2, unknown flags, or a checksum without its flag).
+pub(crate) fn crc_field(b: &[u8]) -> Option<Option<u32>> {
+    let crc = le_u32(&b[4..8]);
+    match (b[2], b[3]) {
+        (0, 0) if crc == 0 => Some(None),
+        (0, FLAG_CRC) => Some(Some(crc)),
+        _ => None,
+    }
+}
+
+/// Check `payload` against the checksum `sent` with it ([LK-7](self#invariants)).
+pub(crate) fn verify_crc(
+    ctx: &OpCtx,
+    peer: usize,
+    required: bool,
+    sent: Option<u32>,
+    payload_crc: impl FnOnce() -> u32,
+    what: &str,
+) -> Result<()> {
+    match sent {
+        Some(want) => {
+            let got = payload_crc();
+            if got != want {
+                return Err(ctx.corrupted(
+                    peer,
+                    format!(
+                        "{what}: CRC32C {got:#010x} of the received bytes, {want:#010x} sent (seq {})",
+                        ctx.seq
+                    ),
+                ));
+            }
+            Ok(())
+        }
+        None if required => Err(ctx.mismatch(format!(
+            "rank {peer} sent a {what} without a checksum, but this rank has CHORUS_CHECKSUM on: \
+             set it alike on every rank"
+        ))),
+        None => Ok(()),
+    }
+}
 
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,10 +169,15 @@ fn encode_frame_header(
     epoch: u64,
     seq: u64,
     len: u64,
+    crc: Option<u32>,
 ) -> [u8; FRAME_HEADER_LEN] {
     let mut h = [0u8; FRAME_HEADER_LEN];
     h[0] = kind as u8;
     h[1] = class as u8;
+    if let Some(c) = crc {
+        h[3] = FLAG_CRC;
+        h[4..8].copy_from_slice(&c.to_le_bytes());
+    }
     h[8..16].copy_from_slice(&epoch.to_le_bytes());
     h[16..24].copy_from_slice(&seq.to_le_bytes());
     h[24..32].copy_from_slice(&len.to_le_bytes());
@@ -171,6 +243,8 @@ pub(crate) struct LinkWriter {
     /// Set while a frame is partly written; still set if that write was
     /// cancelled, in which case the link cannot carry another frame ([LK-4](self#invariants)).
     mid_frame: bool,
+    /// Send a CRC32C with every Header and Data frame ([LK-7](self#invariants)).
+    checksum: bool,
 }
 
 impl LinkWriter {
@@ -193,7 +267,8 @@ impl LinkWriter {
         seq: u64,
         payload: &[u8],
     ) -> std::io::Result<()> {
-        let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64);
+        let crc = (self.checksum && kind != FrameKind::Abort).then(|| crc32c::crc32c(payload));
+        let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64, crc);
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
             let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
@@ -286,6 +361,8 @@ pub(crate) struct LinkReader {
     peer: usize,
     epoch: u64,
     half: BufReader<OwnedReadHalf>,
+    /// Require and check a CRC32C on every Header and Data frame ([LK-7](self#invariants)).
+    checksum: bool,
 }
 
 impl LinkReader {
@@ -348,9 +425,10 @@ impl LinkReader {
             kind.name(),
             self.epoch
         );
+        let crc = crc_field(&hdr);
         if got_kind != Some(kind)
             || hdr[1] != class as u8
-            || hdr[2..8] != [0u8; 6]
+            || crc.is_none()
             || got_epoch != self.epoch
             || got_seq != seq
         {
@@ -360,6 +438,18 @@ impl LinkReader {
                 got_kind.map(FrameKind::name).unwrap_or("<invalid kind>"),
             )));
         }
+        let crc = crc.flatten();
+        let required = self.checksum;
+        let check = |bytes: &[u8]| {
+            verify_crc(
+                ctx,
+                peer,
+                required,
+                crc,
+                || crc32c::crc32c(bytes),
+                kind.name(),
+            )
+        };
         match into {
             RecvInto::Exact(buf) => {
                 if len != buf.len() as u64 {
@@ -372,6 +462,7 @@ impl LinkReader {
                     .read_exact(buf)
                     .await
                     .map_err(|e| self.io_error(ctx, e))?;
+                check(buf)?;
             }
             RecvInto::Reduce(buf, dtype, op) => {
                 if len != buf.len() as u64 {
@@ -385,6 +476,7 @@ impl LinkReader {
                     .read_exact(&mut tmp)
                     .await
                     .map_err(|e| self.io_error(ctx, e))?;
+                check(&tmp)?;
                 crate::kernels::reduce_into(dtype, op, buf, &tmp)?;
             }
             RecvInto::Bounded(buf, max) => {
@@ -400,6 +492,7 @@ impl LinkReader {
                     .read_exact(buf)
                     .await
                     .map_err(|e| self.io_error(ctx, e))?;
+                check(buf)?;
             }
         }
         tracing::trace!(peer, kind = kind.name(), seq, bytes = len, "received frame");
@@ -453,8 +546,14 @@ impl LinkReader {
     }
 }
 
-/// Split a connected, authenticated stream into the two halves of a link.
-pub(crate) fn split_link(peer: usize, epoch: u64, stream: TcpStream) -> (LinkReader, LinkWriter) {
+/// Split a connected, authenticated stream into the two halves of a link;
+/// `checksum`: whether frames carry and require a CRC32C ([LK-7](self#invariants)).
+pub(crate) fn split_link(
+    peer: usize,
+    epoch: u64,
+    stream: TcpStream,
+    checksum: bool,
+) -> (LinkReader, LinkWriter) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(peer, error = %e, "could not set TCP_NODELAY");
     }
@@ -464,12 +563,14 @@ pub(crate) fn split_link(peer: usize, epoch: u64, stream: TcpStream) -> (LinkRea
             peer,
             epoch,
             half: BufReader::with_capacity(64 << 10, r),
+            checksum,
         },
         LinkWriter {
             peer,
             epoch,
             half: w,
             mid_frame: false,
+            checksum,
         },
     )
 }
@@ -488,12 +589,127 @@ mod tests {
 
     #[test]
     fn frame_header_layout_is_little_endian() {
-        let h = encode_frame_header(FrameKind::Data, FrameClass::P2P, 7, 9, 300);
+        let h = encode_frame_header(FrameKind::Data, FrameClass::P2P, 7, 9, 300, None);
         assert_eq!(h[0], 2);
         assert_eq!(h[1], 2);
         assert_eq!(&h[2..8], &[0u8; 6]);
         assert_eq!(le_u64(&h[8..]), 7);
         assert_eq!(le_u64(&h[16..]), 9);
         assert_eq!(le_u64(&h[24..]), 300);
+        let h = encode_frame_header(
+            FrameKind::Data,
+            FrameClass::P2P,
+            7,
+            9,
+            300,
+            Some(0xdead_beef),
+        );
+        assert_eq!((h[2], h[3]), (0, FLAG_CRC));
+        assert_eq!(le_u32(&h[4..]), 0xdead_beef);
+        assert_eq!(crc_field(&h), Some(Some(0xdead_beef)));
+        assert_eq!(crc_field(&[0u8; 8]), Some(None));
+        // A checksum without its flag, unknown flags, a nonzero byte 2.
+        assert_eq!(crc_field(&[0, 0, 0, 0, 1, 0, 0, 0]), None);
+        assert_eq!(crc_field(&[0, 0, 0, 2, 0, 0, 0, 0]), None);
+        assert_eq!(crc_field(&[0, 0, 1, FLAG_CRC, 0, 0, 0, 0]), None);
+    }
+
+    fn ctx() -> OpCtx {
+        OpCtx {
+            comm: "crc".into(),
+            rank: 1,
+            size: 2,
+            epoch: 0,
+            kind: crate::backends::OpKind::Broadcast,
+            seq: 4,
+            may_block: false,
+        }
+    }
+
+    /// A connected link pair on loopback: (this end's reader, the peer's
+    /// writer), with checksums on or off at each end.
+    async fn pair(reader_crc: bool, writer_crc: bool) -> (LinkReader, LinkWriter) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
+        // This rank's link to rank 1, and rank 1's to this rank.
+        let (reader, _) = split_link(1, 0, a.expect("connect"), reader_crc);
+        let (_, writer) = split_link(0, 0, b.expect("accept").0, writer_crc);
+        (reader, writer)
+    }
+
+    async fn recv(r: &mut LinkReader) -> Result<Vec<u8>> {
+        let mut buf = Vec::new();
+        r.recv(
+            &ctx(),
+            FrameKind::Data,
+            FrameClass::Collective,
+            4,
+            RecvInto::Bounded(&mut buf, 1 << 20),
+        )
+        .await
+        .map(|()| buf)
+    }
+
+    /// LK-7 on a TCP link: checked frames arrive intact, a flipped payload
+    /// bit is `Corrupted` naming the sender, a missing checksum is a fatal
+    /// `Mismatch` for a reader that requires one, and a reader without the
+    /// setting still checks what it is sent.
+    #[tokio::test]
+    async fn lk_7_checksums_on_tcp_frames() {
+        let payload: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
+        // Intact, both ends on.
+        let (mut r, mut w) = pair(true, true).await;
+        w.write_frame(FrameKind::Data, FrameClass::Collective, 4, &payload)
+            .await
+            .expect("write");
+        assert_eq!(recv(&mut r).await.expect("intact"), payload);
+
+        // One bit flipped after the checksum was taken.
+        let (mut r, mut w) = pair(true, true).await;
+        let hdr = encode_frame_header(
+            FrameKind::Data,
+            FrameClass::Collective,
+            0,
+            4,
+            payload.len() as u64,
+            Some(crc32c::crc32c(&payload)),
+        );
+        let mut bad = payload.clone();
+        bad[54_321] ^= 0x10;
+        w.half.write_all(&hdr).await.expect("write");
+        w.half.write_all(&bad).await.expect("write");
+        match recv(&mut r).await {
+            Err(Error::Corrupted { peer: 1, .. }) => {}
+            other => panic!("expected Corrupted from rank 1, got {other:?}"),
+        }
+
+        // The writer does not checksum; this reader requires it.
+        let (mut r, mut w) = pair(true, false).await;
+        w.write_frame(FrameKind::Data, FrameClass::Collective, 4, &payload)
+            .await
+            .expect("write");
+        match recv(&mut r).await {
+            Err(e @ Error::Mismatch { fatal: true, .. }) => {
+                assert!(e.to_string().contains("CHORUS_CHECKSUM"), "{e}")
+            }
+            other => panic!("expected a fatal Mismatch, got {other:?}"),
+        }
+
+        // A reader without the setting checks a checksum it is sent.
+        let (mut r, mut w) = pair(false, true).await;
+        let hdr = encode_frame_header(
+            FrameKind::Data,
+            FrameClass::Collective,
+            0,
+            4,
+            4,
+            Some(crc32c::crc32c(b"abcd")),
+        );
+        w.half.write_all(&hdr).await.expect("write");
+        w.half.write_all(b"abce").await.expect("write");
+        assert!(matches!(recv(&mut r).await, Err(Error::Corrupted { .. })));
     }
 }

@@ -23,7 +23,7 @@ pub(crate) mod handshake;
 pub(crate) mod mesh;
 
 pub(crate) use frame::{
-    encode_abort, split_link, FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto,
-    MAX_HEADER_FRAME,
+    checksum_from_env, crc_field, encode_abort, split_link, verify_crc, FrameClass, FrameKind,
+    LinkReader, LinkWriter, Liveness, RecvInto, FLAG_CRC, MAX_HEADER_FRAME,
 };
 pub(crate) use mesh::{connect_mesh, setup_shm};
