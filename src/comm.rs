@@ -91,6 +91,8 @@ pub(crate) struct Shared {
     pub(crate) backend: &'static str,
     /// What the backend can do beyond the ops, asked when it started.
     pub(crate) caps: crate::backends::Capabilities,
+    /// Whether the backend implements one-sided windows, asked when it started.
+    pub(crate) windows: bool,
     /// The backend's version, asked when it started.
     pub(crate) backend_version: String,
     /// The op timeout of handles without their own ([`Comm::set_timeout`]).
@@ -427,7 +429,7 @@ impl Comm {
         })
     }
 
-    fn submit<T>(
+    pub(crate) fn submit<T>(
         &self,
         map: fn(Completion) -> Result<T>,
         build: impl FnOnce() -> Result<Request>,
@@ -481,7 +483,11 @@ impl Comm {
     /// a turn on this thread when the communicator is idle, so a blocking
     /// op costs no thread hand-off. Never blocks a worker of the caller's
     /// runtime ([`crate::runtime::blocking`]).
-    fn blocking<T>(&self, name: &'static str, op: impl FnOnce() -> Work<T>) -> Result<T> {
+    pub(crate) fn blocking<T>(
+        &self,
+        name: &'static str,
+        op: impl FnOnce() -> Work<T>,
+    ) -> Result<T> {
         struct Reset;
         impl Drop for Reset {
             fn drop(&mut self) {
@@ -1173,6 +1179,112 @@ impl Comm {
         })
     }
 
+    /// [`Comm::all_to_all_v_single`] for 2-D data, with TorchComms' split
+    /// semantics: `input` holds rows of `row_width` elements (dimension 0
+    /// is `input.len() / row_width`), and the split sizes count rows, not
+    /// elements. `input_split_rows[j]` rows go to rank `j` and
+    /// `output_split_rows[j]` rows come from rank `j`; the input's split
+    /// sizes may add up to fewer rows than it has (the rows after them are
+    /// not sent). The result holds `sum(output_split_rows)` rows.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (before any communication) if
+    /// `row_width` is 0 for a non-empty input or does not divide its
+    /// length, if a list does not have `size()` entries, if the input's
+    /// split sizes add up to more rows than it has, or if a size overflows;
+    /// [`Error::Mismatch`] (on every rank) if rank `i` sends rank `j` a
+    /// different number of rows than `j` expects.
+    pub fn all_to_all_v_single_rows(
+        &self,
+        input: Tensor,
+        row_width: usize,
+        input_split_rows: &[usize],
+        output_split_rows: &[usize],
+    ) -> Result<Tensor> {
+        self.blocking("all_to_all_v_single", || {
+            self.all_to_all_v_single_rows_async(
+                input,
+                row_width,
+                input_split_rows,
+                output_split_rows,
+            )
+        })
+    }
+
+    /// Async form of [`Comm::all_to_all_v_single_rows`].
+    pub fn all_to_all_v_single_rows_async(
+        &self,
+        input: Tensor,
+        row_width: usize,
+        input_split_rows: &[usize],
+        output_split_rows: &[usize],
+    ) -> Work<Tensor> {
+        const OP: &str = "all_to_all_v_single";
+        let elems = |rows: &[usize], what: &str| -> Result<Vec<usize>> {
+            if rows.len() != self.size() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "{} {what} split sizes given for {} ranks",
+                        rows.len(),
+                        self.size()
+                    ),
+                ));
+            }
+            rows.iter()
+                .map(|&r| {
+                    r.checked_mul(row_width).ok_or_else(|| {
+                        self.invalid(
+                            OP,
+                            format!("{r} rows of {row_width} elements overflow usize"),
+                        )
+                    })
+                })
+                .collect()
+        };
+        let prepared = (|| {
+            if row_width == 0 && !input.is_empty() {
+                return Err(self.invalid(OP, "row width 0 for a non-empty input"));
+            }
+            if row_width != 0 && input.len() % row_width != 0 {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "input has {} elements, not a whole number of rows of {row_width}",
+                        input.len()
+                    ),
+                ));
+            }
+            let send = elems(input_split_rows, "input")?;
+            let recv = elems(output_split_rows, "output")?;
+            let used = self.checked_total(OP, &send)?;
+            if used > input.len() {
+                return Err(self.invalid(
+                    OP,
+                    format!(
+                        "input split sizes {input_split_rows:?} add up to {} rows, but the input has {} rows of {row_width}",
+                        used / row_width.max(1),
+                        input.len() / row_width.max(1)
+                    ),
+                ));
+            }
+            self.checked_total(OP, &recv)?;
+            let input = if used == input.len() {
+                input
+            } else {
+                // Only the rows the splits cover are sent.
+                let es = input.dtype().size();
+                Tensor::from_bytes(input.dtype(), &input.as_bytes()[..used * es])
+                    .ok_or_else(|| self.invalid(OP, "cannot copy the input's leading rows"))?
+            };
+            Ok((input, send, recv))
+        })();
+        match prepared {
+            Ok((input, send, recv)) => self.all_to_all_v_single_async(input, &send, &recv),
+            Err(e) => Work::ready(to_tensor, Err(e)),
+        }
+    }
+
     // ---------------------------------------------------------------- barrier
 
     /// Block until every rank has entered the barrier.
@@ -1397,7 +1509,18 @@ fn describe(req: &Request) -> OpDesc {
             };
             (name, ops.iter().map(|t| t.buf.len()).sum(), peers)
         }
-        _ => (req.kind.name(), req.count, vec![]),
+        _ => match &req.window {
+            Some(w) => {
+                let peers = match w {
+                    crate::backends::WindowOp::Put { dst, .. }
+                    | crate::backends::WindowOp::Signal { dst, .. } => vec![*dst],
+                    crate::backends::WindowOp::WaitSignal { src, .. } => vec![*src],
+                    _ => vec![],
+                };
+                (w.name(), req.count, peers)
+            }
+            None => (req.kind.name(), req.count, vec![]),
+        },
     };
     OpDesc {
         op,

@@ -19,6 +19,13 @@ pub(crate) static LIVE_ACTORS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static LIVE_BACKENDS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static LIVE_WATCHDOGS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static SINGLE_COPY_READS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static LIVE_WINDOWS: AtomicUsize = AtomicUsize::new(0);
+
+/// One-sided windows ([`Comm::new_window`](crate::Comm::new_window)) whose
+/// memory is still allocated in this process; finalize and abort free them.
+pub fn live_windows() -> usize {
+    LIVE_WINDOWS.load(Ordering::Acquire)
+}
 
 /// Communicator actors alive in this process (started and not yet stopped).
 pub fn live_actors() -> usize {

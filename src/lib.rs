@@ -71,6 +71,16 @@
 //! forms the next epoch from the survivors (and ranks that [`join_comm`]ed),
 //! under a majority rule ([`Error::NoQuorum`]).
 //!
+//! ## One-sided windows
+//!
+//! [`Comm::new_window`] gives every rank a byte buffer its peers write into
+//! with [`Window::put`], without the owner posting a receive, and per-pair
+//! signal counters ([`Window::signal`], [`Window::wait_signal`]) that are
+//! counted only after the puts before them landed. The `cpu` backend maps
+//! same-host peers' windows (shared memory) and reaches other hosts over
+//! TCP; other backends refuse windows with [`Error::UnsupportedOp`]
+//! (`docs/windows.md`).
+//!
 //! ## Observing ops
 //!
 //! [`Comm::register_pre_hook`], [`Comm::register_post_hook`] and
@@ -103,6 +113,7 @@ mod persistent;
 mod runtime;
 pub mod tensor;
 pub mod transport;
+mod window;
 mod work;
 
 /// Internals that integration tests need and users do not; not part of the
@@ -115,7 +126,7 @@ pub mod test_support {
 }
 
 pub use actors::status::{ChildFailure, State, Status};
-pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode};
+pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode, WindowAccess};
 pub use comm::{Comm, P2POp};
 pub use elastic::{
     join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
@@ -130,6 +141,7 @@ pub use options::{
 };
 pub use persistent::PersistentAllGather;
 pub use tensor::{Bool, DType, Element, ExternalError, Tensor};
+pub use window::{Window, WindowAttr};
 pub use work::Work;
 
 /// Create a communicator: connect this rank to the others and start its actor.
@@ -347,6 +359,7 @@ pub(crate) async fn start_with_backend(
     let options = &ctx.options;
     let backend_name = backend_impl.name();
     let caps = backend_impl.capabilities();
+    let windows = backend_impl.supports_windows();
     let backend_version = backend_impl.version();
     let hints = Arc::new(hints::Hints::parse(options.hints.clone(), &name, rank)?);
     let observer = Arc::new(hooks::Observer::new(
@@ -428,6 +441,7 @@ pub(crate) async fn start_with_backend(
         device,
         backend: backend_name,
         caps,
+        windows,
         backend_version,
         default_timeout: comm::AtomicDuration::new(options.timeout),
         hints,

@@ -167,6 +167,13 @@ pub enum OpKind {
     Barrier = 9,
     /// send / recv / batched point-to-point
     P2P = 10,
+    /// new_window: collective creation of a one-sided window
+    NewWindow = 11,
+    /// one-sided window ops (put, signal, wait_signal, read): no header,
+    /// no collective sequence number
+    Window = 12,
+    /// free_window: collective release of a one-sided window
+    FreeWindow = 13,
 }
 
 impl OpKind {
@@ -184,6 +191,9 @@ impl OpKind {
             OpKind::AllToAllSingle => "all_to_all_single",
             OpKind::Barrier => "barrier",
             OpKind::P2P => "p2p",
+            OpKind::NewWindow => "new_window",
+            OpKind::Window => "window",
+            OpKind::FreeWindow => "free_window",
         }
     }
 
@@ -201,6 +211,9 @@ impl OpKind {
             AllToAllSingle,
             Barrier,
             P2P,
+            NewWindow,
+            Window,
+            FreeWindow,
         ]
         .get(c as usize)
         .copied()
@@ -446,10 +459,12 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
                 }
             }
         }
-        OpKind::Barrier => {}
-        OpKind::P2P => {
+        // Window sizes may differ per rank; the backend exchanges them.
+        OpKind::Barrier | OpKind::NewWindow => {}
+        OpKind::FreeWindow => differ("window", &|h| h.count.to_string())?,
+        OpKind::P2P | OpKind::Window => {
             return Err(HeaderMismatch {
-                detail: "point-to-point header in a collective slot".into(),
+                detail: format!("{} header in a collective slot", kind.name()),
                 fatal: true,
             })
         }

@@ -41,6 +41,8 @@ pub(crate) enum Completion {
     Tensor(Tensor),
     /// Several tensors.
     Tensors(Vec<Tensor>),
+    /// What a window op produced.
+    Window(crate::backends::WindowDone),
 }
 
 #[derive(Default)]

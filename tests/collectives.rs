@@ -819,3 +819,31 @@ fn premul_sum_with_per_rank_tensor_factors() {
         comm.finalize().unwrap();
     });
 }
+
+/// One-sided windows where the backend has them (`cpu`); on every other
+/// backend `new_window` is `UnsupportedOp` on every rank before any I/O,
+/// and the communicator stays usable and in step.
+#[test]
+fn new_window_works_on_cpu_and_is_unsupported_op_elsewhere_world_2() {
+    run_ranks(2, "windows-caps", |comm| {
+        let r = comm.rank();
+        match comm.new_window(32) {
+            Ok(win) => {
+                assert_eq!(comm.backend(), "cpu");
+                win.put_bytes(&[r as u8 + 1; 4], 1 - r, 0).unwrap();
+                win.signal(1 - r, 1).unwrap();
+                win.wait_signal(1 - r, 1).unwrap();
+                assert_eq!(win.read(0, 4).unwrap(), vec![2 - r as u8; 4]);
+            }
+            Err(chorus::Error::UnsupportedOp { op, .. }) => {
+                assert_ne!(comm.backend(), "cpu", "{op}");
+            }
+            Err(e) => panic!("rank {r}: {e}"),
+        }
+        let s = comm
+            .all_reduce(Tensor::full(1i64, 2), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(s.to_vec::<i64>(), vec![2; 2]);
+        comm.finalize().unwrap();
+    });
+}

@@ -465,6 +465,11 @@ fn example_send_recv_passes_on_2_to_4_ranks() {
 }
 
 #[test]
+fn example_kv_transfer_passes_on_2_and_3_ranks() {
+    run_example_on("kv_transfer", &[2, 3]);
+}
+
+#[test]
 fn example_hierarchical_all_reduce_passes_on_1_2_and_4_ranks() {
     run_example_on("hierarchical_all_reduce", &[1, 2, 4]);
 }

@@ -238,10 +238,12 @@ impl Core {
             return TurnEnd::Done;
         };
         self.stamp(&mut req);
-        completer.started(Some(match &req.data {
-            OpData::P2P { ops } => ops.first().map(|t| t.seq).unwrap_or(0),
-            _ => req.seq,
-        }));
+        completer.started(match &req.data {
+            OpData::P2P { ops } => Some(ops.first().map(|t| t.seq).unwrap_or(0)),
+            // One-sided window ops take no sequence number.
+            _ if req.kind == OpKind::Window => None,
+            _ => Some(req.seq),
+        });
         let ctx = OpCtx {
             comm: self.info.name.clone(),
             rank: self.info.rank,
@@ -455,7 +457,8 @@ impl Core {
                     }
                 }
             }
-        } else {
+        } else if req.kind != OpKind::Window {
+            // One-sided window ops pair with nothing on other ranks.
             req.seq = self.coll_seq;
             self.coll_seq += 1;
         }
@@ -464,6 +467,13 @@ impl Core {
     async fn run_inner(&mut self, ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         let n = ctx.size;
         let me = ctx.rank;
+        if req.kind == OpKind::Window {
+            let op = req
+                .window
+                .take()
+                .ok_or_else(|| Error::Internal("window request without its op".into()))?;
+            return Ok(Completion::Window(self.backend.window(ctx, op).await?));
+        }
         if req.kind == OpKind::P2P {
             self.p2p_headers(ctx, req).await?;
         } else {
@@ -519,6 +529,10 @@ impl Core {
                         })?;
                 }
             }
+        }
+        if let Some(op) = req.window.take() {
+            // NewWindow, FreeWindow: collective, after the header check.
+            return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         self.backend.execute(ctx, &mut req.data).await?;
         finish(ctx, req)

@@ -97,6 +97,9 @@ pub(crate) struct Request {
     pub(crate) return_input: bool,
     /// gather_single: complete with the root's whole output, unsplit.
     pub(crate) whole: bool,
+    /// A window op (kinds `NewWindow` and `Window`), run by
+    /// [`Backend::window`] instead of `execute`.
+    pub(crate) window: Option<crate::backends::WindowOp>,
     pub(crate) timeout: Duration,
     pub(crate) completer: Option<Completer>,
     /// Collective sequence number (assigned by the executor).
@@ -124,10 +127,26 @@ impl Request {
             keep: None,
             return_input: false,
             whole: false,
+            window: None,
             timeout: Duration::from_secs(600),
             completer: None,
             seq: 0,
         }
+    }
+
+    /// A window op: `NewWindow` / `FreeWindow` for
+    /// [`crate::backends::WindowOp::Create`] / `Free` (collective, header
+    /// checked), `Window` for the one-sided others.
+    pub(crate) fn window(op: crate::backends::WindowOp, count: usize) -> Request {
+        let kind = match op {
+            crate::backends::WindowOp::Create { .. } => OpKind::NewWindow,
+            crate::backends::WindowOp::Free { .. } => OpKind::FreeWindow,
+            _ => OpKind::Window,
+        };
+        let mut r =
+            Request::collective(kind, None, DType::U8, None, count, vec![], OpData::Barrier);
+        r.window = Some(op);
+        r
     }
 
     pub(crate) fn p2p(transfers: Vec<P2PTransfer>) -> Request {

@@ -463,6 +463,121 @@ pub enum OpData {
     },
 }
 
+/// How a rank reaches a peer's window ([`WindowInfo::access`]), as
+/// TorchComms' `TorchCommWindowAttr.access_type` says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WindowAccess {
+    /// The peer's window memory is mapped into this process (this rank's
+    /// own window, or a same-host peer's shared memory): a put is a copy.
+    Unified,
+    /// The peer's window is reached over the network: a put is sent and
+    /// written by the peer's receiver.
+    Separate,
+}
+
+/// One rank's view of a window, as [`WindowOp::Create`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowInfo {
+    /// The window's id, the same on every rank (windows of a communicator
+    /// are numbered in creation order).
+    pub id: u64,
+    /// Each rank's window size in bytes, by rank.
+    pub sizes: Vec<usize>,
+    /// How this rank reaches each rank's window, by rank.
+    pub access: Vec<WindowAccess>,
+}
+
+/// A one-sided window op, as [`Backend::window`] gets it. Arguments are
+/// validated above the trait: ranks are in range, and a put's range fits
+/// the target's window as [`WindowInfo::sizes`] gives it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum WindowOp {
+    /// Collective: allocate this rank's window of `size` bytes (zeroed) and
+    /// connect it with every rank's. Runs after the header exchange, on
+    /// every rank, in the same order.
+    Create {
+        /// This rank's window size in bytes (ranks may differ).
+        size: usize,
+    },
+    /// Write `data`'s bytes into rank `dst`'s window at byte `offset`.
+    /// Puts to one target land in issue order, before any later signal to
+    /// that target.
+    Put {
+        /// Window id.
+        window: u64,
+        /// Target rank.
+        dst: usize,
+        /// Byte offset in the target's window.
+        offset: usize,
+        /// The bytes to write; handed back when the put completes.
+        data: Tensor,
+    },
+    /// Add `value` to this rank's signal counter in `dst`'s window, after
+    /// every earlier put to `dst`.
+    Signal {
+        /// Window id.
+        window: u64,
+        /// Target rank.
+        dst: usize,
+        /// Added to the counter.
+        value: u64,
+    },
+    /// Wait until the signal counter `src` adds to in this rank's window
+    /// reaches at least `value`; every put `src` issued before that signal
+    /// is then visible.
+    WaitSignal {
+        /// Window id.
+        window: u64,
+        /// The signalling rank.
+        src: usize,
+        /// The counter value to reach.
+        value: u64,
+    },
+    /// Collective: free window `window` on this rank (memory, files and
+    /// connections). Runs after the header exchange, on every rank, in the
+    /// same order; later ops on the window are refused.
+    Free {
+        /// Window id.
+        window: u64,
+    },
+    /// Copy `len` bytes at byte `offset` of this rank's window out.
+    Read {
+        /// Window id.
+        window: u64,
+        /// Byte offset.
+        offset: usize,
+        /// Bytes to copy.
+        len: usize,
+    },
+}
+
+impl WindowOp {
+    /// The op's name, for errors, hooks and tracing.
+    pub fn name(&self) -> &'static str {
+        match self {
+            WindowOp::Create { .. } => "new_window",
+            WindowOp::Free { .. } => "free_window",
+            WindowOp::Put { .. } => "window_put",
+            WindowOp::Signal { .. } => "window_signal",
+            WindowOp::WaitSignal { .. } => "window_wait_signal",
+            WindowOp::Read { .. } => "window_read",
+        }
+    }
+}
+
+/// What a [`WindowOp`] produced.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum WindowDone {
+    /// `Create`: the new window.
+    Created(WindowInfo),
+    /// `Put`: the data buffer, handed back; `Read`: the bytes read (`U8`).
+    Buffer(Tensor),
+    /// `Signal`, `WaitSignal`, `Free`.
+    Done,
+}
+
 /// The data plane of one communicator on one rank.
 ///
 /// Called only by the communicator's executor, one op at a time, in issue
@@ -574,6 +689,34 @@ pub trait Backend: Send {
             "backend {} has no native split",
             self.name()
         )))
+    }
+
+    /// Whether this backend implements one-sided windows ([`Backend::window`]).
+    /// Asked once, when the communicator starts; must give the same answer
+    /// on every rank. When false, `Comm::new_window` fails with
+    /// [`Error::UnsupportedOp`] before any I/O.
+    fn supports_windows(&self) -> bool {
+        false
+    }
+
+    /// Run one window op ([`WindowOp`]). `Create` and `Free` are
+    /// collective and run after the header exchange; the others are
+    /// one-sided and run without one, in this rank's issue order. Called only when
+    /// [`Backend::supports_windows`]; the default refuses every op.
+    ///
+    /// # Errors
+    /// `UnsupportedOp` by default. Otherwise as [`Backend::execute`]; a
+    /// `WaitSignal` whose source died is `PeerFailed`.
+    async fn window(&mut self, ctx: &OpCtx, op: WindowOp) -> Result<WindowDone> {
+        let _ = ctx;
+        Err(Error::UnsupportedOp {
+            op: format!(
+                "{} (one-sided windows) on backend {}",
+                op.name(),
+                self.name()
+            ),
+            dtype: crate::tensor::DType::U8,
+        })
     }
 }
 

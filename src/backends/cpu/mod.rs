@@ -63,6 +63,7 @@ mod plan;
 pub mod schedule;
 mod shm;
 mod shm_exec;
+mod window;
 
 use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
 use plan::{carve, plan_step_with, read_from, Item};
@@ -118,6 +119,8 @@ pub struct CpuBackend {
     /// [FU-3]: self::fused#invariants
     carried: Option<Carried>,
     state: State,
+    /// One-sided windows (`window`), freed at finalize and abort.
+    windows: window::Windows,
 }
 
 /// The data parts of the Header frames of one op ([FU-3]): what each peer
@@ -178,6 +181,7 @@ impl CpuBackend {
                 }
             }
         }
+        let windows = window::Windows::new(&init);
         let shm = link::setup_shm(&init, &mut writers, &mut readers)
             .await?
             .into_iter()
@@ -197,6 +201,7 @@ impl CpuBackend {
             fuse_scratch: Vec::new(),
             carried: None,
             state: State::Ready,
+            windows,
         })
     }
 
@@ -968,6 +973,14 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn supports_windows(&self) -> bool {
+        true
+    }
+
+    async fn window(&mut self, ctx: &OpCtx, op: super::WindowOp) -> Result<super::WindowDone> {
+        self.window_op(ctx, op).await
+    }
+
     async fn exchange_headers(
         &mut self,
         ctx: &OpCtx,
@@ -996,6 +1009,7 @@ impl Backend for CpuBackend {
         if matches!(self.state, State::Aborted { .. } | State::Finalized) {
             return;
         }
+        self.windows.close(false).await;
         self.state = State::Aborted {
             reason: reason.to_string(),
             failed: failed.to_vec(),
@@ -1035,6 +1049,7 @@ impl Backend for CpuBackend {
         if matches!(self.state, State::Aborted { .. }) {
             return;
         }
+        self.windows.close(true).await;
         self.state = State::Finalized;
         let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
