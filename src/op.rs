@@ -461,7 +461,9 @@ pub fn check_collective(headers: &[OpHeader]) -> Result<(), HeaderMismatch> {
         }
         // Window sizes may differ per rank; the backend exchanges them.
         OpKind::Barrier | OpKind::NewWindow => {}
-        OpKind::FreeWindow => differ("window", &|h| h.count.to_string())?,
+        OpKind::FreeWindow => differ_by("window", &|a, b| a.count == b.count, &|h| {
+            h.count.to_string()
+        })?,
         OpKind::P2P | OpKind::Window => {
             return Err(HeaderMismatch {
                 detail: format!("{} header in a collective slot", kind.name()),
