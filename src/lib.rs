@@ -334,6 +334,7 @@ pub(crate) async fn start_with_backend(
     let options = &ctx.options;
     let backend_name = backend_impl.name();
     let caps = backend_impl.capabilities();
+    let device_mem = backend_impl.device_memory();
     let backend_version = backend_impl.version();
     let hints = Arc::new(hints::Hints::parse(options.hints.clone(), &name, rank)?);
     let observer = Arc::new(hooks::Observer::new(
@@ -414,6 +415,7 @@ pub(crate) async fn start_with_backend(
         device,
         backend: backend_name,
         caps,
+        device_mem,
         backend_version,
         default_timeout: comm::AtomicDuration::new(options.timeout),
         hints,

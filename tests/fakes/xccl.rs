@@ -28,6 +28,11 @@
 //!   collective get `ncclRemoteError` (a peer failure);
 //! - `ncclCommDestroy` of a communicator that was not finalized finalizes
 //!   it implicitly and blocks until every peer finalized (as NCCL does);
+//! - `ncclAvg`, and `ncclRedOpCreatePreMulSum` (host-immediate scalars)
+//!   with `ncclRedOpDestroy`: a created op is valid for its communicator
+//!   and datatype only, its scalar is read at creation, and ops never
+//!   destroyed show in the leak counters;
+//! - `cudaMemsetAsync` on the stream, checked like a copy;
 //! - error injection and leak counters, through the `fake_xccl_*` symbols.
 //!
 //! Ranks of one test process meet through in-process state keyed by the
@@ -56,6 +61,10 @@ const RT_INVALID_DEVICE: c_int = 101;
 const RT_INVALID_DEVPTR: c_int = 17;
 const RT_NOT_READY: c_int = 600;
 const NOCOLOR: c_int = -1;
+/// `ncclNumOps`: created reduction ops are numbered from here.
+const NUM_OPS: c_int = 5;
+/// `ncclScalarHostImmediate`.
+const SCALAR_HOST_IMMEDIATE: c_int = 1;
 /// How often a blocked stream task re-checks abort and hang flags.
 const RECHECK: Duration = Duration::from_millis(20);
 
@@ -78,6 +87,8 @@ struct Counters {
     aborts: AtomicU64,
     bad_pointer: AtomicU64,
     in_progress_misuse: AtomicU64,
+    redops_created: AtomicU64,
+    redops_destroyed: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -93,6 +104,8 @@ static COUNTERS: Counters = Counters {
     aborts: AtomicU64::new(0),
     bad_pointer: AtomicU64::new(0),
     in_progress_misuse: AtomicU64::new(0),
+    redops_created: AtomicU64::new(0),
+    redops_destroyed: AtomicU64::new(0),
 };
 
 /// `trafficClass` as the last `ncclCommInitRankConfig`/`ncclCommSplit` saw
@@ -320,6 +333,24 @@ unsafe fn rt_memcpy_async(
     SUCCESS
 }
 
+fn rt_memset_async(dst: *mut c_void, value: c_int, n: usize, stream: *mut c_void) -> RtError {
+    let Some(s) = stream_of(stream) else {
+        return 400;
+    };
+    if n == 0 {
+        return SUCCESS;
+    }
+    let d = dst as usize;
+    if device_of(d, n).is_none() {
+        return RT_INVALID_VALUE;
+    }
+    s.push(Box::new(move || {
+        // SAFETY: checked device allocation; freed only by cudaFree.
+        unsafe { std::ptr::write_bytes(d as *mut u8, value as u8, n) };
+    }));
+    SUCCESS
+}
+
 fn rt_stream_query(stream: *mut c_void) -> RtError {
     match stream_of(stream) {
         Some(s) if s.idle() => SUCCESS,
@@ -366,7 +397,12 @@ fn rt_error_string(e: RtError) -> *const c_char {
 
 macro_rules! runtime_exports {
     ($($getcount:ident $setdev:ident $getdev:ident $malloc:ident $free:ident $memcpy:ident
+       $memset:ident
        $screate:ident $screateflags:ident $squery:ident $ssync:ident $sdestroy:ident $errstr:ident),*) => {$(
+        #[no_mangle]
+        pub extern "C" fn $memset(p: *mut c_void, v: c_int, n: usize, s: *mut c_void) -> RtError {
+            rt_memset_async(p, v, n, s)
+        }
         #[no_mangle]
         pub unsafe extern "C" fn $getcount(n: *mut c_int) -> RtError { rt_get_device_count(n) }
         #[no_mangle]
@@ -401,10 +437,10 @@ macro_rules! runtime_exports {
 
 runtime_exports!(
     cudaGetDeviceCount cudaSetDevice cudaGetDevice cudaMalloc cudaFree cudaMemcpyAsync
-    cudaStreamCreate cudaStreamCreateWithFlags cudaStreamQuery cudaStreamSynchronize
+    cudaMemsetAsync cudaStreamCreate cudaStreamCreateWithFlags cudaStreamQuery cudaStreamSynchronize
     cudaStreamDestroy cudaGetErrorString,
     hipGetDeviceCount hipSetDevice hipGetDevice hipMalloc hipFree hipMemcpyAsync
-    hipStreamCreate hipStreamCreateWithFlags hipStreamQuery hipStreamSynchronize
+    hipMemsetAsync hipStreamCreate hipStreamCreateWithFlags hipStreamQuery hipStreamSynchronize
     hipStreamDestroy hipGetErrorString
 );
 
@@ -464,6 +500,9 @@ struct Comm {
     finalizing: AtomicBool,
     coll_seq: AtomicU64,
     split_seq: AtomicU64,
+    /// `ncclRedOpCreatePreMulSum` ops of this communicator: op -> (dtype,
+    /// scalar).
+    redops: Mutex<HashMap<c_int, (c_int, f64)>>,
 }
 
 impl Comm {
@@ -636,6 +675,40 @@ fn average(acc: &mut [u8], dtype: c_int, n: usize) {
     }
 }
 
+/// `ncclRedOpCreatePreMulSum`'s local step: multiply every element by `s`
+/// (in the element type, as NCCL does with a scalar of that type).
+fn premultiply(acc: &mut [u8], dtype: c_int, s: f64) {
+    let zero = vec![0u8; acc.len()];
+    macro_rules! mul {
+        ($t:ty, $f:expr) => {
+            fold::<$t, { std::mem::size_of::<$t>() }>(
+                acc,
+                &zero,
+                <$t>::from_ne_bytes,
+                <$t>::to_ne_bytes,
+                |a, _| $f(a),
+            )
+        };
+    }
+    use half::{bf16, f16};
+    match dtype {
+        0 => mul!(i8, |a: i8| a.wrapping_mul(s as i8)),
+        1 => mul!(u8, |a: u8| a.wrapping_mul(s as u8)),
+        2 => mul!(i32, |a: i32| a.wrapping_mul(s as i32)),
+        3 => mul!(u32, |a: u32| a.wrapping_mul(s as u32)),
+        4 => mul!(i64, |a: i64| a.wrapping_mul(s as i64)),
+        5 => mul!(u64, |a: u64| a.wrapping_mul(s as u64)),
+        6 => mul!(f16, |a: f16| f16::from_f64(
+            a.to_f64() * f16::from_f64(s).to_f64()
+        )),
+        7 => mul!(f32, |a: f32| a * s as f32),
+        8 => mul!(f64, |a: f64| a * s),
+        _ => mul!(bf16, |a: bf16| bf16::from_f64(
+            a.to_f64() * bf16::from_f64(s).to_f64()
+        )),
+    }
+}
+
 // ------------------------------------------------------------- operations
 
 #[derive(Clone, Copy)]
@@ -657,6 +730,9 @@ enum Op {
         dtype: c_int,
         op: c_int,
         root: c_int,
+        /// The scalar of a PreMulSum op, resolved when the call was made
+        /// (the op may be destroyed right after).
+        premul: Option<f64>,
     },
     Send {
         buf: usize,
@@ -704,6 +780,7 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
         dtype,
         op: red,
         root,
+        premul,
     } = op
     else {
         return;
@@ -716,7 +793,12 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
         Kind::Broadcast if comm.rank as c_int != root => 0,
         _ => count * es,
     };
-    let input = read(send, in_bytes);
+    let mut input = read(send, in_bytes);
+    if let Some(s) = premul {
+        premultiply(&mut input, dtype, s);
+    }
+    // A PreMulSum op sums (after the local scaling).
+    let red = if premul.is_some() { 0 } else { red };
     let cl = &comm.clique;
     let mut st = lock(&cl.m);
     {
@@ -913,6 +995,35 @@ unsafe fn enqueue(call: &str, c: *mut c_void, stream: *mut c_void, op: Op) -> Nc
                 }
                 *f = Some((dev, left - 1, code));
             }
+        }
+    }
+    let mut op = op;
+    if let Op::Coll {
+        op: red,
+        dtype,
+        premul,
+        ..
+    } = &mut op
+    {
+        if *red >= NUM_OPS {
+            match lock(&comm.redops).get(red) {
+                Some(&(d, s)) if d == *dtype => *premul = Some(s),
+                Some(&(d, _)) => {
+                    set_last_error(format!(
+                        "{call}: reduction op {red} was created for datatype {d}, used with {dtype}"
+                    ));
+                    return NCCL_INVALID_ARGUMENT;
+                }
+                None => {
+                    set_last_error(format!(
+                        "{call}: reduction op {red} is not an op of this communicator"
+                    ));
+                    return NCCL_INVALID_ARGUMENT;
+                }
+            }
+        } else if *red < 0 {
+            set_last_error(format!("{call}: invalid reduction op {red}"));
+            return NCCL_INVALID_ARGUMENT;
         }
     }
     let Some(stream) = stream_of(stream) else {
@@ -1113,6 +1224,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
         finalizing: AtomicBool::new(false),
         coll_seq: AtomicU64::new(0),
         split_seq: AtomicU64::new(0),
+        redops: Mutex::new(HashMap::new()),
     });
     *out = register(comm.clone());
     let join = move || {
@@ -1289,6 +1401,7 @@ pub unsafe extern "C" fn ncclAllReduce(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1318,6 +1431,7 @@ pub unsafe extern "C" fn ncclReduce(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1346,6 +1460,7 @@ pub unsafe extern "C" fn ncclBroadcast(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1373,6 +1488,7 @@ pub unsafe extern "C" fn ncclAllGather(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1401,6 +1517,7 @@ pub unsafe extern "C" fn ncclReduceScatter(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1449,6 +1566,76 @@ pub unsafe extern "C" fn ncclRecv(
         peer,
     };
     enqueue("ncclRecv", comm, stream, op)
+}
+
+/// Read one scalar of NCCL datatype `dtype` at `p` (host memory).
+unsafe fn read_scalar(p: *const c_void, dtype: c_int) -> Option<f64> {
+    use half::{bf16, f16};
+    Some(match dtype {
+        0 => f64::from(p.cast::<i8>().read_unaligned()),
+        1 => f64::from(p.cast::<u8>().read_unaligned()),
+        2 => f64::from(p.cast::<i32>().read_unaligned()),
+        3 => f64::from(p.cast::<u32>().read_unaligned()),
+        4 => p.cast::<i64>().read_unaligned() as f64,
+        5 => p.cast::<u64>().read_unaligned() as f64,
+        6 => f16::from_bits(p.cast::<u16>().read_unaligned()).to_f64(),
+        7 => f64::from(p.cast::<f32>().read_unaligned()),
+        8 => p.cast::<f64>().read_unaligned(),
+        9 => bf16::from_bits(p.cast::<u16>().read_unaligned()).to_f64(),
+        _ => return None,
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut c_int,
+    scalar: *mut c_void,
+    dtype: c_int,
+    residence: c_int,
+    c: *mut c_void,
+) -> NcclResult {
+    let comm = match usable(c, "ncclRedOpCreatePreMulSum") {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    if op.is_null() || scalar.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    if residence != SCALAR_HOST_IMMEDIATE {
+        // Device-resident scalars are read while the collective runs; the
+        // backend never uses them, so the fake does not model them.
+        set_last_error("fake: only ncclScalarHostImmediate scalars are modelled".into());
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let Some(s) = read_scalar(scalar, dtype) else {
+        set_last_error(format!(
+            "ncclRedOpCreatePreMulSum: invalid datatype {dtype}"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    };
+    let mut ops = lock(&comm.redops);
+    let id = (NUM_OPS..)
+        .find(|k| !ops.contains_key(k))
+        .unwrap_or(NUM_OPS);
+    ops.insert(id, (dtype, s));
+    COUNTERS.redops_created.fetch_add(1, SeqCst);
+    *op = id;
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn ncclRedOpDestroy(op: c_int, c: *mut c_void) -> NcclResult {
+    let Some(comm) = comm_of(c) else {
+        return NCCL_INVALID_ARGUMENT;
+    };
+    if lock(&comm.redops).remove(&op).is_none() {
+        set_last_error(format!(
+            "ncclRedOpDestroy: {op} is not an op of this communicator"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    COUNTERS.redops_destroyed.fetch_add(1, SeqCst);
+    SUCCESS
 }
 
 #[no_mangle]
@@ -1576,6 +1763,7 @@ pub unsafe extern "C" fn ncclCommSplit(
             finalizing: AtomicBool::new(false),
             coll_seq: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
+            redops: Mutex::new(HashMap::new()),
         });
         let ptr = register(child);
         // The late write NCCL does from its own thread.
@@ -1636,6 +1824,8 @@ pub struct FakeCounters {
     pub in_progress_misuse: u64,
     /// `trafficClass` of the last config read.
     pub last_traffic_class: i64,
+    /// PreMulSum reduction ops created and not destroyed.
+    pub live_redops: u64,
 }
 
 #[no_mangle]
@@ -1659,6 +1849,7 @@ pub unsafe extern "C" fn fake_xccl_counters(out: *mut FakeCounters) {
         bad_pointer: c.bad_pointer.load(SeqCst),
         in_progress_misuse: c.in_progress_misuse.load(SeqCst),
         last_traffic_class: i64::from(LAST_TRAFFIC_CLASS.load(SeqCst)),
+        live_redops: c.redops_created.load(SeqCst) - c.redops_destroyed.load(SeqCst),
     };
 }
 

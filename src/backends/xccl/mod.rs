@@ -7,10 +7,13 @@
 //! [`Backend`]). Pure-Rust planning lives in [`plan`] and is unit-tested
 //! without a GPU.
 //!
-//! What exists today: the public [`Tensor`] is host memory, so
-//! every op stages its host buffers through device memory on the
-//! communicator's own stream: host → device copy, the NCCL call(s), wait for
-//! the stream, device → host copy. There is no device-buffer API yet.
+//! Device tensors ([`Tensor::is_device`], allocated through
+//! [`XcclMemory`] or adopted with [`Tensor::from_device_ptr`]) are used in
+//! place: the NCCL calls get their device pointers, with no host staging;
+//! `Avg` is `ncclAvg` and `PremulSum` a `ncclRedOpCreatePreMulSum` op.
+//! Host tensors are staged through device memory on the communicator's own
+//! stream: host → device copy, the NCCL call(s), wait for the stream,
+//! device → host copy.
 //!
 //! # Invariants
 //! - XC-1: the libraries are loaded and a device is found before any I/O or
@@ -39,6 +42,12 @@
 //!   aborts the communicator and reaches `health()` without waiting for the
 //!   next op. NCCL does not say which rank failed, so such an error names
 //!   none unless the heartbeats (the watchdog's WD-2) name one first.
+//! - XC-9: the memory of every device tensor an op uses is kept allocated
+//!   (its keep-alive held by the backend) until the op finished on the
+//!   device, or until the communicator was aborted (`ncclCommAbort`, then
+//!   the stream drained), even when the op's `Work` and its tensors were
+//!   dropped first; a PreMulSum op is destroyed right after the calls that
+//!   use it were enqueued, also when one failed.
 //! - XC-8: `split` uses `ncclCommSplit` when the library has it (NCCL >=
 //!   2.18; [BE-4]): every parent rank calls it (non-members with
 //!   `NCCL_SPLIT_NOCOLOR`), the child's rank is the key, and the child gets
@@ -296,6 +305,192 @@ struct DevBuf {
     cap: usize,
 }
 
+/// Device memory of one GPU through the vendor runtime: allocation
+/// (`*Malloc` + `*MemsetAsync`) and copies (`*MemcpyAsync`), each on a
+/// non-blocking stream of its own and synchronised before returning, never
+/// on a communicator's stream. Device tensors it allocates are freed
+/// (`*Free`, with the device set) when their last holder drops.
+pub struct XcclMemory {
+    api: Arc<Vendor>,
+    device: c_int,
+    stream: sys::Stream,
+}
+
+// SAFETY: the stream is only used for copies that are synchronised before
+// the call returns; the runtime allows that from any thread, and every call
+// sets the device first.
+unsafe impl Send for XcclMemory {}
+// SAFETY: as above; concurrent copies on one stream are serialised by the
+// runtime, and each caller waits for its own.
+unsafe impl Sync for XcclMemory {}
+
+impl std::fmt::Debug for XcclMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XcclMemory")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A device allocation made by [`XcclMemory`], freed when dropped.
+struct DeviceAlloc {
+    api: Arc<Vendor>,
+    device: c_int,
+    ptr: *mut c_void,
+}
+
+// SAFETY: a device address, only passed to `*Free`, which is thread-safe.
+unsafe impl Send for DeviceAlloc {}
+// SAFETY: shared access does nothing with the pointer.
+unsafe impl Sync for DeviceAlloc {}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let Ok(_dev) = DeviceGuard::set(&self.api.rt, self.device) else {
+            return;
+        };
+        // SAFETY: allocated by `*Malloc` on this device; no op holds it (an
+        // op keeps its own reference until finished, XC-9).
+        let _ = unsafe { (self.api.rt.free)(self.ptr) };
+    }
+}
+
+impl XcclMemory {
+    fn new(api: Arc<Vendor>, device: c_int) -> std::result::Result<XcclMemory, CallError> {
+        let rt = &api.rt;
+        let mut stream: sys::Stream = std::ptr::null_mut();
+        {
+            let _dev = DeviceGuard::set(rt, device)?;
+            // SAFETY: out-parameter call on the device.
+            let r = unsafe { (rt.stream_create_with_flags)(&mut stream, sys::STREAM_NON_BLOCKING) };
+            result::rt(rt, "StreamCreateWithFlags", r)?;
+        }
+        Ok(XcclMemory {
+            api,
+            device,
+            stream,
+        })
+    }
+
+    fn sync(&self) -> std::result::Result<(), CallError> {
+        let rt = &self.api.rt;
+        // SAFETY: live stream of this memory.
+        result::rt(rt, "StreamSynchronize", unsafe {
+            (rt.stream_synchronize)(self.stream)
+        })
+    }
+}
+
+impl Drop for XcclMemory {
+    fn drop(&mut self) {
+        if let Ok(_dev) = DeviceGuard::set(&self.api.rt, self.device) {
+            // SAFETY: every copy on it was synchronised; destroyed once.
+            let _ = unsafe { (self.api.rt.stream_destroy)(self.stream) };
+        }
+    }
+}
+
+impl super::DeviceMemory for XcclMemory {
+    fn device(&self) -> Device {
+        Device::Cuda(self.device as usize)
+    }
+
+    fn zeros(&self, dtype: DType, len: usize) -> std::result::Result<Tensor, String> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| format!("{len} x {dtype} overflows"))?;
+        let rt = &self.api.rt;
+        let _dev = DeviceGuard::set(rt, self.device).map_err(|e| e.to_string())?;
+        let mut p = std::ptr::null_mut();
+        // Zero-length tensors get a real (small) allocation, so every
+        // pointer NCCL sees is a valid device pointer.
+        // SAFETY: out-parameter call, device set.
+        let r = unsafe { (rt.malloc)(&mut p, bytes.max(256)) };
+        result::rt(rt, "Malloc", r).map_err(|e| e.to_string())?;
+        let owner = DeviceAlloc {
+            api: self.api.clone(),
+            device: self.device,
+            ptr: p,
+        };
+        // SAFETY: `p` holds `bytes` bytes on this device.
+        let r = unsafe { (rt.memset_async)(p, 0, bytes, self.stream) };
+        result::rt(rt, "MemsetAsync", r)
+            .and_then(|()| self.sync())
+            .map_err(|e| e.to_string())?;
+        Tensor::device_from_parts(p as usize, dtype, len, self.device(), Arc::new(owner))
+            .map_err(|e| e.to_string())
+    }
+
+    fn copy(
+        &self,
+        src: &Tensor,
+        src_off: usize,
+        dst: &mut Tensor,
+        dst_off: usize,
+        len_bytes: usize,
+    ) -> std::result::Result<(), String> {
+        let fits = |t: &Tensor, off: usize| {
+            off.checked_add(len_bytes)
+                .is_some_and(|end| end <= t.len_bytes())
+        };
+        if !fits(src, src_off) || !fits(dst, dst_off) {
+            return Err(format!(
+                "copy of {len_bytes} bytes at {src_off} -> {dst_off} outside tensors of {} and {} bytes",
+                src.len_bytes(),
+                dst.len_bytes()
+            ));
+        }
+        for t in [&*src, &*dst] {
+            if t.is_device() && t.device() != self.device() {
+                return Err(format!(
+                    "a tensor on {} given to memory of {}",
+                    t.device(),
+                    self.device()
+                ));
+            }
+        }
+        if len_bytes == 0 {
+            return Ok(());
+        }
+        let kind = match (src.is_device(), dst.is_device()) {
+            (false, false) => {
+                let from = src.as_bytes()[src_off..src_off + len_bytes].to_vec();
+                dst.as_bytes_mut()[dst_off..dst_off + len_bytes].copy_from_slice(&from);
+                return Ok(());
+            }
+            (false, true) => sys::MEMCPY_H2D,
+            (true, false) => sys::MEMCPY_D2H,
+            (true, true) => MEMCPY_D2D,
+        };
+        let s: *const u8 = match src.device_ptr() {
+            Some(p) => p,
+            None => src.as_bytes().as_ptr(),
+        };
+        let d: *mut u8 = match dst.device_ptr() {
+            Some(p) => p,
+            None => dst.as_bytes_mut().as_mut_ptr(),
+        };
+        let rt = &self.api.rt;
+        let _dev = DeviceGuard::set(rt, self.device).map_err(|e| e.to_string())?;
+        // SAFETY: ranges checked above; device pointers come from device
+        // tensors of this device (valid while the tensors live, which they
+        // do until `sync` returned), host pointers from live host tensors.
+        let r = unsafe {
+            (rt.memcpy_async)(
+                d.wrapping_add(dst_off).cast(),
+                s.wrapping_add(src_off).cast(),
+                len_bytes,
+                kind,
+                self.stream,
+            )
+        };
+        result::rt(rt, "MemcpyAsync", r)
+            .and_then(|()| self.sync())
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// The NCCL/RCCL backend of one communicator on one rank.
 pub struct XcclBackend {
     flavor: Flavor,
@@ -310,6 +505,10 @@ pub struct XcclBackend {
     broken: Option<Error>,
     /// Bound of `ncclCommFinalize` (the connect timeout).
     finalize_timeout: Duration,
+    /// This device's memory, for device tensors (created with the backend).
+    mem: Arc<XcclMemory>,
+    /// Keep-alives of the device tensors of the op in flight (XC-9).
+    inflight: Vec<crate::tensor::KeepAlive>,
 }
 
 // SAFETY: the raw communicator, stream and device pointers are only used by
@@ -659,6 +858,9 @@ impl XcclBackend {
     ///
     /// [XC-4]: self#invariants
     async fn run(&mut self, size: usize, data: &mut OpData) -> std::result::Result<(), CallError> {
+        if on_device(data) {
+            return self.run_device(size, data).await;
+        }
         // Host views: what goes in, where results land.
         let (p, dtype, op, esize) = match &*data {
             OpData::P2P { ops } => {
@@ -767,6 +969,237 @@ impl XcclBackend {
     }
 }
 
+impl XcclBackend {
+    /// The NCCL op of a reduction on device buffers ([XP-3]).
+    ///
+    /// [XP-3]: plan#invariants
+    fn device_op(&self, op: crate::op::ReduceOp, dt: DType) -> Result<plan::DeviceRedOp> {
+        let n = &self.api.nccl;
+        // ncclAvg since 2.10 (version code 21000).
+        let has_avg = self.api.version() >= 21000;
+        let has_premul = n.red_op_create_pre_mul_sum.is_some() && n.red_op_destroy.is_some();
+        plan::nccl_device_op(op, dt, has_avg, has_premul)
+    }
+
+    /// Run one op on device buffers in place: no staging (XC-9).
+    async fn run_device(
+        &mut self,
+        size: usize,
+        data: &mut OpData,
+    ) -> std::result::Result<(), CallError> {
+        let plan_err = |message: String| CallError {
+            call: "plan",
+            code: 0,
+            nccl: false,
+            message,
+        };
+        // XC-9: hold the memory until the op finished or the comm aborted.
+        self.inflight = tensors(data)
+            .into_iter()
+            .filter_map(Tensor::device_keep_alive)
+            .collect();
+        let addr = |t: &Tensor| t.device_ptr().map_or(0, |p| p as usize);
+        let (p, dtype, redop, esize, din, dout) = match &*data {
+            OpData::P2P { ops } => {
+                // Each transfer on its own buffer; bytes as ncclUint8.
+                let calls = ops
+                    .iter()
+                    .map(|t| {
+                        let b = t.buf.len_bytes();
+                        if t.send {
+                            (Some(addr(&t.buf)), None, b, t.peer)
+                        } else {
+                            (None, Some(addr(&t.buf)), b, t.peer)
+                        }
+                    })
+                    .collect::<Vec<_>>();
+                self.enqueue_p2p_device(&calls)?;
+                self.settle().await?;
+                self.wait_stream().await?;
+                self.inflight.clear();
+                return Ok(());
+            }
+            OpData::AllReduce { buf, .. }
+            | OpData::Reduce { buf, .. }
+            | OpData::Broadcast { buf, .. } => {
+                let (dt, op) = op_of(data);
+                (
+                    plan::plan(data, self.rank, size),
+                    dt,
+                    op,
+                    dt.size(),
+                    addr(buf),
+                    addr(buf),
+                )
+            }
+            OpData::ReduceScatter { input, output, .. }
+            | OpData::AllGather { input, output, .. }
+            | OpData::Scatter { input, output, .. }
+            | OpData::Gather { input, output, .. }
+            | OpData::AllToAll { input, output, .. } => {
+                let (dt, op) = op_of(data);
+                let p = plan::plan(data, self.rank, size);
+                // XP-1 on the caller's buffers; an uneven reduce_scatter's
+                // non-owner destinations are never written (NCCL's reduce
+                // writes on the root only), so only the input is bounded.
+                let scratch_out = matches!(data, OpData::ReduceScatter { .. });
+                if p.in_len > input.len() || (!scratch_out && p.out_len > output.len()) {
+                    return Err(plan_err(format!(
+                        "plan needs {} in / {} out elements, buffers hold {} / {}",
+                        p.in_len,
+                        p.out_len,
+                        input.len(),
+                        output.len()
+                    )));
+                }
+                (p, dt, op, dt.size(), addr(input), addr(output))
+            }
+            OpData::Barrier => return Ok(()),
+        };
+        if p.calls.is_empty() {
+            self.inflight.clear();
+            return Ok(());
+        }
+        let nop = match redop {
+            Some(o) => self
+                .device_op(o, dtype)
+                .map_err(|e| plan_err(e.to_string()))?,
+            None => plan::DeviceRedOp::Builtin(0),
+        };
+        {
+            let rt = &self.api.rt;
+            let _dev = DeviceGuard::set(rt, self.device)?;
+            let ndt = plan::nccl_dtype(dtype);
+            let (op, created) = match nop {
+                plan::DeviceRedOp::Builtin(o) => (o, false),
+                plan::DeviceRedOp::PreMulSum(s) => (self.create_premul(ndt, dtype, s)?, true),
+            };
+            // SAFETY: device set; the pointers are device tensors of this
+            // device, sized for the plan (checked above, XP-1).
+            let r = unsafe {
+                self.enqueue(&p, ndt, op, esize, din as *mut c_void, dout as *mut c_void)
+            };
+            if created {
+                // XC-9: destroyed once the calls using it were enqueued.
+                let destroy = self.api.nccl.red_op_destroy;
+                if let Some(destroy) = destroy {
+                    // SAFETY: created above on this communicator.
+                    let d = unsafe { destroy(op, self.comm) };
+                    if r.is_ok() {
+                        result::nccl(&self.api.nccl, "ncclRedOpDestroy", d)?;
+                    }
+                }
+            }
+            r?;
+        }
+        self.settle().await?;
+        self.wait_stream().await?;
+        self.inflight.clear();
+        Ok(())
+    }
+
+    /// `ncclRedOpCreatePreMulSum` with the host-immediate scalar `s`.
+    fn create_premul(
+        &self,
+        ndt: c_int,
+        dtype: DType,
+        s: f64,
+    ) -> std::result::Result<sys::ncclRedOp_t, CallError> {
+        let n = &self.api.nccl;
+        let Some(create) = n.red_op_create_pre_mul_sum else {
+            return Err(CallError {
+                call: "ncclRedOpCreatePreMulSum",
+                code: 0,
+                nccl: false,
+                message: "missing from the library".into(),
+            });
+        };
+        let mut scalar = plan::scalar_bytes(dtype, s);
+        let mut op: sys::ncclRedOp_t = 0;
+        // SAFETY: live communicator, device set by the caller; the scalar
+        // is host memory of one element of `dtype`, read before the call
+        // returns (ncclScalarHostImmediate).
+        let r = unsafe {
+            create(
+                &mut op,
+                scalar.as_mut_ptr().cast(),
+                ndt,
+                sys::NCCL_SCALAR_HOST_IMMEDIATE,
+                self.comm,
+            )
+        };
+        result::nccl(n, "ncclRedOpCreatePreMulSum", r)?;
+        Ok(op)
+    }
+
+    /// Grouped `ncclSend`/`ncclRecv` on device buffers: `(send addr, recv
+    /// addr, bytes, peer)` per transfer, in order.
+    fn enqueue_p2p_device(
+        &self,
+        calls: &[(Option<usize>, Option<usize>, usize, usize)],
+    ) -> std::result::Result<(), CallError> {
+        let n = &self.api.nccl;
+        let _dev = DeviceGuard::set(&self.api.rt, self.device)?;
+        let u8t = plan::nccl_dtype(DType::U8);
+        let group = GroupGuard::start(n)?;
+        for &(send, recv, bytes, peer) in calls {
+            // SAFETY: device pointers of live device tensors of `bytes`
+            // bytes (held by `inflight`, XC-9); device set; inside a group.
+            unsafe {
+                match (send, recv) {
+                    (Some(p), _) => result::nccl(
+                        n,
+                        "ncclSend",
+                        (n.send)(
+                            p as *const c_void,
+                            bytes,
+                            u8t,
+                            peer as c_int,
+                            self.comm,
+                            self.stream,
+                        ),
+                    )?,
+                    (_, Some(p)) => result::nccl(
+                        n,
+                        "ncclRecv",
+                        (n.recv)(
+                            p as *mut c_void,
+                            bytes,
+                            u8t,
+                            peer as c_int,
+                            self.comm,
+                            self.stream,
+                        ),
+                    )?,
+                    (None, None) => {}
+                }
+            }
+        }
+        group.end()
+    }
+}
+
+/// Whether an op runs on device buffers (the generic layer never mixes, CM-4).
+fn on_device(d: &OpData) -> bool {
+    tensors(d).iter().any(|t| t.is_device())
+}
+
+/// Every tensor of an op.
+fn tensors(d: &OpData) -> Vec<&Tensor> {
+    match d {
+        OpData::AllReduce { buf, .. }
+        | OpData::Reduce { buf, .. }
+        | OpData::Broadcast { buf, .. } => vec![buf],
+        OpData::ReduceScatter { input, output, .. }
+        | OpData::AllGather { input, output, .. }
+        | OpData::Scatter { input, output, .. }
+        | OpData::Gather { input, output, .. }
+        | OpData::AllToAll { input, output, .. } => vec![input, output],
+        OpData::P2P { ops } => ops.iter().map(|t| &t.buf).collect(),
+        OpData::Barrier => vec![],
+    }
+}
+
 /// Dtype and reduce op of a collective.
 fn op_of(d: &OpData) -> (DType, Option<crate::op::ReduceOp>) {
     match d {
@@ -867,6 +1300,7 @@ impl XcclBackend {
         ctrl: CpuBackend,
     ) -> std::result::Result<XcclBackend, CallError> {
         let mut me = XcclBackend {
+            mem: Arc::new(XcclMemory::new(api.clone(), device)?),
             flavor,
             comm_name: init.comm.clone(),
             rank: init.rank,
@@ -887,6 +1321,7 @@ impl XcclBackend {
             ctrl,
             broken: None,
             finalize_timeout: init.connect_timeout,
+            inflight: Vec::new(),
         };
         let rt = &me.api.rt;
         let mut stream: sys::Stream = std::ptr::null_mut();
@@ -1150,7 +1585,11 @@ impl Backend for XcclBackend {
         }
         // Reject unsupported reductions before touching the device (XP-3).
         if let (dt, Some(op)) = op_of(data) {
-            plan::nccl_op(op, dt)?;
+            if on_device(data) {
+                self.device_op(op, dt)?;
+            } else {
+                plan::nccl_op(op, dt)?;
+            }
         }
         let span = tracing::debug_span!("xccl_op", op = ctx.kind.name(), seq = ctx.seq);
         let _g = span.enter();
@@ -1167,6 +1606,8 @@ impl Backend for XcclBackend {
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
         self.abort_comm();
         self.release();
+        // XC-9: the device is done with the op's memory now.
+        self.inflight.clear();
         self.broken = Some(Error::Internal(format!(
             "{} communicator {:?} was aborted: {reason}",
             self.flavor.name(),
@@ -1191,11 +1632,16 @@ impl Backend for XcclBackend {
         }
         self.abort_comm();
         self.release();
+        self.inflight.clear();
         self.ctrl.finalize().await;
     }
 
     fn polls_async_errors(&self) -> bool {
         true
+    }
+
+    fn device_memory(&self) -> Option<Arc<dyn super::DeviceMemory>> {
+        Some(self.mem.clone())
     }
 
     fn capabilities(&self) -> super::Capabilities {
@@ -1239,6 +1685,7 @@ impl Drop for XcclBackend {
         // XC-5: abort, never destroy (which may block); errors are logged.
         self.abort_comm();
         self.release();
+        self.inflight.clear();
     }
 }
 

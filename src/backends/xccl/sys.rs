@@ -44,6 +44,11 @@ pub const RT_NOT_READY: RtError = 600;
 pub const MEMCPY_H2D: c_int = 1;
 /// `cudaMemcpyDeviceToHost` / `hipMemcpyDeviceToHost`.
 pub const MEMCPY_D2H: c_int = 2;
+/// `ncclAvg` (NCCL >= 2.10): sum, then divide by the rank count.
+pub const NCCL_AVG: ncclRedOp_t = 4;
+/// `ncclScalarHostImmediate`: a PreMulSum scalar in host memory, read
+/// before `ncclRedOpCreatePreMulSum` returns.
+pub const NCCL_SCALAR_HOST_IMMEDIATE: c_int = 1;
 /// `NCCL_SPLIT_NOCOLOR`: this rank takes part in a split but joins no child.
 pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
 /// `NCCL_UNIQUE_ID_BYTES`.
@@ -171,6 +176,11 @@ fn_table! {
         // NCCL >= 2.13.
         comm_finalize: "CommFinalize" => fn(ncclComm_t) -> ncclResult_t;
         get_last_error: "GetLastError" => fn(ncclComm_t) -> *const c_char;
+        // NCCL >= 2.11: `ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void*
+        // scalar, ncclDataType_t, ncclScalarResidence_t, ncclComm_t)` and
+        // `ncclRedOpDestroy(ncclRedOp_t, ncclComm_t)`.
+        red_op_create_pre_mul_sum: "RedOpCreatePreMulSum" => fn(*mut ncclRedOp_t, *mut c_void, ncclDataType_t, c_int, ncclComm_t) -> ncclResult_t;
+        red_op_destroy: "RedOpDestroy" => fn(ncclRedOp_t, ncclComm_t) -> ncclResult_t;
     }
 }
 
@@ -183,6 +193,7 @@ fn_table! {
         malloc: "Malloc" => fn(*mut *mut c_void, usize) -> RtError;
         free: "Free" => fn(*mut c_void) -> RtError;
         memcpy_async: "MemcpyAsync" => fn(*mut c_void, *const c_void, usize, c_int, Stream) -> RtError;
+        memset_async: "MemsetAsync" => fn(*mut c_void, c_int, usize, Stream) -> RtError;
         stream_create_with_flags: "StreamCreateWithFlags" => fn(*mut Stream, c_uint) -> RtError;
         stream_query: "StreamQuery" => fn(Stream) -> RtError;
         stream_synchronize: "StreamSynchronize" => fn(Stream) -> RtError;
