@@ -38,6 +38,7 @@ struct Counters {
     bad_pointer: u64,
     in_progress_misuse: u64,
     last_traffic_class: i64,
+    live_redops: u64,
 }
 
 struct Fake {
@@ -664,5 +665,364 @@ fn a_peer_failure_fails_the_waiting_ranks() {
                 assert!(eventually(Duration::from_secs(20), || !comm.is_active()));
             },
         );
+    }
+}
+
+/// The reference value of `op` over every rank's [`value`] at `i`, in the
+/// element type's arithmetic (integer `Avg` truncates, as NCCL's does).
+fn reduce_ref(dtype: DType, op: ReduceOp, n: usize, i: usize) -> f64 {
+    let v: Vec<f64> = (0..n).map(|p| value(p, i)).collect();
+    match op {
+        ReduceOp::Sum => v.iter().sum(),
+        ReduceOp::Max => v.iter().cloned().fold(f64::MIN, f64::max),
+        ReduceOp::Avg if dtype.is_float() => v.iter().sum::<f64>() / n as f64,
+        ReduceOp::Avg => (v.iter().sum::<f64>() as i64 / n as i64) as f64,
+        ReduceOp::PremulSum(s) => v.iter().map(|x| x * s).sum(),
+        other => panic!("no reference for {other}"),
+    }
+}
+
+/// Every collective and point-to-point op on device tensors, for both
+/// flavours at worlds 2 to 4: results come back as device tensors of the
+/// communicator's device (in place where the op is in place), and equal
+/// the reference (reductions) or the same op on host tensors (data
+/// movement, whose host path the test above checks against references).
+/// `Avg` and `PremulSum` run on the device (`ncclAvg`, a PreMulSum op that
+/// is destroyed after use), and nothing leaks.
+#[test]
+fn every_op_on_device_tensors_matches_the_host_reference_world_2_to_4() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        for n in 2..=4 {
+            run_ranks_on(
+                flavor.name(),
+                n,
+                &format!("xf-dev-{n}"),
+                |_, o| o,
+                move |comm| {
+                    let r = comm.rank();
+                    let what = |s: &str| format!("{} world {n} rank {r}: {s}", comm.backend());
+                    let dev = |t: &Tensor| comm.to_device(t).expect("to_device");
+                    let host = |t: &Tensor, s: &str| {
+                        assert!(t.is_device(), "{}: not a device tensor", what(s));
+                        assert_eq!(t.device(), comm.device(), "{}", what(s));
+                        comm.to_host(t).expect("to_host")
+                    };
+                    // Reductions against the reference, every op on device.
+                    for dtype in [
+                        DType::F32,
+                        DType::I32,
+                        DType::F16,
+                        DType::BF16,
+                        DType::F64,
+                        DType::I8,
+                    ] {
+                        for op in [
+                            ReduceOp::Sum,
+                            ReduceOp::Max,
+                            ReduceOp::Avg,
+                            ReduceOp::PremulSum(2.0),
+                        ] {
+                            for count in [0usize, 4, 1 << 10] {
+                                let t = dev(&input(dtype, r, count));
+                                let at = t.as_ptr();
+                                let out = comm.all_reduce(t, op).unwrap();
+                                assert_eq!(out.as_ptr(), at, "all_reduce is in place");
+                                let want: Vec<f64> =
+                                    (0..count).map(|i| reduce_ref(dtype, op, n, i)).collect();
+                                let s = format!("all_reduce {dtype} {op} {count}");
+                                assert_close(dtype, &host(&out, &s), &want, &what(&s));
+                            }
+                            let count = 3 * n;
+                            let out = comm
+                                .reduce_scatter(dev(&input(dtype, r, count)), op)
+                                .unwrap();
+                            let want: Vec<f64> = (0..3)
+                                .map(|i| reduce_ref(dtype, op, n, r * 3 + i))
+                                .collect();
+                            let s = format!("reduce_scatter {dtype} {op}");
+                            assert_close(dtype, &host(&out, &s), &want, &what(&s));
+                        }
+                    }
+                    let dtype = DType::F32;
+                    let count = 33;
+                    // Data movement: the device result equals the host op's.
+                    let same = |d: &Tensor, h: &Tensor, s: &str| {
+                        assert_eq!(&host(d, s), h, "{}", what(s));
+                    };
+                    for root in 0..n {
+                        let op = ReduceOp::Avg;
+                        let out = comm.reduce(dev(&input(dtype, r, count)), op, root).unwrap();
+                        let want = comm.reduce(input(dtype, r, count), op, root).unwrap();
+                        same(&out, &want, "reduce");
+                        let b = if r == root {
+                            input(dtype, root, count)
+                        } else {
+                            Tensor::zeros(dtype, count)
+                        };
+                        same(
+                            &comm.broadcast(dev(&b), root).unwrap(),
+                            &comm.broadcast(b, root).unwrap(),
+                            "broadcast",
+                        );
+                        let inputs = (r == root).then(|| {
+                            (0..n)
+                                .map(|p| input(dtype, p + 7, count))
+                                .collect::<Vec<_>>()
+                        });
+                        let dinputs = inputs.as_ref().map(|v| v.iter().map(dev).collect());
+                        same(
+                            &comm
+                                .scatter(dev(&Tensor::zeros(dtype, count)), dinputs, root)
+                                .unwrap(),
+                            &comm
+                                .scatter(Tensor::zeros(dtype, count), inputs, root)
+                                .unwrap(),
+                            "scatter",
+                        );
+                        let g = comm.gather(dev(&input(dtype, r, count)), root).unwrap();
+                        let h = comm.gather(input(dtype, r, count), root).unwrap();
+                        assert_eq!(g.len(), h.len(), "{}", what("gather"));
+                        for (d, h) in g.iter().zip(&h) {
+                            same(d, h, "gather");
+                        }
+                        same(
+                            &comm
+                                .gather_single(dev(&input(dtype, r, count)), root)
+                                .unwrap(),
+                            &comm.gather_single(input(dtype, r, count), root).unwrap(),
+                            "gather_single",
+                        );
+                    }
+                    same(
+                        &comm.all_gather(dev(&input(dtype, r, count))).unwrap(),
+                        &comm.all_gather(input(dtype, r, count)).unwrap(),
+                        "all_gather",
+                    );
+                    let counts: Vec<usize> = (0..n).map(|p| count + p).collect();
+                    same(
+                        &comm
+                            .all_gather_v(dev(&input(dtype, r, count + r)), &counts)
+                            .unwrap(),
+                        &comm
+                            .all_gather_v(input(dtype, r, count + r), &counts)
+                            .unwrap(),
+                        "all_gather_v",
+                    );
+                    let (o, i) = comm
+                        .all_gather_into(
+                            dev(&input(dtype, r, count)),
+                            comm.device_zeros(dtype, count * n).unwrap(),
+                        )
+                        .unwrap();
+                    same(
+                        &o,
+                        &comm.all_gather(input(dtype, r, count)).unwrap(),
+                        "all_gather_into",
+                    );
+                    same(&i, &input(dtype, r, count), "all_gather_into input");
+                    same(
+                        &comm
+                            .reduce_scatter_v(
+                                dev(&input(dtype, r, counts.iter().sum())),
+                                &counts,
+                                ReduceOp::Sum,
+                            )
+                            .unwrap(),
+                        &comm
+                            .reduce_scatter_v(
+                                input(dtype, r, counts.iter().sum()),
+                                &counts,
+                                ReduceOp::Sum,
+                            )
+                            .unwrap(),
+                        "reduce_scatter_v",
+                    );
+                    let (o, _) = comm
+                        .reduce_scatter_into(
+                            dev(&input(dtype, r, count * n)),
+                            comm.device_zeros(dtype, count).unwrap(),
+                            ReduceOp::Max,
+                        )
+                        .unwrap();
+                    same(
+                        &o,
+                        &comm
+                            .reduce_scatter(input(dtype, r, count * n), ReduceOp::Max)
+                            .unwrap(),
+                        "reduce_scatter_into",
+                    );
+                    same(
+                        &comm
+                            .all_to_all_single(dev(&input(dtype, r, count * n)))
+                            .unwrap(),
+                        &comm.all_to_all_single(input(dtype, r, count * n)).unwrap(),
+                        "all_to_all_single",
+                    );
+                    let send: Vec<usize> = (0..n).map(|p| (r + p) % 3 + 1).collect();
+                    let recv: Vec<usize> = (0..n).map(|p| (p + r) % 3 + 1).collect();
+                    let total = send.iter().sum();
+                    same(
+                        &comm
+                            .all_to_all_v_single(dev(&input(dtype, r, total)), &send, &recv)
+                            .unwrap(),
+                        &comm
+                            .all_to_all_v_single(input(dtype, r, total), &send, &recv)
+                            .unwrap(),
+                        "all_to_all_v_single",
+                    );
+                    let parts: Vec<Tensor> =
+                        (0..n).map(|p| input(dtype, r * n + p, p + 1)).collect();
+                    let d = comm.all_to_all(parts.iter().map(dev).collect()).unwrap();
+                    let h = comm.all_to_all(parts).unwrap();
+                    assert_eq!(d.len(), n);
+                    for (d, h) in d.iter().zip(&h) {
+                        same(d, h, "all_to_all");
+                    }
+                    // Point-to-point: a ring in one batch, then single
+                    // send/recv pairs, all on device buffers.
+                    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                    let got = comm
+                        .batch_p2p(vec![
+                            P2POp::send(dev(&input(dtype, r, count)), next),
+                            P2POp::recv(comm.device_zeros(dtype, count).unwrap(), prev),
+                        ])
+                        .unwrap();
+                    same(
+                        got.last().expect("recv"),
+                        &input(dtype, prev, count),
+                        "p2p ring",
+                    );
+                    if r == 0 {
+                        comm.send(dev(&input(DType::I64, 0, 9)), 1).unwrap();
+                    } else if r == 1 {
+                        let got = comm
+                            .recv(comm.device_zeros(DType::I64, 9).unwrap(), 0)
+                            .unwrap();
+                        same(&got, &input(DType::I64, 0, 9), "recv");
+                    }
+                    // Async, with the input dropped right after enqueue.
+                    let works: Vec<_> = (0..3)
+                        .map(|_| comm.all_reduce_async(dev(&input(dtype, r, count)), ReduceOp::Sum))
+                        .collect();
+                    for w in works {
+                        let want: Vec<f64> = (0..count).map(|i| sum_ref(n, i)).collect();
+                        assert_close(
+                            dtype,
+                            &host(&w.wait().unwrap(), "async"),
+                            &want,
+                            &what("async"),
+                        );
+                    }
+                    comm.finalize().unwrap();
+                },
+            );
+        }
+        let after = f.counters();
+        assert_eq!(after.bad_pointer, before.bad_pointer, "{after:?}");
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_redops)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_redops,
+                    )
+            }),
+            "leaked: {:?} (before {before:?})",
+            f.counters()
+        );
+    }
+}
+
+/// Device tensors where they cannot go are `InvalidArgument` before any
+/// I/O, never a crash: another device, mixed with host tensors, on the
+/// cpu backend; and the host never reads a device tensor.
+#[test]
+fn misplaced_device_tensors_are_invalid_arguments() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-dev-invalid",
+            |_, o| o,
+            |comm| {
+                let r = comm.rank();
+                let invalid = |res: chorus::Result<Tensor>, s: &str| match res {
+                    Err(Error::InvalidArgument { reason, .. }) => reason,
+                    other => panic!("{s}: expected InvalidArgument, got {other:?}"),
+                };
+                let d = comm.device_zeros(DType::F32, 4).unwrap();
+                assert!(d.try_as_slice::<f32>().is_none() && d.try_as_bytes().is_none());
+                assert!(d.try_clone().is_none() && d.split(&[4]).is_none());
+                let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    d.as_slice::<f32>().to_vec()
+                }));
+                assert!(panicked.is_err(), "a host view of device memory must panic");
+                // The same memory, claimed to be on another GPU.
+                // SAFETY: refused before use; the alias is never dereferenced.
+                let other = unsafe {
+                    Tensor::from_device_ptr(
+                        d.device_ptr().unwrap(),
+                        DType::F32,
+                        4,
+                        chorus::Device::Cuda(7),
+                        Box::new(()),
+                    )
+                }
+                .unwrap();
+                let reason = invalid(comm.all_reduce(other, ReduceOp::Sum), "wrong device");
+                assert!(reason.contains("cuda:7"), "{reason}");
+                // Host and device mixed in one op.
+                let reason = invalid(
+                    comm.all_gather_into(d, Tensor::zeros(DType::F32, 8))
+                        .map(|(o, _)| o),
+                    "mixed",
+                );
+                assert!(reason.contains("mixed"), "{reason}");
+                let peer = 1 - r;
+                let batch = comm.batch_p2p(vec![
+                    P2POp::send(Tensor::zeros(DType::F32, 4), peer),
+                    P2POp::recv(comm.device_zeros(DType::F32, 4).unwrap(), peer),
+                ]);
+                assert!(
+                    matches!(batch, Err(Error::InvalidArgument { .. })),
+                    "{batch:?}"
+                );
+                invalid(
+                    comm.to_host(&Tensor::zeros(DType::F32, 1)),
+                    "to_host of a host tensor",
+                );
+                // A device tensor on the cpu backend, and no device memory there.
+                let cpu = chorus::new_comm(
+                    "cpu",
+                    chorus::Device::Cpu,
+                    &format!("xf-dev-cpu-{r}"),
+                    chorus::CommOptions::single(),
+                )
+                .unwrap();
+                let reason = invalid(
+                    cpu.broadcast(comm.device_zeros(DType::F32, 4).unwrap(), 0),
+                    "device tensor on cpu",
+                );
+                assert!(reason.contains("host memory only"), "{reason}");
+                invalid(cpu.device_zeros(DType::F32, 1), "cpu device_zeros");
+                cpu.finalize().unwrap();
+                // Nothing was sent: the communicator still works.
+                let out = comm
+                    .all_reduce(
+                        comm.to_device(&Tensor::full(1i32, 3)).unwrap(),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                assert_eq!(comm.to_host(&out).unwrap().to_vec::<i32>(), vec![2, 2, 2]);
+                comm.finalize().unwrap();
+            },
+        );
+        assert_eq!(f.counters().bad_pointer, 0);
     }
 }
