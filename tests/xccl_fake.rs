@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use chorus::backends::xccl::{probe, Flavor};
+use chorus::backends::xccl::{live_completion_threads, probe, Flavor};
 use chorus::{DType, Error, P2POp, ReduceOp, Tensor};
 use common::{assert_close, input, run_ranks_on, value};
 
@@ -39,6 +39,7 @@ struct Counters {
     in_progress_misuse: u64,
     last_traffic_class: i64,
     live_redops: u64,
+    live_events: u64,
 }
 
 struct Fake {
@@ -172,7 +173,8 @@ fn setup() -> (MutexGuard<'static, ()>, &'static Fake) {
     // their own threads: let that finish, so leak checks start from zero.
     eventually(Duration::from_secs(10), || {
         let c = f.counters();
-        (c.live_allocs, c.live_streams, c.live_comms) == (0, 0, 0)
+        (c.live_allocs, c.live_streams, c.live_comms, c.live_events) == (0, 0, 0, 0)
+            && live_completion_threads() == 0
     });
     (g, f)
 }
@@ -539,6 +541,9 @@ fn clean_finalize_leaks_nothing_and_uses_nonblocking_streams() {
                     comm.all_reduce(input(DType::F32, r, 64 * k), ReduceOp::Sum)
                         .unwrap();
                 }
+                // Ops complete through the communicator's completion thread,
+                // which finalize ends (checked after the run).
+                assert!(live_completion_threads() >= 1);
                 comm.finalize().unwrap();
             },
         );
@@ -558,8 +563,14 @@ fn clean_finalize_leaks_nothing_and_uses_nonblocking_streams() {
         assert!(
             eventually(Duration::from_secs(10), || {
                 let c = f.counters();
-                (c.live_allocs, c.live_streams, c.live_comms)
-                    == (before.live_allocs, before.live_streams, before.live_comms)
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
             }),
             "leaked: {:?} (before {before:?})",
             f.counters()
@@ -597,8 +608,14 @@ fn abort_mid_op_fails_the_op_and_frees_everything() {
         assert!(
             eventually(Duration::from_secs(10), || {
                 let c = f.counters();
-                (c.live_allocs, c.live_streams, c.live_comms)
-                    == (before.live_allocs, before.live_streams, before.live_comms)
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
             }),
             "leaked after abort: {:?} (before {before:?})",
             f.counters()

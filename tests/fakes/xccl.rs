@@ -33,6 +33,13 @@
 //!   and datatype only, its scalar is read at creation, and ops never
 //!   destroyed show in the leak counters;
 //! - `cudaMemsetAsync` on the stream, checked like a copy;
+//! - events: `cudaEventRecord` captures the work queued on a stream so
+//!   far (`cudaEventQuery` is `cudaErrorNotReady` until that ran, success
+//!   for an event never recorded), an event is tagged with the device
+//!   current at creation and refuses a stream of another device, and
+//!   `cudaStreamWaitEvent` makes a stream's later work wait until the
+//!   event's work ran on the other stream (a stream thread blocks), so an
+//!   op that forgot to wait for its input's stream reads stale data;
 //! - error injection and leak counters, through the `fake_xccl_*` symbols.
 //!
 //! Ranks of one test process meet through in-process state keyed by the
@@ -89,6 +96,8 @@ struct Counters {
     in_progress_misuse: AtomicU64,
     redops_created: AtomicU64,
     redops_destroyed: AtomicU64,
+    events_created: AtomicU64,
+    events_destroyed: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -106,6 +115,8 @@ static COUNTERS: Counters = Counters {
     in_progress_misuse: AtomicU64::new(0),
     redops_created: AtomicU64::new(0),
     redops_destroyed: AtomicU64::new(0),
+    events_created: AtomicU64::new(0),
+    events_destroyed: AtomicU64::new(0),
 };
 
 /// `trafficClass` as the last `ncclCommInitRankConfig`/`ncclCommSplit` saw
@@ -350,6 +361,121 @@ fn rt_memset_async(dst: *mut c_void, value: c_int, n: usize, stream: *mut c_void
     }));
     SUCCESS
 }
+
+// ------------------------------------------------------------- events
+
+/// An event: the generation last recorded and the last one whose
+/// preceding stream work ran.
+struct Event {
+    device: c_int,
+    m: Mutex<(u64, u64)>,
+    cv: Condvar,
+}
+
+static EVENTS: LazyLock<Mutex<HashMap<usize, Arc<Event>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn event_of(e: *mut c_void) -> Option<Arc<Event>> {
+    lock(&EVENTS).get(&(e as usize)).cloned()
+}
+
+unsafe fn rt_event_create(out: *mut *mut c_void, _flags: c_uint) -> RtError {
+    if out.is_null() {
+        return RT_INVALID_VALUE;
+    }
+    let e = Arc::new(Event {
+        device: DEVICE.with(Cell::get),
+        m: Mutex::new((0, 0)),
+        cv: Condvar::new(),
+    });
+    let id = Arc::as_ptr(&e) as usize;
+    lock(&EVENTS).insert(id, e);
+    COUNTERS.events_created.fetch_add(1, SeqCst);
+    *out = id as *mut c_void;
+    SUCCESS
+}
+
+fn rt_event_record(ev: *mut c_void, stream: *mut c_void) -> RtError {
+    let (Some(e), Some(s)) = (event_of(ev), stream_of(stream)) else {
+        return 400;
+    };
+    if e.device != s.device {
+        // CUDA: the event and the stream must belong to the same device.
+        return RT_INVALID_VALUE;
+    }
+    let gen = {
+        let mut g = lock(&e.m);
+        g.0 += 1;
+        g.0
+    };
+    let e2 = e.clone();
+    s.push(Box::new(move || {
+        let mut g = lock(&e2.m);
+        g.1 = g.1.max(gen);
+        e2.cv.notify_all();
+    }));
+    SUCCESS
+}
+
+fn rt_event_query(ev: *mut c_void) -> RtError {
+    let Some(e) = event_of(ev) else {
+        return 400;
+    };
+    let g = lock(&e.m);
+    if g.1 >= g.0 {
+        SUCCESS
+    } else {
+        RT_NOT_READY
+    }
+}
+
+fn rt_event_destroy(ev: *mut c_void) -> RtError {
+    if lock(&EVENTS).remove(&(ev as usize)).is_none() {
+        return 400;
+    }
+    COUNTERS.events_destroyed.fetch_add(1, SeqCst);
+    SUCCESS
+}
+
+fn rt_stream_wait_event(stream: *mut c_void, ev: *mut c_void, _flags: c_uint) -> RtError {
+    let (Some(s), Some(e)) = (stream_of(stream), event_of(ev)) else {
+        return 400;
+    };
+    // The generation recorded now; later records do not count (as CUDA).
+    let gen = lock(&e.m).0;
+    s.push(Box::new(move || {
+        let mut g = lock(&e.m);
+        while g.1 < gen {
+            g =
+                e.cv.wait_timeout(g, RECHECK)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+        }
+    }));
+    SUCCESS
+}
+
+macro_rules! event_exports {
+    ($($create:ident $record:ident $query:ident $destroy:ident $wait:ident),*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $create(e: *mut *mut c_void, flags: c_uint) -> RtError { rt_event_create(e, flags) }
+        #[no_mangle]
+        pub extern "C" fn $record(e: *mut c_void, s: *mut c_void) -> RtError { rt_event_record(e, s) }
+        #[no_mangle]
+        pub extern "C" fn $query(e: *mut c_void) -> RtError { rt_event_query(e) }
+        #[no_mangle]
+        pub extern "C" fn $destroy(e: *mut c_void) -> RtError { rt_event_destroy(e) }
+        #[no_mangle]
+        pub extern "C" fn $wait(s: *mut c_void, e: *mut c_void, flags: c_uint) -> RtError {
+            rt_stream_wait_event(s, e, flags)
+        }
+    )*};
+}
+
+event_exports!(
+    cudaEventCreateWithFlags cudaEventRecord cudaEventQuery cudaEventDestroy cudaStreamWaitEvent,
+    hipEventCreateWithFlags hipEventRecord hipEventQuery hipEventDestroy hipStreamWaitEvent
+);
 
 fn rt_stream_query(stream: *mut c_void) -> RtError {
     match stream_of(stream) {
@@ -1826,6 +1952,8 @@ pub struct FakeCounters {
     pub last_traffic_class: i64,
     /// PreMulSum reduction ops created and not destroyed.
     pub live_redops: u64,
+    /// Events created and not destroyed.
+    pub live_events: u64,
 }
 
 #[no_mangle]
@@ -1850,6 +1978,7 @@ pub unsafe extern "C" fn fake_xccl_counters(out: *mut FakeCounters) {
         in_progress_misuse: c.in_progress_misuse.load(SeqCst),
         last_traffic_class: i64::from(LAST_TRAFFIC_CLASS.load(SeqCst)),
         live_redops: c.redops_created.load(SeqCst) - c.redops_destroyed.load(SeqCst),
+        live_events: c.events_created.load(SeqCst) - c.events_destroyed.load(SeqCst),
     };
 }
 

@@ -26,11 +26,14 @@
 //! - XC-3: the communicator is created non-blocking (`blocking = 0`) and
 //!   polled with `ncclCommGetAsyncError`; init that does not finish within
 //!   `connect_timeout` is aborted (`ncclCommAbort`) and reported.
-//! - XC-4: an op completes when its stream has drained (`*StreamQuery`),
-//!   not when it was enqueued; while waiting, `ncclCommGetAsyncError` is
-//!   polled so a remote failure becomes `PeerFailed` instead of a hang. The
-//!   device → host copy is only enqueued after that, so host buffers are
-//!   never written by the device after `execute` returned or was dropped.
+//! - XC-4: an op completes when an event recorded after it on the stream
+//!   completed, not when it was enqueued; the communicator's
+//!   [completion thread](completion) waits for it, polling
+//!   `ncclCommGetAsyncError` meanwhile so a remote failure becomes
+//!   `PeerFailed` instead of a hang, and wakes the op (no timer on the
+//!   op's side). The device → host copy of a host op is only enqueued
+//!   after that, so host buffers are never written by the device after
+//!   `execute` returned or was dropped.
 //! - XC-5: after an error the communicator is unusable until `abort`
 //!   ([BE-2]), which calls `ncclCommAbort`; `Drop` aborts (never destroys,
 //!   which could block) and never panics.
@@ -70,10 +73,12 @@ use crate::error::{Error, Result};
 use crate::options::Device;
 use crate::tensor::{DType, Tensor};
 
+pub mod completion;
 pub mod plan;
 pub mod result;
 pub mod sys;
 
+pub use completion::live_completion_threads;
 use plan::{Buf, Call};
 use result::CallError;
 
@@ -441,7 +446,7 @@ impl super::DeviceMemory for XcclMemory {
                 dst.len_bytes()
             ));
         }
-        for t in [&*src, &*dst] {
+        for t in [src, &*dst] {
             if t.is_device() && t.device() != self.device() {
                 return Err(format!(
                     "a tensor on {} given to memory of {}",
@@ -509,6 +514,8 @@ pub struct XcclBackend {
     mem: Arc<XcclMemory>,
     /// Keep-alives of the device tensors of the op in flight (XC-9).
     inflight: Vec<crate::tensor::KeepAlive>,
+    /// Finds when ops finished on the device (XC-4).
+    done: completion::CompletionThread,
 }
 
 // SAFETY: the raw communicator, stream and device pointers are only used by
@@ -703,33 +710,21 @@ impl XcclBackend {
         Ok(b.ptr)
     }
 
-    /// Wait until the stream drained, polling the communicator's async
-    /// error ([XC-4]).
+    /// Wait until the op just enqueued finished on the device: the
+    /// completion thread settles the communicator, records an event and
+    /// wakes this future when it completed ([XC-4]).
     ///
     /// [XC-4]: self#invariants
-    async fn wait_stream(&self) -> std::result::Result<(), CallError> {
-        loop {
-            // SAFETY: live stream and communicator.
-            if unsafe { result::stream_done(&self.api.rt, self.stream)? } {
-                // A stream can drain because NCCL gave up on a failed peer:
-                // the async error decides whether the op succeeded.
-                // SAFETY: live communicator.
-                unsafe { result::async_error(&self.api.nccl, self.comm)? };
-                return Ok(());
-            }
-            // SAFETY: as above.
-            unsafe { result::async_error(&self.api.nccl, self.comm)? };
-            tokio::time::sleep(POLL).await;
+    async fn complete(&self) -> std::result::Result<(), CallError> {
+        match self.done.submit(self.comm, self.stream).await {
+            Ok(r) => r,
+            Err(_) => Err(CallError {
+                call: "completion thread",
+                code: 0,
+                nccl: false,
+                message: "stopped before the op completed".into(),
+            }),
         }
-    }
-
-    /// Wait until a non-blocking call on the communicator settled.
-    async fn settle(&self) -> std::result::Result<(), CallError> {
-        // SAFETY: live communicator.
-        while !unsafe { result::async_error(&self.api.nccl, self.comm)? } {
-            tokio::time::sleep(POLL).await;
-        }
-        Ok(())
     }
 
     /// Enqueue the plan's calls (inside one group when asked).
@@ -936,8 +931,7 @@ impl XcclBackend {
             }
             self.enqueue(&p, dtype, op, esize, din, dout)?;
         }
-        self.settle().await?;
-        self.wait_stream().await?;
+        self.complete().await?;
         let dout = dout_addr as *mut c_void;
         let stream = self.stream;
         let rt = &self.api.rt;
@@ -1014,8 +1008,7 @@ impl XcclBackend {
                     })
                     .collect::<Vec<_>>();
                 self.enqueue_p2p_device(&calls)?;
-                self.settle().await?;
-                self.wait_stream().await?;
+                self.complete().await?;
                 self.inflight.clear();
                 return Ok(());
             }
@@ -1092,8 +1085,7 @@ impl XcclBackend {
             }
             r?;
         }
-        self.settle().await?;
-        self.wait_stream().await?;
+        self.complete().await?;
         self.inflight.clear();
         Ok(())
     }
@@ -1301,6 +1293,7 @@ impl XcclBackend {
     ) -> std::result::Result<XcclBackend, CallError> {
         let mut me = XcclBackend {
             mem: Arc::new(XcclMemory::new(api.clone(), device)?),
+            done: completion::CompletionThread::start(api.clone(), device, &init.comm)?,
             flavor,
             comm_name: init.comm.clone(),
             rank: init.rank,
@@ -1604,6 +1597,8 @@ impl Backend for XcclBackend {
     }
 
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        // XT-1: the completion thread lets go of the communicator first.
+        self.done.stop();
         self.abort_comm();
         self.release();
         // XC-9: the device is done with the op's memory now.
@@ -1618,7 +1613,9 @@ impl Backend for XcclBackend {
 
     async fn finalize(&mut self) {
         // Finalize (bounded), then destroy; abort when either fails, so a
-        // communicator is never leaked nor waited on forever.
+        // communicator is never leaked nor waited on forever. No op runs,
+        // so the completion thread can go first (XT-1).
+        self.done.stop();
         if !self.comm.is_null() && self.broken.is_none() && self.finalize_comm().await {
             let r = {
                 let _dev = DeviceGuard::set(&self.api.rt, self.device);
@@ -1683,6 +1680,7 @@ impl Backend for XcclBackend {
 impl Drop for XcclBackend {
     fn drop(&mut self) {
         // XC-5: abort, never destroy (which may block); errors are logged.
+        self.done.stop();
         self.abort_comm();
         self.release();
         self.inflight.clear();

@@ -11,7 +11,8 @@
 //! The CUDA runtime (`cuda*`) and HIP (`hip*`) entry points used here have
 //! identical signatures and the same numeric values for the constants used
 //! (`*MemcpyHostToDevice` = 1, `*MemcpyDeviceToHost` = 2, `*ErrorNotReady` =
-//! 600), so one table serves both, loaded with a different symbol prefix.
+//! 600, `*StreamNonBlocking` = 1, `*EventDisableTiming` = 2), so one table
+//! serves both, loaded with a different symbol prefix.
 #![allow(non_camel_case_types)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
@@ -23,6 +24,8 @@ pub type ncclResult_t = c_int;
 pub type ncclComm_t = *mut c_void;
 /// `cudaStream_t` / `hipStream_t` (opaque).
 pub type Stream = *mut c_void;
+/// `cudaEvent_t` / `hipEvent_t` (opaque).
+pub type Event = *mut c_void;
 /// `ncclDataType_t`.
 pub type ncclDataType_t = c_int;
 /// `ncclRedOp_t`.
@@ -38,6 +41,9 @@ pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
 pub const NCCL_TIMEOUT: ncclResult_t = 8;
 /// `cudaStreamNonBlocking` / `hipStreamNonBlocking`.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
+/// `cudaEventDisableTiming` / `hipEventDisableTiming`: an event only for
+/// completion (cheaper to record and query).
+pub const EVENT_DISABLE_TIMING: c_uint = 2;
 /// `cudaErrorNotReady` / `hipErrorNotReady`.
 pub const RT_NOT_READY: RtError = 600;
 /// `cudaMemcpyHostToDevice` / `hipMemcpyHostToDevice`.
@@ -198,6 +204,15 @@ fn_table! {
         stream_query: "StreamQuery" => fn(Stream) -> RtError;
         stream_synchronize: "StreamSynchronize" => fn(Stream) -> RtError;
         stream_destroy: "StreamDestroy" => fn(Stream) -> RtError;
+        // cudaEventCreateWithFlags(cudaEvent_t*, unsigned int),
+        // cudaEventRecord(cudaEvent_t, cudaStream_t), cudaEventQuery(cudaEvent_t),
+        // cudaEventDestroy(cudaEvent_t), cudaStreamWaitEvent(cudaStream_t,
+        // cudaEvent_t, unsigned int); hip* alike.
+        event_create_with_flags: "EventCreateWithFlags" => fn(*mut Event, c_uint) -> RtError;
+        event_record: "EventRecord" => fn(Event, Stream) -> RtError;
+        event_query: "EventQuery" => fn(Event) -> RtError;
+        event_destroy: "EventDestroy" => fn(Event) -> RtError;
+        stream_wait_event: "StreamWaitEvent" => fn(Stream, Event, c_uint) -> RtError;
         get_error_string: "GetErrorString" => fn(RtError) -> *const c_char;
     }
 }
