@@ -69,6 +69,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 kind: OpKind::AllReduce,
                                 seq,
                                 may_block: true,
+                                order: Default::default(),
                             };
                             let start = Instant::now();
                             b.exchange_headers(&ctx, vec![(1 - rank, seq, vec![0u8; 48])])

@@ -189,6 +189,9 @@ pub struct Comm {
     pub(crate) timeout: Option<Duration>,
     /// This handle's hints: the communicator's, overlaid by `with_hints`.
     pub(crate) hints: Arc<Hints>,
+    /// The caller's stream this handle's ops are ordered with
+    /// ([`Comm::with_stream`]).
+    pub(crate) stream: Option<crate::DeviceStream>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -210,6 +213,7 @@ impl Comm {
             hints: shared.hints.clone(),
             shared,
             timeout: None,
+            stream: None,
         }
     }
 
@@ -257,6 +261,32 @@ impl Comm {
             timeout: Some(timeout),
             ..self.clone()
         }
+    }
+
+    /// A handle on the same communicator whose ops are ordered with the
+    /// caller's device stream `stream`, as TorchComms' async ops on the
+    /// current stream: each op waits, on the device and without blocking
+    /// the host, for the work queued on `stream` before it was issued (an
+    /// event recorded there, and `cudaStreamWaitEvent` on the
+    /// communicator's own stream, which its actor owns). Use
+    /// [`Work::wait_stream`] to make `stream` wait for the op in turn;
+    /// [`Work::wait`] and `.await` still mean "finished on the device".
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the backend has no device memory
+    /// (streams exist on `nccl` and `rccl` only).
+    pub fn with_stream(&self, stream: crate::DeviceStream) -> Result<Comm> {
+        self.device_mem("with_stream")?;
+        Ok(Comm {
+            stream: Some(stream),
+            ..self.clone()
+        })
+    }
+
+    /// The stream this handle's ops are ordered with, if any
+    /// ([`Comm::with_stream`]).
+    pub fn stream(&self) -> Option<crate::DeviceStream> {
+        self.stream
     }
 
     /// Set the communicator's op timeout in place: ops issued from now on,
@@ -640,6 +670,7 @@ impl Comm {
             completer.track(home.obs.issue(describe(&req), &self.hints));
         }
         req.timeout = self.timeout();
+        req.stream = self.stream;
         req.completer = Some(completer);
         if home.status.state() != State::Active {
             if let Some(c) = req.completer.take() {

@@ -130,7 +130,7 @@ pub use options::{
 };
 pub use persistent::PersistentAllGather;
 pub use tensor::{Bool, DType, Element, ExternalError, Tensor};
-pub use work::Work;
+pub use work::{DeviceStream, FenceSlot, StreamFence, Work};
 
 /// Create a communicator: connect this rank to the others and start its actor.
 ///

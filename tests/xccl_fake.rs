@@ -12,7 +12,7 @@
 
 mod common;
 
-use std::ffi::{c_int, c_uint};
+use std::ffi::{c_int, c_uint, c_void};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -1042,4 +1042,151 @@ fn misplaced_device_tensors_are_invalid_arguments() {
         );
         assert_eq!(f.counters().bad_pointer, 0);
     }
+}
+
+impl Fake {
+    fn sym<T: Copy>(&self, name: &[u8]) -> T {
+        // SAFETY: each caller names a symbol of the fake with type `T`.
+        unsafe { *self.lib.get::<T>(name).expect("fake symbol") }
+    }
+
+    /// A non-blocking stream on the calling thread's current device.
+    fn stream(&self) -> *mut c_void {
+        let f: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int =
+            self.sym(b"cudaStreamCreateWithFlags\0");
+        let mut s = std::ptr::null_mut();
+        // SAFETY: out-parameter call.
+        assert_eq!(unsafe { f(&mut s, 1) }, 0);
+        s
+    }
+
+    fn memcpy(&self, dst: *mut c_void, src: *const c_void, n: usize, kind: c_int, s: *mut c_void) {
+        let f: unsafe extern "C" fn(
+            *mut c_void,
+            *const c_void,
+            usize,
+            c_int,
+            *mut c_void,
+        ) -> c_int = self.sym(b"cudaMemcpyAsync\0");
+        // SAFETY: the callers pass live buffers of `n` bytes.
+        assert_eq!(unsafe { f(dst, src, n, kind, s) }, 0, "memcpy kind {kind}");
+    }
+
+    fn sync(&self, s: *mut c_void) {
+        let f: unsafe extern "C" fn(*mut c_void) -> c_int = self.sym(b"cudaStreamSynchronize\0");
+        // SAFETY: a live stream.
+        assert_eq!(unsafe { f(s) }, 0);
+    }
+
+    fn destroy_stream(&self, s: *mut c_void) {
+        let f: unsafe extern "C" fn(*mut c_void) -> c_int = self.sym(b"cudaStreamDestroy\0");
+        // SAFETY: a live stream, destroyed once.
+        assert_eq!(unsafe { f(s) }, 0);
+    }
+
+    fn gate(&self, s: *mut c_void, close: bool) {
+        let f: unsafe extern "C" fn(*mut c_void, c_int) -> c_int =
+            self.sym(b"fake_xccl_stream_gate\0");
+        // SAFETY: control symbol over a live stream.
+        assert_eq!(unsafe { f(s, c_int::from(close)) }, 0);
+    }
+}
+
+/// Stream-ordered work: an op issued through `with_stream` waits, on the
+/// device, for the caller's stream (here a copy into its input that a
+/// closed gate holds back: without the wait the op would reduce the stale
+/// zeros), and `Work::wait_stream` makes the caller's stream wait for the
+/// op (a copy out queued after it sees the reduced values, not the input:
+/// rank 1's stream stays gated until rank 0's copy is queued and its gate
+/// open, so without the fence rank 0's copy would run before the op). Nothing blocks on the host, and the
+/// events and completion threads are gone afterwards.
+#[test]
+fn with_stream_ops_wait_for_the_callers_stream_and_wait_stream_orders_it_after() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        let r0_queued = Signal::default();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-stream",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                let f = fake();
+                f.set_device(r as c_int);
+                let us = f.stream();
+                // SAFETY: a live stream of this rank's device, destroyed below.
+                let stream = unsafe { chorus::DeviceStream::from_raw(us) };
+                let t = comm.device_zeros(DType::F32, 4).unwrap();
+                let ptr = t.device_ptr().unwrap();
+                f.gate(us, true);
+                let mine = [(r + 1) as f32; 4];
+                f.memcpy(ptr.cast(), mine.as_ptr().cast(), 16, 1, us);
+                let w = comm
+                    .with_stream(stream)
+                    .unwrap()
+                    .all_reduce_async(t, ReduceOp::Sum);
+                w.wait_stream(stream).unwrap();
+                let mut seen = vec![0.0f32; 4];
+                f.memcpy(seen.as_mut_ptr().cast(), ptr.cast(), 16, 2, us);
+                // Rank 1's op waits for its gated stream until rank 0's copy
+                // out is queued and free to run.
+                if r == 1 {
+                    assert!(
+                        r0_queued.wait(Duration::from_secs(40)),
+                        "rank 0 never queued"
+                    );
+                }
+                f.gate(us, false);
+                if r == 0 {
+                    r0_queued.raise();
+                }
+                let out = w.wait().unwrap();
+                f.sync(us);
+                assert_eq!(
+                    seen,
+                    vec![3.0f32; 4],
+                    "rank {r}: the caller's stream did not wait for the op"
+                );
+                assert_eq!(
+                    comm.to_host(&out).unwrap().to_vec::<f32>(),
+                    vec![3.0f32; 4],
+                    "rank {r}: the op did not wait for the caller's stream"
+                );
+                f.destroy_stream(us);
+                comm.finalize().unwrap();
+            },
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
+            }),
+            "leaked: {:?} (before {before:?})",
+            f.counters()
+        );
+    }
+    // No streams without device memory.
+    let cpu = chorus::new_comm(
+        "cpu",
+        chorus::Device::Cpu,
+        "xf-stream-cpu",
+        chorus::CommOptions::single(),
+    )
+    .unwrap();
+    // SAFETY: refused before use.
+    let s = unsafe { chorus::DeviceStream::from_raw(std::ptr::null_mut()) };
+    assert!(matches!(
+        cpu.with_stream(s),
+        Err(Error::InvalidArgument { .. })
+    ));
+    cpu.finalize().unwrap();
 }

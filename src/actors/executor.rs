@@ -251,6 +251,11 @@ impl Core {
             kind: req.kind,
             seq: req.seq,
             may_block,
+            order: crate::backends::StreamOrder {
+                // WK-4: a fence only for ops ordered with a stream.
+                fence: req.stream.and(completer.fence_slot()),
+                wait_for: req.stream,
+            },
         };
         let bytes = req.count * req.dtype.size();
         let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);

@@ -98,6 +98,8 @@ pub(crate) struct Request {
     /// gather_single: complete with the root's whole output, unsplit.
     pub(crate) whole: bool,
     pub(crate) timeout: Duration,
+    /// The caller's stream the op is ordered with (`Comm::with_stream`).
+    pub(crate) stream: Option<crate::DeviceStream>,
     pub(crate) completer: Option<Completer>,
     /// Collective sequence number (assigned by the executor).
     pub(crate) seq: u64,
@@ -125,6 +127,7 @@ impl Request {
             return_input: false,
             whole: false,
             timeout: Duration::from_secs(600),
+            stream: None,
             completer: None,
             seq: 0,
         }

@@ -210,6 +210,22 @@ pub struct OpCtx {
     /// blocking op. False on a worker of the caller's runtime, where a wait
     /// must yield to the runtime instead.
     pub may_block: bool,
+    /// Stream ordering asked for by the caller
+    /// ([`Comm::with_stream`](crate::Comm::with_stream)); empty otherwise.
+    pub order: StreamOrder,
+}
+
+/// How an op on device memory is ordered with the caller's stream
+/// ([`Comm::with_stream`](crate::Comm::with_stream)).
+#[derive(Debug, Clone, Default)]
+pub struct StreamOrder {
+    /// The op must wait for the work queued on this stream before it was
+    /// issued (an event recorded there, and the communicator's stream made
+    /// to wait for it), without blocking the host.
+    pub wait_for: Option<crate::DeviceStream>,
+    /// Where the backend publishes a fence once the op is enqueued, for
+    /// [`Work::wait_stream`](crate::Work::wait_stream).
+    pub fence: Option<Arc<crate::FenceSlot>>,
 }
 
 impl OpCtx {

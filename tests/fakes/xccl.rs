@@ -2019,6 +2019,35 @@ pub extern "C" fn fake_xccl_hang(device: c_int, hang: c_int) {
     }
 }
 
+static GATES: LazyLock<(Mutex<HashSet<usize>>, Condvar)> =
+    LazyLock::new(|| (Mutex::new(HashSet::new()), Condvar::new()));
+
+/// Close (`close != 0`: work queued on `stream` from now on waits) or
+/// open the gate of `stream`, so a test controls when a stream makes
+/// progress. Returns 0, or 400 for an unknown stream.
+#[no_mangle]
+pub extern "C" fn fake_xccl_stream_gate(stream: *mut c_void, close: c_int) -> c_int {
+    let Some(s) = stream_of(stream) else {
+        return 400;
+    };
+    let id = stream as usize;
+    let (m, cv) = &*GATES;
+    if close != 0 {
+        lock(m).insert(id);
+        s.push(Box::new(move || {
+            let (m, cv) = &*GATES;
+            let mut g = lock(m);
+            while g.contains(&id) {
+                g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+        }));
+    } else {
+        lock(m).remove(&id);
+        cv.notify_all();
+    }
+    SUCCESS
+}
+
 /// Forget the cliques of finished tests (their communicators are gone).
 #[no_mangle]
 pub extern "C" fn fake_xccl_reset() {

@@ -50,6 +50,8 @@ struct Job {
     /// `ncclComm_t` and stream, as integers (only used as handles).
     comm: usize,
     stream: usize,
+    /// Where to publish a fence after the op, for `Work::wait_stream`.
+    fence: Option<Arc<crate::FenceSlot>>,
     done: tokio::sync::oneshot::Sender<std::result::Result<(), CallError>>,
 }
 
@@ -108,7 +110,7 @@ impl CompletionThread {
                 let ok = set.is_ok();
                 let _ = ready_tx.send(set);
                 if ok {
-                    run(&api, &q);
+                    run(&api, device, &q);
                 }
             });
         let handle = match spawned {
@@ -146,11 +148,17 @@ impl CompletionThread {
     }
 
     /// Wait (on the thread) for the op just enqueued on `stream` of `comm`.
-    pub(super) fn submit(&self, comm: sys::ncclComm_t, stream: sys::Stream) -> Done {
+    pub(super) fn submit(
+        &self,
+        comm: sys::ncclComm_t,
+        stream: sys::Stream,
+        fence: Option<Arc<crate::FenceSlot>>,
+    ) -> Done {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let job = Job {
             comm: comm as usize,
             stream: stream as usize,
+            fence,
             done: tx,
         };
         if self.handle.is_some() && !self.queue.stop.load(Ordering::Acquire) {
@@ -202,7 +210,7 @@ impl Backoff {
 }
 
 /// The thread's loop: one job at a time, in submission order.
-fn run(api: &Vendor, q: &Queue) {
+fn run(api: &Arc<Vendor>, device: c_int, q: &Queue) {
     let mut pool: Vec<sys::Event> = Vec::new();
     loop {
         let job = {
@@ -218,7 +226,7 @@ fn run(api: &Vendor, q: &Queue) {
             }
         };
         let Some(job) = job else { break };
-        let r = wait_op(api, q, &job, &mut pool);
+        let r = wait_op(api, device, q, &job, &mut pool);
         let _ = job.done.send(r);
     }
     for ev in pool {
@@ -238,7 +246,8 @@ fn stopped() -> CallError {
 
 /// Settle, record an event, wait for it (XT-2).
 fn wait_op(
-    api: &Vendor,
+    api: &Arc<Vendor>,
+    device: c_int,
     q: &Queue,
     job: &Job,
     pool: &mut Vec<sys::Event>,
@@ -269,6 +278,9 @@ fn wait_op(
         // device), alive while the job is.
         let r = unsafe { (api.rt.event_record)(ev, job.stream as sys::Stream) };
         result::rt(&api.rt, "EventRecord", r)?;
+        if let Some(slot) = &job.fence {
+            slot.publish(Arc::new(EventFence::record(api, device, job.stream)?));
+        }
         let mut b = Backoff(0);
         loop {
             // SAFETY: live event.
@@ -299,4 +311,60 @@ fn wait_op(
         }
     }
     out
+}
+
+/// An event recorded after an op, for [`Work::wait_stream`](crate::Work::wait_stream)
+/// (XC-10); destroyed when the op's `Work` is done with it.
+struct EventFence {
+    api: Arc<Vendor>,
+    device: c_int,
+    ev: sys::Event,
+}
+
+// SAFETY: an event handle, used only through the thread-safe runtime calls
+// below, with the device set.
+unsafe impl Send for EventFence {}
+// SAFETY: as above.
+unsafe impl Sync for EventFence {}
+
+impl EventFence {
+    /// Create an event on the calling thread's device (the completion
+    /// thread's, the communicator's) and record it on `stream`.
+    fn record(
+        api: &Arc<Vendor>,
+        device: c_int,
+        stream: usize,
+    ) -> std::result::Result<EventFence, CallError> {
+        let mut ev: sys::Event = std::ptr::null_mut();
+        // SAFETY: out-parameter call on this thread's device.
+        let r = unsafe { (api.rt.event_create_with_flags)(&mut ev, sys::EVENT_DISABLE_TIMING) };
+        result::rt(&api.rt, "EventCreateWithFlags", r)?;
+        let me = EventFence {
+            api: api.clone(),
+            device,
+            ev,
+        };
+        // SAFETY: live event and stream of the same device.
+        let r = unsafe { (api.rt.event_record)(ev, stream as sys::Stream) };
+        result::rt(&api.rt, "EventRecord", r)?;
+        Ok(me)
+    }
+}
+
+impl crate::StreamFence for EventFence {
+    fn wait_on(&self, stream: crate::DeviceStream) -> std::result::Result<(), String> {
+        let rt = &self.api.rt;
+        let _dev = super::DeviceGuard::set(rt, self.device).map_err(|e| e.to_string())?;
+        // SAFETY: live event; the caller's stream (`DeviceStream::from_raw`).
+        let r = unsafe { (rt.stream_wait_event)(stream.as_raw(), self.ev, 0) };
+        result::rt(rt, "StreamWaitEvent", r).map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for EventFence {
+    fn drop(&mut self) {
+        // SAFETY: created by `record`, destroyed once; pending work on it
+        // is allowed (the runtime frees it once that completed).
+        let _ = unsafe { (self.api.rt.event_destroy)(self.ev) };
+    }
 }

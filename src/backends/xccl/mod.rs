@@ -51,6 +51,12 @@
 //!   the stream drained), even when the op's `Work` and its tensors were
 //!   dropped first; a PreMulSum op is destroyed right after the calls that
 //!   use it were enqueued, also when one failed.
+//! - XC-10: an op issued through `Comm::with_stream` waits on the device
+//!   for the work queued on the caller's stream before it was issued: an
+//!   event recorded there and `*StreamWaitEvent` on the communicator's
+//!   stream, before the op's first call; once the op is enqueued, the
+//!   completion thread publishes a fence (an event after the op) for
+//!   `Work::wait_stream`. The host never waits for the caller's stream.
 //! - XC-8: `split` uses `ncclCommSplit` when the library has it (NCCL >=
 //!   2.18; [BE-4]): every parent rank calls it (non-members with
 //!   `NCCL_SPLIT_NOCOLOR`), the child's rank is the key, and the child gets
@@ -516,6 +522,10 @@ pub struct XcclBackend {
     inflight: Vec<crate::tensor::KeepAlive>,
     /// Finds when ops finished on the device (XC-4).
     done: completion::CompletionThread,
+    /// Recorded on the caller's stream of a `with_stream` op (XC-10).
+    wait_ev: sys::Event,
+    /// The stream ordering of the op in flight (XC-10).
+    order: super::StreamOrder,
 }
 
 // SAFETY: the raw communicator, stream and device pointers are only used by
@@ -715,8 +725,12 @@ impl XcclBackend {
     /// wakes this future when it completed ([XC-4]).
     ///
     /// [XC-4]: self#invariants
-    async fn complete(&self) -> std::result::Result<(), CallError> {
-        match self.done.submit(self.comm, self.stream).await {
+    async fn complete(&mut self) -> std::result::Result<(), CallError> {
+        match self
+            .done
+            .submit(self.comm, self.stream, self.order.fence.take())
+            .await
+        {
             Ok(r) => r,
             Err(_) => Err(CallError {
                 call: "completion thread",
@@ -724,6 +738,32 @@ impl XcclBackend {
                 nccl: false,
                 message: "stopped before the op completed".into(),
             }),
+        }
+    }
+
+    /// [XC-10]: make the communicator's stream wait for the work queued on
+    /// the caller's stream so far (an event recorded there), without
+    /// blocking the host. The device must be set.
+    ///
+    /// [XC-10]: self#invariants
+    fn order_after(&self) -> std::result::Result<(), CallError> {
+        let Some(user) = self.order.wait_for else {
+            return Ok(());
+        };
+        let rt = &self.api.rt;
+        // SAFETY: the caller's stream (valid, `DeviceStream::from_raw`'s
+        // contract) and this communicator's event and stream, device set.
+        unsafe {
+            result::rt(
+                rt,
+                "EventRecord(caller's stream)",
+                (rt.event_record)(self.wait_ev, user.as_raw()),
+            )?;
+            result::rt(
+                rt,
+                "StreamWaitEvent",
+                (rt.stream_wait_event)(self.stream, self.wait_ev, 0),
+            )
         }
     }
 
@@ -740,6 +780,7 @@ impl XcclBackend {
         din: *mut c_void,
         dout: *mut c_void,
     ) -> std::result::Result<(), CallError> {
+        self.order_after()?;
         let n = &self.api.nccl;
         let (comm, stream) = (self.comm, self.stream);
         let at = |b: Buf, off: usize| -> *mut c_void {
@@ -1133,6 +1174,7 @@ impl XcclBackend {
         let n = &self.api.nccl;
         let _dev = DeviceGuard::set(&self.api.rt, self.device)?;
         let u8t = plan::nccl_dtype(DType::U8);
+        self.order_after()?;
         let group = GroupGuard::start(n)?;
         for &(send, recv, bytes, peer) in calls {
             // SAFETY: device pointers of live device tensors of `bytes`
@@ -1315,6 +1357,8 @@ impl XcclBackend {
             broken: None,
             finalize_timeout: init.connect_timeout,
             inflight: Vec::new(),
+            wait_ev: std::ptr::null_mut(),
+            order: Default::default(),
         };
         let rt = &me.api.rt;
         let mut stream: sys::Stream = std::ptr::null_mut();
@@ -1324,8 +1368,13 @@ impl XcclBackend {
             // SAFETY: out-parameter call on the communicator's device.
             let r = unsafe { (rt.stream_create_with_flags)(&mut stream, sys::STREAM_NON_BLOCKING) };
             result::rt(rt, "StreamCreateWithFlags", r)?;
+            me.stream = stream;
+            let mut ev: sys::Event = std::ptr::null_mut();
+            // SAFETY: out-parameter call on the communicator's device.
+            let r = unsafe { (rt.event_create_with_flags)(&mut ev, sys::EVENT_DISABLE_TIMING) };
+            result::rt(rt, "EventCreateWithFlags", r)?;
+            me.wait_ev = ev;
         }
-        me.stream = stream;
         Ok(me)
     }
 
@@ -1467,7 +1516,10 @@ impl XcclBackend {
     /// drop), after the stream drained.
     fn release(&mut self) {
         let rt = &self.api.rt;
-        if self.stream.is_null() && self.bufs.iter().all(|b| b.ptr.is_null()) {
+        if self.stream.is_null()
+            && self.bufs.iter().all(|b| b.ptr.is_null())
+            && self.wait_ev.is_null()
+        {
             return;
         }
         let _dev = DeviceGuard::set(rt, self.device);
@@ -1487,6 +1539,10 @@ impl XcclBackend {
             if !self.stream.is_null() {
                 let _ = (rt.stream_destroy)(self.stream);
                 self.stream = std::ptr::null_mut();
+            }
+            if !self.wait_ev.is_null() {
+                let _ = (rt.event_destroy)(self.wait_ev);
+                self.wait_ev = std::ptr::null_mut();
             }
         }
     }
@@ -1587,6 +1643,7 @@ impl Backend for XcclBackend {
         let span = tracing::debug_span!("xccl_op", op = ctx.kind.name(), seq = ctx.seq);
         let _g = span.enter();
         drop(_g);
+        self.order = ctx.order.clone();
         match self.run(ctx.size, data).await {
             Ok(()) => Ok(()),
             Err(e) => {
