@@ -618,6 +618,32 @@ impl Comm {
         Ok(out)
     }
 
+    /// A new device tensor holding a copy of the device tensor `dev`
+    /// (copied on the device, never through the host; what [`Clone`] cannot
+    /// do for device memory). Synchronous, like [`Comm::to_host`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `dev` is not a tensor of this
+    /// communicator's device, or the allocation or copy fails.
+    pub fn device_clone(&self, dev: &Tensor) -> Result<Tensor> {
+        let op = "device_clone";
+        let mem = self.device_mem(op)?;
+        if dev.device() != mem.device() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the tensor is on {}, this communicator on {}",
+                    dev.device(),
+                    mem.device()
+                ),
+            ));
+        }
+        let mut out = self.output_on(op, dev.dtype(), dev.len(), Some(mem))?;
+        mem.copy(dev, 0, &mut out, 0, dev.len_bytes())
+            .map_err(|e| self.invalid(op, e))?;
+        Ok(out)
+    }
+
     /// Async form of [`Comm::device_zeros`]: the allocation runs on a
     /// blocking thread, never on the caller's runtime worker.
     ///

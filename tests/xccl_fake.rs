@@ -1190,3 +1190,50 @@ fn with_stream_ops_wait_for_the_callers_stream_and_wait_stream_orders_it_after()
     ));
     cpu.finalize().unwrap();
 }
+
+/// `chorus-perf --device cuda` on the fake: every collective on device
+/// tensors, checked, one rank (the fake's ranks meet inside one process,
+/// and chorus-perf starts one process per rank).
+#[test]
+fn chorus_perf_device_cuda_runs_every_collective_on_the_fake() {
+    let (_g, _f) = setup();
+    for flavor in flavors() {
+        for op in [
+            "all_reduce",
+            "all_gather",
+            "broadcast",
+            "reduce_scatter",
+            "reduce",
+            "gather",
+            "scatter",
+            "all_to_all",
+            "all_to_all_single",
+        ] {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_chorus-perf"))
+                .args([
+                    op, "-n", "1", "-b", "8", "-e", "4K", "-f", "8", "-w", "1", "-i", "3",
+                ])
+                .args([
+                    "--backend",
+                    flavor.name(),
+                    "--device",
+                    "cuda",
+                    "--timeout",
+                    "50",
+                ])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("chorus-perf could not be started");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{op}: {stdout}\n{stderr}");
+            assert!(stdout.contains("device=cuda"), "{op}: {stdout}");
+            let rows: Vec<&str> = stdout.lines().filter(|l| !l.starts_with('#')).collect();
+            assert_eq!(rows.len(), 4, "{op}: {stdout}");
+            assert!(
+                rows.iter().all(|r| r.trim_end().ends_with("ok")),
+                "{op}: {stdout}"
+            );
+        }
+    }
+}
