@@ -216,7 +216,39 @@ impl Stream {
 }
 
 fn stream_of(s: *mut c_void) -> Option<Arc<Stream>> {
+    if s.is_null() {
+        return Some(default_stream(DEVICE.with(Cell::get)));
+    }
     lock(&STREAMS).get(&(s as usize)).cloned()
+}
+
+/// The legacy default stream (`0`) of `device`: created on first use, never
+/// destroyed, not counted as a live stream. (It does not model the legacy
+/// stream's implicit synchronisation, which non-blocking streams, the only
+/// kind the backends create, do not take part in.)
+fn default_stream(device: c_int) -> Arc<Stream> {
+    static DEFAULTS: LazyLock<Mutex<HashMap<c_int, Arc<Stream>>>> =
+        LazyLock::new(|| Mutex::new(HashMap::new()));
+    lock(&DEFAULTS)
+        .entry(device)
+        .or_insert_with(|| {
+            let s = Arc::new(Stream {
+                device,
+                q: Mutex::new(StreamQ {
+                    tasks: VecDeque::new(),
+                    busy: false,
+                    closed: false,
+                }),
+                cv: Condvar::new(),
+            });
+            let w = s.clone();
+            std::thread::Builder::new()
+                .name("fake-default-stream".into())
+                .spawn(move || w.worker())
+                .expect("spawn stream thread");
+            s
+        })
+        .clone()
 }
 
 fn create_stream(out: *mut *mut c_void, blocking: bool) -> RtError {
