@@ -655,6 +655,7 @@ impl Tensor {
 
     /// A device tensor's keep-alive, for a backend that must keep the
     /// memory allocated while an op on it runs (T-5).
+    #[cfg_attr(not(any(feature = "nccl", feature = "rccl")), allow(dead_code))]
     pub(crate) fn device_keep_alive(&self) -> Option<KeepAlive> {
         match &self.storage {
             Storage::Device(d) => Some(d.owner.clone()),
@@ -1106,6 +1107,64 @@ mod tests {
             )
         };
         assert!(empty.unwrap().as_bytes().is_empty());
+    }
+
+    /// T-5: a device tensor (here over an address no one dereferences) has
+    /// no host view: the plain accessors panic, the `try_` forms are
+    /// `None`, split/concat refuse it, and its owner drops once.
+    #[test]
+    fn t5_device_tensors_are_never_read_on_the_host() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let drops = std::sync::Arc::new(AtomicUsize::new(0));
+        let owner: KeepAlive = std::sync::Arc::new(DropCount(drops.clone()));
+        let mut t = Tensor::device_from_parts(0x1000, DType::F32, 4, crate::Device::Cuda(1), owner)
+            .unwrap();
+        assert!(t.is_device() && !t.is_external());
+        assert_eq!(t.device(), crate::Device::Cuda(1));
+        assert_eq!(t.device_ptr(), Some(0x1000 as *mut u8));
+        assert_eq!(t.as_ptr() as usize, 0x1000);
+        assert_eq!(t.len_bytes(), 16);
+        assert!(t.try_as_bytes().is_none() && t.try_as_bytes_mut().is_none());
+        assert!(t.try_as_slice::<f32>().is_none() && t.try_clone().is_none());
+        assert!(t.split(&[4]).is_none());
+        assert!(Tensor::concat(DType::F32, std::slice::from_ref(&t)).is_none());
+        for f in [
+            &(|t: &Tensor| assert!(!t.as_bytes().is_empty())) as &dyn Fn(&Tensor),
+            &|t: &Tensor| assert!(!t.as_slice::<f32>().is_empty()),
+            &|t: &Tensor| drop(t.clone()),
+            &|t: &Tensor| drop(t.to_f64_vec()),
+        ] {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&t)));
+            let msg = r.expect_err("a host view of device memory must panic");
+            let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(msg.contains("cuda:1") && msg.contains("to_host"), "{msg}");
+        }
+        assert!(format!("{t:?}").contains("0x1000"));
+        // Equal only to a tensor over the same memory; never to host data.
+        let alias = t.device_alias().unwrap();
+        assert_eq!(alias, t);
+        assert_ne!(Tensor::zeros(DType::F32, 4), t);
+        drop(alias);
+        drop(t);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        // Checks before anything else.
+        let own = || -> KeepAlive { std::sync::Arc::new(()) };
+        let bad = [
+            Tensor::device_from_parts(0, DType::U8, 1, crate::Device::Cuda(0), own()),
+            Tensor::device_from_parts(0x1002, DType::F32, 1, crate::Device::Cuda(0), own()),
+            Tensor::device_from_parts(0x1000, DType::F32, 1, crate::Device::Cpu, own()),
+            Tensor::device_from_parts(
+                0x1000,
+                DType::F64,
+                usize::MAX / 4,
+                crate::Device::Cuda(0),
+                own(),
+            ),
+        ];
+        assert_eq!(bad[0].as_ref().unwrap_err(), &ExternalError::Null);
+        assert!(matches!(bad[1], Err(ExternalError::Misaligned { .. })));
+        assert!(matches!(bad[2], Err(ExternalError::NotADevice { .. })));
+        assert!(matches!(bad[3], Err(ExternalError::TooLarge { .. })));
     }
 
     #[test]

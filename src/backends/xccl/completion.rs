@@ -4,7 +4,7 @@
 //! about 1 ms, per op).
 //!
 //! The backend enqueues an op's calls on the communicator's stream, then
-//! [`CompletionThread::submit`]s it and awaits the returned oneshot. The
+//! submits it and awaits the returned oneshot. The
 //! thread, which set the communicator's device once when it started, waits
 //! for a non-blocking enqueue to settle (`ncclCommGetAsyncError` no longer
 //! `ncclInProgress`), records an event (`*EventCreateWithFlags` with
@@ -16,7 +16,7 @@
 //! # Invariants
 //! - XT-1: one thread per communicator; it touches the NCCL communicator
 //!   only through `ncclCommGetAsyncError` (thread-safe) and the stream only
-//!   through event calls, and [`CompletionThread::stop`] joins it, so the
+//!   through event calls, and stopping it joins it, so the
 //!   backend calls `ncclCommAbort`/`ncclCommDestroy` only once the thread
 //!   has let go of the communicator. Stop runs at finalize, abort and drop;
 //!   [`live_completion_threads`] counts threads not yet ended.
