@@ -40,6 +40,8 @@ struct Counters {
     last_traffic_class: i64,
     live_redops: u64,
     live_events: u64,
+    freed_in_use: u64,
+    in_use_allocs: u64,
 }
 
 struct Fake {
@@ -1235,5 +1237,71 @@ fn chorus_perf_device_cuda_runs_every_collective_on_the_fake() {
                 "{op}: {stdout}"
             );
         }
+    }
+}
+
+/// XC-9: a device tensor whose op is still waiting on the device for a
+/// hung peer stays allocated when its `Work` and the tensor are dropped,
+/// and when the communicator aborts (which drops the op); it is freed only
+/// after `ncclCommAbort` let the queued work go, never under it.
+#[test]
+fn device_memory_of_an_op_in_flight_is_freed_only_after_the_abort() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        let done = Signal::default();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-dev-abort",
+            |_, o| o,
+            move |comm| {
+                let f = fake();
+                let warm = comm.device_zeros(DType::F32, 4).unwrap();
+                comm.all_reduce(warm, ReduceOp::Sum).unwrap();
+                let t = comm.device_zeros(DType::F32, 1 << 10).unwrap();
+                if comm.rank() == 1 {
+                    // Rank 1 joins the op but its device makes no progress.
+                    f.call_i(b"fake_xccl_hang\0", 1, 1);
+                }
+                let live = f.counters().live_allocs;
+                // The op waits on the device for rank 1's part.
+                drop(comm.all_reduce_async(t, ReduceOp::Sum));
+                if comm.rank() == 0 {
+                    // Both ranks' calls are queued on their streams.
+                    assert!(eventually(Duration::from_secs(20), || f
+                        .counters()
+                        .in_use_allocs
+                        >= 2));
+                    assert!(f.counters().live_allocs >= live, "freed while the op waits");
+                    comm.abort();
+                    done.raise();
+                } else {
+                    assert!(done.wait(Duration::from_secs(40)));
+                    comm.abort();
+                    f.call_i(b"fake_xccl_hang\0", 1, 0);
+                }
+            },
+        );
+        let after = f.counters();
+        assert_eq!(
+            after.freed_in_use, before.freed_in_use,
+            "cudaFree under queued work: {after:?}"
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
+            }),
+            "leaked after abort: {:?} (before {before:?})",
+            f.counters()
+        );
     }
 }

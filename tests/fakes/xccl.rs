@@ -98,6 +98,7 @@ struct Counters {
     redops_destroyed: AtomicU64,
     events_created: AtomicU64,
     events_destroyed: AtomicU64,
+    freed_in_use: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -117,6 +118,7 @@ static COUNTERS: Counters = Counters {
     redops_destroyed: AtomicU64::new(0),
     events_created: AtomicU64::new(0),
     events_destroyed: AtomicU64::new(0),
+    freed_in_use: AtomicU64::new(0),
 };
 
 /// `trafficClass` as the last `ncclCommInitRankConfig`/`ncclCommSplit` saw
@@ -323,6 +325,12 @@ unsafe fn rt_malloc(p: *mut *mut c_void, size: usize) -> RtError {
 unsafe fn rt_free(p: *mut c_void) -> RtError {
     if p.is_null() {
         return SUCCESS;
+    }
+    if lock(&IN_USE).contains_key(&(p as usize)) {
+        // Real CUDA would synchronise the device first (and hang behind a
+        // kernel waiting for a dead peer), or the kernel would use freed
+        // memory: either way a bug in the caller.
+        COUNTERS.freed_in_use.fetch_add(1, SeqCst);
     }
     let Some((_, size)) = lock(&ALLOCS).remove(&(p as usize)) else {
         return RT_INVALID_DEVPTR;
@@ -1115,7 +1123,23 @@ fn issue(batch: Vec<Pending>) -> NcclResult {
     for (comm, stream, mut ops) in by {
         ops.sort_by_key(|(_, o)| !matches!(o, Op::Send { .. }));
         let c = comm.clone();
+        // The allocations these calls use are in use until the task ran.
+        let used: Vec<usize> = ops
+            .iter()
+            .flat_map(|(_, o)| match *o {
+                Op::Coll { send, recv, .. } => vec![send, recv],
+                Op::Send { buf, .. } | Op::Recv { buf, .. } => vec![buf],
+            })
+            .filter_map(alloc_start)
+            .collect();
+        {
+            let mut u = lock(&IN_USE);
+            for &a in &used {
+                *u.entry(a).or_insert(0) += 1;
+            }
+        }
         stream.push(Box::new(move || {
+            let _release = InUse(used);
             for (seq, op) in ops {
                 let s = c.state.load(SeqCst);
                 if c.aborted.load(SeqCst) || (s != SUCCESS && s != NCCL_IN_PROGRESS) {
@@ -1134,6 +1158,35 @@ fn issue(batch: Vec<Pending>) -> NcclResult {
         }
     }
     r
+}
+
+/// Device allocations (by start address) that queued NCCL work will still
+/// touch, with how many stream tasks hold each.
+static IN_USE: LazyLock<Mutex<HashMap<usize, usize>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Releases a stream task's hold on its allocations when the task ends.
+struct InUse(Vec<usize>);
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let mut u = lock(&IN_USE);
+        for a in &self.0 {
+            if let Some(n) = u.get_mut(a) {
+                *n -= 1;
+                if *n == 0 {
+                    u.remove(a);
+                }
+            }
+        }
+    }
+}
+
+/// The start of the device allocation holding `p`.
+fn alloc_start(p: usize) -> Option<usize> {
+    let allocs = lock(&ALLOCS);
+    let (&start, &(_, size)) = allocs.range(..=p).next_back()?;
+    (p < start + size.max(1)).then_some(start)
 }
 
 /// Check and queue (or issue) one call.
@@ -1986,6 +2039,10 @@ pub struct FakeCounters {
     pub live_redops: u64,
     /// Events created and not destroyed.
     pub live_events: u64,
+    /// `cudaFree` of an allocation that queued NCCL work still uses.
+    pub freed_in_use: u64,
+    /// Allocations queued NCCL work still uses.
+    pub in_use_allocs: u64,
 }
 
 #[no_mangle]
@@ -2011,6 +2068,8 @@ pub unsafe extern "C" fn fake_xccl_counters(out: *mut FakeCounters) {
         last_traffic_class: i64::from(LAST_TRAFFIC_CLASS.load(SeqCst)),
         live_redops: c.redops_created.load(SeqCst) - c.redops_destroyed.load(SeqCst),
         live_events: c.events_created.load(SeqCst) - c.events_destroyed.load(SeqCst),
+        freed_in_use: c.freed_in_use.load(SeqCst),
+        in_use_allocs: lock(&IN_USE).len() as u64,
     };
 }
 
