@@ -39,10 +39,16 @@
 //! | name | feature | needs | collectives |
 //! |------|---------|-------|-------------|
 //! | `cpu` | built in (default) | nothing | all |
-//! | `nccl` | `nccl` | libnccl + libcudart at run time, a CUDA GPU | all but bitwise ops |
-//! | `rccl` | `rccl` | librccl + libamdhip64 at run time, a ROCm GPU | all but bitwise ops |
+//! | `nccl` | `nccl` | libnccl + libcudart at run time, a CUDA GPU | all but bitwise ops, on host or device tensors |
+//! | `rccl` | `rccl` | librccl + libamdhip64 at run time, a ROCm GPU | all but bitwise ops, on host or device tensors |
 //! | `gloo` | `gloo` | `libgloo-dev` (Debian) | all |
 //! | `mpi` | `mpi` | Open MPI, launched by `mpirun` | all |
+//!
+//! On `nccl` and `rccl`, ops also take device tensors ([`Tensor::is_device`]:
+//! [`Comm::device_zeros`], [`Comm::to_device`], or adopted with
+//! [`Tensor::from_device_ptr`]) and run on them in place, and
+//! [`Comm::with_stream`] / [`Work::wait_stream`] order ops with the caller's
+//! device stream (see `docs/backends.md`).
 //!
 //! Switching backends is a string: `new_comm("cpu", ..)`, and a program can
 //! add its own data plane under a name with [`register_backend`] (implementing
