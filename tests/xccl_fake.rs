@@ -483,6 +483,10 @@ fn ops_keep_the_callers_device_and_allocate_on_the_comms_device() {
         );
         let after = f.counters();
         assert_eq!(after.bad_pointer, before.bad_pointer, "{after:?}");
+        assert_eq!(
+            after.in_progress_misuse, before.in_progress_misuse,
+            "a call on a communicator still in progress: {after:?}"
+        );
     }
 }
 

@@ -1836,8 +1836,11 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
 
 #[no_mangle]
 pub extern "C" fn ncclRedOpDestroy(op: c_int, c: *mut c_void) -> NcclResult {
-    let Some(comm) = comm_of(c) else {
-        return NCCL_INVALID_ARGUMENT;
+    // Like every call on a non-blocking communicator: refused while an
+    // enqueue is still in progress.
+    let comm = match usable(c, "ncclRedOpDestroy") {
+        Ok(comm) => comm,
+        Err(e) => return e,
     };
     if lock(&comm.redops).remove(&op).is_none() {
         set_last_error(format!(

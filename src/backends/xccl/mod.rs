@@ -49,8 +49,8 @@
 //!   (its keep-alive held by the backend) until the op finished on the
 //!   device, or until the communicator was aborted (`ncclCommAbort`, then
 //!   the stream drained), even when the op's `Work` and its tensors were
-//!   dropped first; a PreMulSum op is destroyed right after the calls that
-//!   use it were enqueued, also when one failed.
+//!   dropped first; a PreMulSum op is destroyed once the op that uses it
+//!   finished (or right away when enqueueing failed).
 //! - XC-10: an op issued through `Comm::with_stream` waits on the device
 //!   for the work queued on the caller's stream before it was issued: an
 //!   event recorded there and `*StreamWaitEvent` on the communicator's
@@ -1100,7 +1100,7 @@ impl XcclBackend {
                 .map_err(|e| plan_err(e.to_string()))?,
             None => plan::DeviceRedOp::Builtin(0),
         };
-        {
+        let premul = {
             let rt = &self.api.rt;
             let _dev = DeviceGuard::set(rt, self.device)?;
             let ndt = plan::nccl_dtype(dtype);
@@ -1113,22 +1113,36 @@ impl XcclBackend {
             let r = unsafe {
                 self.enqueue(&p, ndt, op, esize, din as *mut c_void, dout as *mut c_void)
             };
-            if created {
-                // XC-9: destroyed once the calls using it were enqueued.
-                let destroy = self.api.nccl.red_op_destroy;
-                if let Some(destroy) = destroy {
-                    // SAFETY: created above on this communicator.
-                    let d = unsafe { destroy(op, self.comm) };
-                    if r.is_ok() {
-                        result::nccl(&self.api.nccl, "ncclRedOpDestroy", d)?;
-                    }
+            if r.is_err() {
+                if created {
+                    let _ = self.destroy_premul(op);
                 }
+                return r;
             }
-            r?;
+            created.then_some(op)
+        };
+        let done = self.complete().await;
+        // XC-9: destroyed once the op finished, when the communicator is
+        // settled (a non-blocking communicator refuses calls while an
+        // enqueue is in progress); a failed destroy fails the op.
+        if let Some(op) = premul {
+            self.destroy_premul(op)?;
         }
-        self.complete().await?;
+        done?;
         self.inflight.clear();
         Ok(())
+    }
+
+    /// `ncclRedOpDestroy` of a PreMulSum op made by `create_premul`.
+    fn destroy_premul(&self, op: sys::ncclRedOp_t) -> std::result::Result<(), CallError> {
+        let Some(destroy) = self.api.nccl.red_op_destroy else {
+            return Ok(());
+        };
+        let _dev = DeviceGuard::set(&self.api.rt, self.device)?;
+        // SAFETY: created by `create_premul` on this live communicator, and
+        // destroyed once.
+        let d = unsafe { destroy(op, self.comm) };
+        result::nccl(&self.api.nccl, "ncclRedOpDestroy", d)
     }
 
     /// `ncclRedOpCreatePreMulSum` with the host-immediate scalar `s`.
