@@ -69,6 +69,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 kind: OpKind::AllReduce,
                                 seq,
                                 may_block: true,
+                                order: Default::default(),
                             };
                             let start = Instant::now();
                             let mut data = OpData::AllReduce {

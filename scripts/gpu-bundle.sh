@@ -26,6 +26,7 @@ cp "$gpu" "$out/gpu-tests"
 cp "$lib" "$out/lib-tests"
 cargo build --release --features "$features" --examples --bins
 cp target/release/chorus-run "$out/"
+cp target/release/chorus-perf "$out/"
 for e in examples/*.rs; do
   name=$(basename "$e" .rs)
   cp "target/release/examples/$name" "$out/examples/"

@@ -85,6 +85,10 @@ timeout 240 "$gpu" --nocapture --test-threads 1 2>&1 | tee "$log"
 if grep -q "SKIP $flavor" "$log"; then
   [ "$require" = 1 ] && fail "the GPU suite skipped $flavor"
 fi
+echo "== chorus-perf --device cuda (1 rank, GPU 0, device buffers)"
+timeout 90 "$here/chorus-perf" all_reduce -n 1 -b 8 -e 64M -f 8 --budget 0.5 \
+  --backend "$flavor" --device cuda --timeout 80 \
+  || fail "chorus-perf --device cuda"
 echo "== xccl unit tests"
 timeout 60 "$lib" backends::xccl --nocapture
 

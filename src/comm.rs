@@ -12,6 +12,15 @@
 //! Buffers move into the op and come back in its completion: no buffer is
 //! shared between the caller and an op in flight.
 //!
+//! On a backend that takes device memory (`nccl`, `rccl`), every op also
+//! accepts device tensors ([`Tensor::is_device`]) of the communicator's
+//! device, used in place with no host staging; outputs an op allocates
+//! are then allocated on that device. [`Comm::device_zeros`],
+//! [`Comm::to_device`] and [`Comm::to_host`] allocate and copy. Device
+//! tensors on a backend without device memory, on another device, or mixed
+//! with host tensors in one op are refused with [`Error::InvalidArgument`]
+//! before anything is sent (CM-4).
+//!
 //! A handle also carries what its ops are issued with: a timeout of its own
 //! ([`Comm::with_timeout`], else the communicator's, [`Comm::set_timeout`])
 //! and hints ([`Comm::with_hints`]). When an op is issued, the handle hands
@@ -25,6 +34,12 @@
 //!   ops must be issued in the same relative order by both ends.
 //! - CM-3: an op rejected by its argument checks is no op: it gets no op id,
 //!   no hook call and no flight-recorder entry; every other op gets all three.
+//! - CM-4: the buffers of one op are all host memory, or all device memory
+//!   of the communicator's device on a backend that has device memory
+//!   ([`Backend::device_memory`](crate::backends::Backend::device_memory));
+//!   anything else is `InvalidArgument` before any I/O, and the host never
+//!   reads or writes a device tensor (no host-side `PremulSum` scaling,
+//!   `Avg` division, split or concatenation on device memory).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,7 +50,7 @@ use ractor::ActorRef;
 
 use crate::actors::status::{State, Status};
 use crate::actors::{CommMsg, Home, Request};
-use crate::backends::{OpData, P2PTransfer};
+use crate::backends::{DeviceMemory, OpData, P2PTransfer};
 use crate::error::{Error, Result};
 use crate::flight_recorder::{FlightEntry, OpDesc};
 use crate::hints::Hints;
@@ -93,6 +108,8 @@ pub(crate) struct Shared {
     pub(crate) caps: crate::backends::Capabilities,
     /// Whether the backend implements one-sided windows, asked when it started.
     pub(crate) windows: bool,
+    /// The backend's device memory, if it takes device tensors (CM-4).
+    pub(crate) device_mem: Option<Arc<dyn DeviceMemory>>,
     /// The backend's version, asked when it started.
     pub(crate) backend_version: String,
     /// The op timeout of handles without their own ([`Comm::set_timeout`]).
@@ -174,6 +191,9 @@ pub struct Comm {
     pub(crate) timeout: Option<Duration>,
     /// This handle's hints: the communicator's, overlaid by `with_hints`.
     pub(crate) hints: Arc<Hints>,
+    /// The caller's stream this handle's ops are ordered with
+    /// ([`Comm::with_stream`]).
+    pub(crate) stream: Option<crate::DeviceStream>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -195,6 +215,7 @@ impl Comm {
             hints: shared.hints.clone(),
             shared,
             timeout: None,
+            stream: None,
         }
     }
 
@@ -242,6 +263,32 @@ impl Comm {
             timeout: Some(timeout),
             ..self.clone()
         }
+    }
+
+    /// A handle on the same communicator whose ops are ordered with the
+    /// caller's device stream `stream`, as TorchComms' async ops on the
+    /// current stream: each op waits, on the device and without blocking
+    /// the host, for the work queued on `stream` before it was issued (an
+    /// event recorded there, and `cudaStreamWaitEvent` on the
+    /// communicator's own stream, which its actor owns). Use
+    /// [`Work::wait_stream`] to make `stream` wait for the op in turn;
+    /// [`Work::wait`] and `.await` still mean "finished on the device".
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the backend has no device memory
+    /// (streams exist on `nccl` and `rccl` only).
+    pub fn with_stream(&self, stream: crate::DeviceStream) -> Result<Comm> {
+        self.device_mem("with_stream")?;
+        Ok(Comm {
+            stream: Some(stream),
+            ..self.clone()
+        })
+    }
+
+    /// The stream this handle's ops are ordered with, if any
+    /// ([`Comm::with_stream`]).
+    pub fn stream(&self) -> Option<crate::DeviceStream> {
+        self.stream
     }
 
     /// Set the communicator's op timeout in place: ops issued from now on,
@@ -429,6 +476,212 @@ impl Comm {
         })
     }
 
+    /// CM-4: where the buffers of `op` live: `Ok(None)` for host memory,
+    /// the backend's device memory for device tensors of this
+    /// communicator's device; `InvalidArgument` for anything else.
+    fn placement(
+        &self,
+        op: &'static str,
+        tensors: &[&Tensor],
+    ) -> Result<Option<&Arc<dyn DeviceMemory>>> {
+        let Some(first) = tensors.iter().find(|t| t.is_device()) else {
+            return Ok(None);
+        };
+        let Some(mem) = &self.shared.device_mem else {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "a tensor on {} was given, but backend {} works on host memory only; \
+                     copy it to the host first",
+                    first.device(),
+                    self.backend()
+                ),
+            ));
+        };
+        let want = mem.device();
+        if let Some(t) = tensors.iter().find(|t| t.device() != want) {
+            let reason = if t.is_device() {
+                format!(
+                    "a tensor on {} was given to a communicator on {want}",
+                    t.device()
+                )
+            } else {
+                format!(
+                    "host and device ({want}) tensors are mixed in one op; pass all of them \
+                     on the device (Comm::to_device) or all on the host"
+                )
+            };
+            return Err(self.invalid(op, reason));
+        }
+        Ok(Some(mem))
+    }
+
+    /// The reduce op a backend gets: the combining op for host buffers
+    /// (the generic layer pre/post-scales), the user's own for device
+    /// buffers (CM-4: the backend applies `Avg`/`PremulSum` on the device).
+    fn wire_op(op: ReduceOp, dtype: DType, dev: Option<&Arc<dyn DeviceMemory>>) -> ReduceOp {
+        match (dev, op) {
+            (Some(_), ReduceOp::Avg | ReduceOp::PremulSum(_)) => op,
+            _ => op.combine_op_on(dtype),
+        }
+    }
+
+    /// An output buffer of `len` x `dtype`, on the device when `dev` is set.
+    fn output_on(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        len: usize,
+        dev: Option<&Arc<dyn DeviceMemory>>,
+    ) -> Result<Tensor> {
+        match dev {
+            None => self.output(op, dtype, len),
+            Some(mem) => mem.zeros(dtype, len).map_err(|e| {
+                self.invalid(
+                    op,
+                    format!(
+                        "cannot allocate an output of {len} x {dtype} on {}: {e}",
+                        mem.device()
+                    ),
+                )
+            }),
+        }
+    }
+
+    /// The backend's device memory, or `InvalidArgument` naming `op`.
+    fn device_mem(&self, op: &'static str) -> Result<&Arc<dyn DeviceMemory>> {
+        self.shared.device_mem.as_ref().ok_or_else(|| {
+            self.invalid(
+                op,
+                format!(
+                    "backend {} on {} has no device memory (device tensors need nccl or rccl)",
+                    self.backend(),
+                    self.device()
+                ),
+            )
+        })
+    }
+
+    // ---------------------------------------------------------------- device memory
+
+    /// A tensor of `len` zeroed elements of `dtype` in this communicator's
+    /// device memory (CM-4). Freed through the device's runtime when the
+    /// last tensor or op holding it is dropped.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the backend has no device memory
+    /// (every backend but `nccl` and `rccl`) or the allocation fails.
+    pub fn device_zeros(&self, dtype: DType, len: usize) -> Result<Tensor> {
+        let mem = self.device_mem("device_zeros")?;
+        self.output_on("device_zeros", dtype, len, Some(mem))
+    }
+
+    /// A copy of the host tensor `host` in this communicator's device
+    /// memory. Synchronous: the data is on the device when it returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the backend has no device memory,
+    /// `host` is a device tensor, or the allocation or copy fails.
+    pub fn to_device(&self, host: &Tensor) -> Result<Tensor> {
+        let op = "to_device";
+        let mem = self.device_mem(op)?;
+        if host.is_device() {
+            return Err(self.invalid(op, format!("the tensor is already on {}", host.device())));
+        }
+        let mut out = self.output_on(op, host.dtype(), host.len(), Some(mem))?;
+        mem.copy(host, 0, &mut out, 0, host.len_bytes())
+            .map_err(|e| self.invalid(op, e))?;
+        Ok(out)
+    }
+
+    /// A host copy of the device tensor `dev` (of this communicator's
+    /// device). Synchronous; call it once the ops writing `dev` completed
+    /// (their `Work` did): it does not wait for ops in flight.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `dev` is not a tensor of this
+    /// communicator's device or the copy fails.
+    pub fn to_host(&self, dev: &Tensor) -> Result<Tensor> {
+        let op = "to_host";
+        let mem = self.device_mem(op)?;
+        if dev.device() != mem.device() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the tensor is on {}, this communicator on {}",
+                    dev.device(),
+                    mem.device()
+                ),
+            ));
+        }
+        let mut out = self.output(op, dev.dtype(), dev.len())?;
+        mem.copy(dev, 0, &mut out, 0, dev.len_bytes())
+            .map_err(|e| self.invalid(op, e))?;
+        Ok(out)
+    }
+
+    /// A new device tensor holding a copy of the device tensor `dev`
+    /// (copied on the device, never through the host; what [`Clone`] cannot
+    /// do for device memory). Synchronous, like [`Comm::to_host`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `dev` is not a tensor of this
+    /// communicator's device, or the allocation or copy fails.
+    pub fn device_clone(&self, dev: &Tensor) -> Result<Tensor> {
+        let op = "device_clone";
+        let mem = self.device_mem(op)?;
+        if dev.device() != mem.device() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the tensor is on {}, this communicator on {}",
+                    dev.device(),
+                    mem.device()
+                ),
+            ));
+        }
+        let mut out = self.output_on(op, dev.dtype(), dev.len(), Some(mem))?;
+        mem.copy(dev, 0, &mut out, 0, dev.len_bytes())
+            .map_err(|e| self.invalid(op, e))?;
+        Ok(out)
+    }
+
+    /// Async form of [`Comm::device_zeros`]: the allocation runs on a
+    /// blocking thread, never on the caller's runtime worker.
+    ///
+    /// # Errors
+    /// As [`Comm::device_zeros`].
+    pub async fn device_zeros_async(&self, dtype: DType, len: usize) -> Result<Tensor> {
+        let me = self.clone();
+        off_runtime(move || me.device_zeros(dtype, len)).await
+    }
+
+    /// Async form of [`Comm::to_device`] (the host data is copied once on
+    /// the host first, so the copy can run on a blocking thread).
+    ///
+    /// # Errors
+    /// As [`Comm::to_device`].
+    pub async fn to_device_async(&self, host: &Tensor) -> Result<Tensor> {
+        let Some(owned) = host.try_clone() else {
+            return self.to_device(host);
+        };
+        let me = self.clone();
+        off_runtime(move || me.to_device(&owned)).await
+    }
+
+    /// Async form of [`Comm::to_host`] (the copy runs on a blocking thread,
+    /// which keeps the device memory alive while it copies).
+    ///
+    /// # Errors
+    /// As [`Comm::to_host`].
+    pub async fn to_host_async(&self, dev: &Tensor) -> Result<Tensor> {
+        let Some(alias) = dev.device_alias() else {
+            return self.to_host(dev);
+        };
+        let me = self.clone();
+        off_runtime(move || me.to_host(&alias)).await
+    }
+
     pub(crate) fn submit<T>(
         &self,
         map: fn(Completion) -> Result<T>,
@@ -445,6 +698,7 @@ impl Comm {
             completer.track(home.obs.issue(describe(&req), &self.hints));
         }
         req.timeout = self.timeout();
+        req.stream = self.stream;
         req.completer = Some(completer);
         if home.status.state() != State::Active {
             if let Some(c) = req.completer.take() {
@@ -532,7 +786,10 @@ impl Comm {
     pub fn all_reduce_async(&self, mut tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
         self.submit(to_tensor, || {
             self.check_redop(op, tensor.dtype())?;
-            premul(&mut tensor, op);
+            let dev = self.placement("all_reduce", &[&tensor])?;
+            if dev.is_none() {
+                premul(&mut tensor, op);
+            }
             Ok(Request::collective(
                 OpKind::AllReduce,
                 Some(op),
@@ -541,7 +798,7 @@ impl Comm {
                 tensor.len(),
                 vec![],
                 OpData::AllReduce {
-                    op: op.combine_op_on(tensor.dtype()),
+                    op: Self::wire_op(op, tensor.dtype(), dev),
                     buf: tensor,
                 },
             ))
@@ -565,12 +822,17 @@ impl Comm {
         self.submit(to_tensor, || {
             self.check_root("reduce", root)?;
             self.check_redop(op, tensor.dtype())?;
-            let (mut work, keep) = if self.rank() == root {
+            let dev = self.placement("reduce", &[&tensor])?;
+            // A device buffer is reduced in place: NCCL leaves a non-root's
+            // buffer untouched, and no host scaling changes it (CM-4).
+            let (mut work, keep) = if self.rank() == root || dev.is_some() {
                 (tensor, None)
             } else {
                 (tensor.clone(), Some(tensor))
             };
-            premul(&mut work, op);
+            if dev.is_none() {
+                premul(&mut work, op);
+            }
             let mut req = Request::collective(
                 OpKind::Reduce,
                 Some(op),
@@ -579,7 +841,7 @@ impl Comm {
                 work.len(),
                 vec![],
                 OpData::Reduce {
-                    op: op.combine_op_on(work.dtype()),
+                    op: Self::wire_op(op, work.dtype(), dev),
                     buf: work,
                     root,
                 },
@@ -715,14 +977,21 @@ impl Comm {
         self.check_redop(op, input.dtype())?;
         let mine = counts[self.rank()];
         let return_input = output.is_some();
+        let dev = match &output {
+            Some(o) => self.placement("reduce_scatter", &[&input, o])?,
+            None => self.placement("reduce_scatter", &[&input])?,
+        };
         let output = match output {
             Some(o) => {
                 self.check_output("reduce_scatter", &o, input.dtype(), mine)?;
                 o
             }
-            None => self.output("reduce_scatter", input.dtype(), mine)?,
+            None => self.output_on("reduce_scatter", input.dtype(), mine, dev)?,
         };
-        premul(&mut input, op);
+        if dev.is_none() {
+            premul(&mut input, op);
+        }
+        let wire = Self::wire_op(op, input.dtype(), dev);
         let mut req = Request::collective(
             OpKind::ReduceScatter,
             Some(op),
@@ -731,7 +1000,7 @@ impl Comm {
             input.len(),
             counts.to_vec(),
             OpData::ReduceScatter {
-                op: op.combine_op_on(input.dtype()),
+                op: wire,
                 input,
                 output,
                 counts: counts.to_vec(),
@@ -854,12 +1123,16 @@ impl Comm {
         }
         let total = self.checked_total("all_gather", counts)?;
         let return_input = output.is_some();
+        let dev = match &output {
+            Some(o) => self.placement("all_gather", &[&input, o])?,
+            None => self.placement("all_gather", &[&input])?,
+        };
         let output = match output {
             Some(o) => {
                 self.check_output("all_gather", &o, input.dtype(), total)?;
                 o
             }
-            None => self.output("all_gather", input.dtype(), total)?,
+            None => self.output_on("all_gather", input.dtype(), total, dev)?,
         };
         let mut req = Request::collective(
             OpKind::AllGather,
@@ -894,6 +1167,7 @@ impl Comm {
     pub fn broadcast_async(&self, tensor: Tensor, root: usize) -> Work<Tensor> {
         self.submit(to_tensor, || {
             self.check_root("broadcast", root)?;
+            self.placement("broadcast", &[&tensor])?;
             Ok(Request::collective(
                 OpKind::Broadcast,
                 None,
@@ -933,6 +1207,9 @@ impl Comm {
     ) -> Work<Tensor> {
         self.submit(to_tensor, || {
             self.check_root("scatter", root)?;
+            let mut bufs: Vec<&Tensor> = vec![&output];
+            bufs.extend(inputs.iter().flatten());
+            let dev = self.placement("scatter", &bufs)?;
             let input = if self.rank() == root {
                 let inputs = inputs.ok_or_else(|| {
                     self.invalid("scatter", "the root must pass one input tensor per rank")
@@ -952,11 +1229,17 @@ impl Comm {
                         ),
                     ));
                 }
-                Tensor::concat(output.dtype(), &inputs).ok_or_else(|| {
-                    self.invalid("scatter", "no memory for the concatenated inputs")
-                })?
+                match dev {
+                    Some(mem) => crate::backends::device_concat(&**mem, output.dtype(), &inputs)
+                        .map_err(|e| {
+                            self.invalid("scatter", format!("cannot concatenate the inputs: {e}"))
+                        })?,
+                    None => Tensor::concat(output.dtype(), &inputs).ok_or_else(|| {
+                        self.invalid("scatter", "no memory for the concatenated inputs")
+                    })?,
+                }
             } else {
-                Tensor::zeros(output.dtype(), 0)
+                self.output_on("scatter", output.dtype(), 0, dev)?
             };
             Ok(Request::collective(
                 OpKind::Scatter,
@@ -1022,6 +1305,7 @@ impl Comm {
 
     fn gather_request(&self, op: &'static str, input: Tensor, root: usize) -> Result<Request> {
         self.check_root(op, root)?;
+        let dev = self.placement(op, &[&input])?;
         let out_len = if self.rank() == root {
             input
                 .len()
@@ -1030,7 +1314,7 @@ impl Comm {
         } else {
             0
         };
-        let output = self.output(op, input.dtype(), out_len)?;
+        let output = self.output_on(op, input.dtype(), out_len, dev)?;
         Ok(Request::collective(
             OpKind::Gather,
             None,
@@ -1073,9 +1357,19 @@ impl Comm {
             if inputs.iter().any(|t| t.dtype() != dtype) {
                 return Err(self.invalid("all_to_all", "inputs have mixed dtypes"));
             }
-            let input = Tensor::concat(dtype, &inputs).ok_or_else(|| {
-                self.invalid("all_to_all", "no memory for the concatenated inputs")
-            })?;
+            let dev = self.placement("all_to_all", &inputs.iter().collect::<Vec<_>>())?;
+            let input = match dev {
+                Some(mem) => {
+                    crate::backends::device_concat(&**mem, dtype, &inputs).map_err(|e| {
+                        self.invalid("all_to_all", format!("cannot concatenate the inputs: {e}"))
+                    })?
+                }
+                None => Tensor::concat(dtype, &inputs).ok_or_else(|| {
+                    self.invalid("all_to_all", "no memory for the concatenated inputs")
+                })?,
+            };
+            // Sized from the peers' headers once they are known.
+            let output = self.output_on("all_to_all", dtype, 0, dev)?;
             Ok(Request::collective(
                 OpKind::AllToAll,
                 None,
@@ -1085,7 +1379,7 @@ impl Comm {
                 send_counts.clone(),
                 OpData::AllToAll {
                     input,
-                    output: Tensor::zeros(dtype, 0),
+                    output,
                     send_counts,
                     recv_counts: vec![],
                 },
@@ -1161,7 +1455,8 @@ impl Comm {
             let mut counts = input_split_sizes.to_vec();
             counts.extend_from_slice(output_split_sizes);
             let total = self.checked_total("all_to_all_single", output_split_sizes)?;
-            let output = self.output("all_to_all_single", input.dtype(), total)?;
+            let dev = self.placement("all_to_all_single", &[&input])?;
+            let output = self.output_on("all_to_all_single", input.dtype(), total, dev)?;
             Ok(Request::collective(
                 OpKind::AllToAllSingle,
                 None,
@@ -1361,6 +1656,20 @@ impl Comm {
     }
 
     fn p2p_request(&self, ops: Vec<P2POp>) -> Result<Request> {
+        let bufs: Vec<&Tensor> = ops
+            .iter()
+            .map(|o| match o {
+                P2POp::Send { tensor, .. } | P2POp::Recv { tensor, .. } => tensor,
+            })
+            .collect();
+        self.placement(
+            match ops.as_slice() {
+                [P2POp::Send { .. }] => "send",
+                [P2POp::Recv { .. }] => "recv",
+                _ => "batch_p2p",
+            },
+            &bufs,
+        )?;
         let mut transfers = Vec::with_capacity(ops.len());
         for op in ops {
             let (tensor, peer, send) = match op {
@@ -1536,6 +1845,21 @@ fn first_tensor(c: Completion) -> Result<Tensor> {
     let mut v = to_tensors(c)?;
     v.pop()
         .ok_or_else(|| Error::Internal("point-to-point op returned no buffer".into()))
+}
+
+/// Run `f`, which blocks, on a blocking thread of the current tokio
+/// runtime (or inline outside of one), for the async forms of the device
+/// memory calls.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => h
+            .spawn_blocking(f)
+            .await
+            .map_err(|e| Error::Internal(format!("device copy task failed: {e}")))?,
+        Err(_) => f(),
+    }
 }
 
 /// The local step before a reduction: scale for `PremulSum`, and make every

@@ -39,10 +39,16 @@
 //! | name | feature | needs | collectives |
 //! |------|---------|-------|-------------|
 //! | `cpu` | built in (default) | nothing | all |
-//! | `nccl` | `nccl` | libnccl + libcudart at run time, a CUDA GPU | all but bitwise ops |
-//! | `rccl` | `rccl` | librccl + libamdhip64 at run time, a ROCm GPU | all but bitwise ops |
+//! | `nccl` | `nccl` | libnccl + libcudart at run time, a CUDA GPU | all but bitwise ops, on host or device tensors |
+//! | `rccl` | `rccl` | librccl + libamdhip64 at run time, a ROCm GPU | all but bitwise ops, on host or device tensors |
 //! | `gloo` | `gloo` | `libgloo-dev` (Debian) | all |
 //! | `mpi` | `mpi` | Open MPI, launched by `mpirun` | all |
+//!
+//! On `nccl` and `rccl`, ops also take device tensors ([`Tensor::is_device`]:
+//! [`Comm::device_zeros`], [`Comm::to_device`], or adopted with
+//! [`Tensor::from_device_ptr`]) and run on them in place, and
+//! [`Comm::with_stream`] / [`Work::wait_stream`] order ops with the caller's
+//! device stream (see `docs/backends.md`).
 //!
 //! Switching backends is a string: `new_comm("cpu", ..)`, and a program can
 //! add its own data plane under a name with [`register_backend`] (implementing
@@ -142,7 +148,7 @@ pub use options::{
 pub use persistent::PersistentAllGather;
 pub use tensor::{Bool, DType, Element, ExternalError, Tensor};
 pub use window::{Window, WindowAttr};
-pub use work::Work;
+pub use work::{DeviceStream, FenceSlot, StreamFence, Work};
 
 /// Create a communicator: connect this rank to the others and start its actor.
 ///
@@ -360,6 +366,7 @@ pub(crate) async fn start_with_backend(
     let backend_name = backend_impl.name();
     let caps = backend_impl.capabilities();
     let windows = backend_impl.supports_windows();
+    let device_mem = backend_impl.device_memory();
     let backend_version = backend_impl.version();
     let hints = Arc::new(hints::Hints::parse(options.hints.clone(), &name, rank)?);
     let observer = Arc::new(hooks::Observer::new(
@@ -442,6 +449,7 @@ pub(crate) async fn start_with_backend(
         backend: backend_name,
         caps,
         windows,
+        device_mem,
         backend_version,
         default_timeout: comm::AtomicDuration::new(options.timeout),
         hints,

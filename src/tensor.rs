@@ -1,4 +1,5 @@
-//! Host tensors: a flat, typed, 8-byte-aligned buffer.
+//! Tensors: a flat, typed buffer in host memory (8-byte aligned) or in
+//! device memory.
 //!
 //! A [`Tensor`] owns its memory. Collectives take tensors by value and hand
 //! them back in their completion, so no buffer is ever shared between the user
@@ -14,6 +15,17 @@
 //! works in place (e.g. `all_reduce`) writes straight into that memory: no copy
 //! in, no copy out.
 //!
+//! A tensor can also live in *device* memory (a CUDA/ROCm GPU): allocated by
+//! a communicator ([`Comm::device_zeros`](crate::Comm::device_zeros),
+//! [`Comm::to_device`](crate::Comm::to_device)), or adopted from a raw device
+//! pointer that another library allocated (a cudarc `CudaSlice`, a PyTorch
+//! tensor) with [`Tensor::from_device_ptr`]. The `nccl` and `rccl` backends
+//! run every op on such tensors without staging through the host. The host
+//! never reads device memory through a tensor: on a device tensor the host
+//! views ([`Tensor::as_slice`], [`Tensor::as_bytes`], ...) panic with a
+//! message saying so, their `try_` forms return `None`, and
+//! [`Comm::to_host`](crate::Comm::to_host) copies the data out.
+//!
 //! # Invariants
 //! - T-1: storage is aligned to 8 bytes, so it can be viewed as a slice of any
 //!   supported element type.
@@ -25,6 +37,12 @@
 //!   access to its memory through the tensor (when the tensor is dropped);
 //!   [`Clone`] of an external tensor is an owned copy, so the memory is never
 //!   reachable through two tensors.
+//! - T-5: no host access ever dereferences a device tensor's pointer; every
+//!   host view of a device tensor panics (plain form) or is `None` (`try_`
+//!   form). Its owner is dropped once, with the tensor, or later if a
+//!   backend still had an op on that memory in flight when the tensor was
+//!   dropped (the backend holds the owner until the op is finished or its
+//!   communicator aborted).
 
 use std::fmt;
 
@@ -298,6 +316,21 @@ enum Storage {
     Owned(Vec<u64>),
     /// Memory owned by someone else, kept alive by `owner` (T-4).
     External(External),
+    /// Device memory, never dereferenced on the host (T-5).
+    Device(DeviceMem),
+}
+
+/// What keeps a device tensor's memory alive: dropped after the last use
+/// of the memory (T-5). Shared (`Arc`) so that a backend can hold it while
+/// an op on the memory is still running on the device.
+pub(crate) type KeepAlive = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
+/// A device allocation (or a part of one) plus its keep-alive.
+struct DeviceMem {
+    /// Device address; an integer because the host never dereferences it.
+    addr: usize,
+    device: crate::Device,
+    owner: KeepAlive,
 }
 
 /// Borrowed memory plus the object that keeps it alive.
@@ -332,6 +365,13 @@ pub enum ExternalError {
         /// The address.
         addr: usize,
     },
+    /// A device tensor was asked for on [`Device::Cpu`](crate::Device::Cpu)
+    /// ([`Tensor::from_device_ptr`] is for GPU memory only).
+    #[error("{device} is not a GPU device")]
+    NotADevice {
+        /// The device given.
+        device: crate::Device,
+    },
     /// `len * dtype.size()` overflows or exceeds `isize::MAX`.
     #[error("{len} elements of {dtype} do not fit in the address space")]
     TooLarge {
@@ -344,8 +384,23 @@ pub enum ExternalError {
 
 impl Clone for Tensor {
     /// An owned copy (also of an external tensor, T-4).
+    ///
+    /// # Panics
+    /// On a device tensor (copying device memory needs the device's
+    /// runtime); use [`Tensor::try_clone`], or copy through a communicator
+    /// ([`Comm::to_host`](crate::Comm::to_host)).
     fn clone(&self) -> Tensor {
-        match &self.storage {
+        match self.try_clone() {
+            Some(t) => t,
+            None => panic!("{}", self.device_misuse("cloned")),
+        }
+    }
+}
+
+impl Tensor {
+    /// An owned host copy, or `None` for a device tensor (T-5).
+    pub fn try_clone(&self) -> Option<Tensor> {
+        Some(match &self.storage {
             Storage::Owned(words) => Tensor {
                 dtype: self.dtype,
                 len: self.len,
@@ -356,14 +411,35 @@ impl Clone for Tensor {
                 t.as_bytes_mut().copy_from_slice(self.as_bytes());
                 t
             }
-        }
+            Storage::Device(_) => return None,
+        })
+    }
+
+    /// The panic message of a host access to a device tensor (T-5).
+    fn device_misuse(&self, what: &str) -> String {
+        format!(
+            "a tensor of {} x {} on {} cannot be {what} on the host; copy it with \
+             Comm::to_host first",
+            self.len,
+            self.dtype,
+            self.device()
+        )
     }
 }
 
 impl PartialEq for Tensor {
-    /// Same dtype, length and bytes, wherever they are stored.
+    /// Same dtype, length and bytes, wherever they are stored. A device
+    /// tensor is never read on the host (T-5): it equals only a tensor
+    /// over the same device memory (same device, address, dtype, length).
     fn eq(&self, other: &Tensor) -> bool {
-        self.dtype == other.dtype && self.len == other.len && self.as_bytes() == other.as_bytes()
+        if self.dtype != other.dtype || self.len != other.len {
+            return false;
+        }
+        match (&self.storage, &other.storage) {
+            (Storage::Device(a), Storage::Device(b)) => a.addr == b.addr && a.device == b.device,
+            (Storage::Device(_), _) | (_, Storage::Device(_)) => false,
+            _ => self.as_bytes() == other.as_bytes(),
+        }
     }
 }
 
@@ -470,11 +546,150 @@ impl Tensor {
         matches!(self.storage, Storage::External(_))
     }
 
+    /// A tensor over `len` elements of `dtype` at device address `ptr` on
+    /// `device` (a GPU), memory that someone else allocated: a cudarc
+    /// `CudaSlice`, a PyTorch tensor's `data_ptr()`, a `cudaMalloc`. Like
+    /// [`Tensor::from_external`], `keep_alive` is whatever keeps that
+    /// memory allocated; it is dropped when the tensor is, or, if the
+    /// tensor is dropped while an op still uses the memory on the device,
+    /// when that op finished or its communicator was aborted (T-5).
+    ///
+    /// The host never reads or writes the memory through the tensor: its
+    /// host views panic (or are `None` in their `try_` forms). Ops of the
+    /// `nccl` and `rccl` backends use it in place, with no host staging.
+    ///
+    /// ```no_run
+    /// use chorus::{DType, Device, Tensor};
+    /// # fn device_alloc() -> (*mut u8, Box<dyn std::any::Any + Send + Sync>) { unimplemented!() }
+    /// // E.g. from cudarc: `let p = *slice.device_ptr() as *mut u8;` and the
+    /// // slice itself as the keep-alive.
+    /// let (ptr, owner) = device_alloc();
+    /// // SAFETY: `ptr` is 1024 f32s on GPU 0, kept allocated by `owner`.
+    /// let t = unsafe { Tensor::from_device_ptr(ptr, DType::F32, 1024, Device::Cuda(0), owner) }?;
+    /// assert!(t.is_device());
+    /// # Ok::<(), chorus::tensor::ExternalError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`ExternalError`] for a null pointer, one not aligned to the element
+    /// size, a size that overflows, or [`Device::Cpu`](crate::Device::Cpu).
+    ///
+    /// # Safety
+    /// Until `keep_alive` is dropped:
+    /// - `ptr` must be a device address on `device`, valid for
+    ///   `len * dtype.size()` bytes (for reads and writes);
+    /// - nothing else may access that memory while an op that holds the
+    ///   tensor runs (work the caller queued on its own streams must have
+    ///   finished before the op is issued, or be ordered before it through
+    ///   the op's stream);
+    /// - `keep_alive` may be dropped on any thread.
+    pub unsafe fn from_device_ptr(
+        ptr: *mut u8,
+        dtype: DType,
+        len: usize,
+        device: crate::Device,
+        keep_alive: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Tensor, ExternalError> {
+        Tensor::device_from_parts(
+            ptr as usize,
+            dtype,
+            len,
+            device,
+            std::sync::Arc::from(keep_alive),
+        )
+    }
+
+    /// A device tensor from its parts (the checks of [`Tensor::from_device_ptr`]).
+    pub(crate) fn device_from_parts(
+        addr: usize,
+        dtype: DType,
+        len: usize,
+        device: crate::Device,
+        owner: KeepAlive,
+    ) -> Result<Tensor, ExternalError> {
+        if addr == 0 {
+            return Err(ExternalError::Null);
+        }
+        if addr % dtype.size() != 0 {
+            return Err(ExternalError::Misaligned { addr });
+        }
+        if device == crate::Device::Cpu {
+            return Err(ExternalError::NotADevice { device });
+        }
+        len.checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(ExternalError::TooLarge { len, dtype })?;
+        Ok(Tensor {
+            dtype,
+            len,
+            storage: Storage::Device(DeviceMem {
+                addr,
+                device,
+                owner,
+            }),
+        })
+    }
+
+    /// Whether this tensor lives in device memory (T-5).
+    pub fn is_device(&self) -> bool {
+        matches!(self.storage, Storage::Device(_))
+    }
+
+    /// Where the tensor's memory is: [`Device::Cpu`](crate::Device::Cpu)
+    /// for host memory (owned or external), the GPU for a device tensor.
+    pub fn device(&self) -> crate::Device {
+        match &self.storage {
+            Storage::Device(d) => d.device,
+            _ => crate::Device::Cpu,
+        }
+    }
+
+    /// The device address of a device tensor (never to be dereferenced on
+    /// the host), `None` for a host tensor.
+    pub fn device_ptr(&self) -> Option<*mut u8> {
+        match &self.storage {
+            Storage::Device(d) => Some(d.addr as *mut u8),
+            _ => None,
+        }
+    }
+
+    /// A device tensor's keep-alive, for a backend that must keep the
+    /// memory allocated while an op on it runs (T-5).
+    #[cfg_attr(not(any(feature = "nccl", feature = "rccl")), allow(dead_code))]
+    pub(crate) fn device_keep_alive(&self) -> Option<KeepAlive> {
+        match &self.storage {
+            Storage::Device(d) => Some(d.owner.clone()),
+            _ => None,
+        }
+    }
+
+    /// A second tensor over the same device memory, sharing its keep-alive,
+    /// for a copy out that runs on another thread; `None` for host tensors.
+    /// Crate-internal: the alias is only read, and dropped after the copy.
+    pub(crate) fn device_alias(&self) -> Option<Tensor> {
+        match &self.storage {
+            Storage::Device(d) => Some(Tensor {
+                dtype: self.dtype,
+                len: self.len,
+                storage: Storage::Device(DeviceMem {
+                    addr: d.addr,
+                    device: d.device,
+                    owner: d.owner.clone(),
+                }),
+            }),
+            _ => None,
+        }
+    }
+
     /// Address of the first byte: for an external tensor, the pointer it
     /// was created with, so a caller can tell whether an op handed back the
-    /// same memory (wrote in place) or a new buffer.
+    /// same memory (wrote in place) or a new buffer; for a device tensor,
+    /// its device address (which the host must not dereference).
     pub fn as_ptr(&self) -> *const u8 {
-        self.as_bytes().as_ptr()
+        match &self.storage {
+            Storage::Device(d) => d.addr as *const u8,
+            _ => self.as_bytes().as_ptr(),
+        }
     }
 
     /// A tensor filled with `value`.
@@ -529,9 +744,20 @@ impl Tensor {
     }
 
     /// The raw bytes.
+    ///
+    /// # Panics
+    /// On a device tensor (T-5); [`Tensor::try_as_bytes`] gives `None`.
     pub fn as_bytes(&self) -> &[u8] {
+        match self.try_as_bytes() {
+            Some(b) => b,
+            None => panic!("{}", self.device_misuse("read")),
+        }
+    }
+
+    /// The raw bytes, or `None` for a device tensor (T-5).
+    pub fn try_as_bytes(&self) -> Option<&[u8]> {
         let n = self.len_bytes();
-        match &self.storage {
+        Some(match &self.storage {
             Storage::Owned(words) => &bytemuck::cast_slice::<u64, u8>(words)[..n],
             // SAFETY: `from_external`'s contract: `ptr` is valid for
             // `len_bytes` (== n, T-2) initialized bytes while the owner, a
@@ -539,44 +765,63 @@ impl Tensor {
             Storage::External(e) => unsafe {
                 std::slice::from_raw_parts(e.ptr.as_ptr(), e.len_bytes)
             },
-        }
+            Storage::Device(_) => return None,
+        })
     }
 
     /// The raw bytes, mutably.
+    ///
+    /// # Panics
+    /// On a device tensor (T-5); [`Tensor::try_as_bytes_mut`] gives `None`.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        if self.is_device() {
+            panic!("{}", self.device_misuse("written"));
+        }
+        self.try_as_bytes_mut().unwrap_or_default()
+    }
+
+    /// The raw bytes mutably, or `None` for a device tensor (T-5).
+    pub fn try_as_bytes_mut(&mut self) -> Option<&mut [u8]> {
         let n = self.len_bytes();
-        match &mut self.storage {
+        Some(match &mut self.storage {
             Storage::Owned(words) => &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..n],
-            // SAFETY: as in `as_bytes`, plus exclusive access: the contract
-            // forbids any other access to the memory, and `&mut self` rules
-            // out another view through this tensor.
+            // SAFETY: as in `try_as_bytes`, plus exclusive access: the
+            // contract forbids any other access to the memory, and
+            // `&mut self` rules out another view through this tensor.
             Storage::External(e) => unsafe {
                 std::slice::from_raw_parts_mut(e.ptr.as_ptr(), e.len_bytes)
             },
-        }
+            Storage::Device(_) => return None,
+        })
     }
 
     /// Typed view.
     ///
     /// # Panics
-    /// If `T` is not this tensor's element type; use [`Tensor::try_as_slice`]
-    /// to get an `Option` instead.
+    /// If `T` is not this tensor's element type, or on a device tensor
+    /// (T-5); use [`Tensor::try_as_slice`] to get an `Option` instead.
     pub fn as_slice<T: Element>(&self) -> &[T] {
+        if self.is_device() {
+            panic!("{}", self.device_misuse("read"));
+        }
         match self.try_as_slice() {
             Some(s) => s,
             None => panic!("tensor holds {}, not {}", self.dtype, T::DTYPE),
         }
     }
 
-    /// Typed view, or `None` on a dtype mismatch.
+    /// Typed view, or `None` on a dtype mismatch or a device tensor (T-5).
     pub fn try_as_slice<T: Element>(&self) -> Option<&[T]> {
-        (T::DTYPE == self.dtype).then(|| bytemuck::cast_slice(self.as_bytes()))
+        if T::DTYPE != self.dtype {
+            return None;
+        }
+        self.try_as_bytes().map(bytemuck::cast_slice)
     }
 
     /// Typed mutable view.
     ///
     /// # Panics
-    /// If `T` is not this tensor's element type.
+    /// If `T` is not this tensor's element type, or on a device tensor (T-5).
     pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
         assert_eq!(
             T::DTYPE,
@@ -591,7 +836,7 @@ impl Tensor {
     /// Copy the elements out into a `Vec`.
     ///
     /// # Panics
-    /// If `T` is not this tensor's element type.
+    /// If `T` is not this tensor's element type, or on a device tensor.
     pub fn to_vec<T: Element>(&self) -> Vec<T> {
         self.as_slice::<T>().to_vec()
     }
@@ -616,6 +861,9 @@ impl Tensor {
     }
 
     /// Elements converted to `f64` (for checks and printing, any dtype).
+    ///
+    /// # Panics
+    /// On a device tensor (T-5).
     pub fn to_f64_vec(&self) -> Vec<f64> {
         fn conv<T: Element>(t: &Tensor) -> Vec<f64> {
             t.as_slice::<T>().iter().map(|v| v.to_f64()).collect()
@@ -658,9 +906,9 @@ impl Tensor {
     /// Split into consecutive tensors of the given element counts.
     ///
     /// Returns `None` if the counts do not add up to `len()`, or if memory
-    /// for the parts runs out (T-3).
+    /// for the parts runs out (T-3), or for a device tensor (T-5).
     pub fn split(&self, counts: &[usize]) -> Option<Vec<Tensor>> {
-        if checked_sum(counts) != Some(self.len) {
+        if checked_sum(counts) != Some(self.len) || self.is_device() {
             return None;
         }
         let es = self.dtype.size();
@@ -678,11 +926,11 @@ impl Tensor {
         Some(out)
     }
 
-    /// Concatenate tensors of one dtype. Returns `None` on mixed dtypes, or
-    /// if memory for the result runs out (T-3).
-    /// An empty list gives an empty tensor of `dtype`.
+    /// Concatenate host tensors of one dtype. Returns `None` on mixed
+    /// dtypes, if memory for the result runs out (T-3), or if a part is a
+    /// device tensor (T-5). An empty list gives an empty tensor of `dtype`.
     pub fn concat(dtype: DType, parts: &[Tensor]) -> Option<Tensor> {
-        if parts.iter().any(|p| p.dtype != dtype) {
+        if parts.iter().any(|p| p.dtype != dtype || p.is_device()) {
             return None;
         }
         let lens: Vec<usize> = parts.iter().map(|p| p.len).collect();
@@ -700,6 +948,16 @@ impl Tensor {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Storage::Device(d) = &self.storage {
+            // T-5: never read on the host.
+            return f
+                .debug_struct("Tensor")
+                .field("dtype", &self.dtype)
+                .field("len", &self.len)
+                .field("device", &d.device)
+                .field("addr", &format_args!("{:#x}", d.addr))
+                .finish();
+        }
         let vals = self.to_f64_vec();
         let shown: Vec<f64> = vals.iter().take(8).copied().collect();
         f.debug_struct("Tensor")
@@ -849,6 +1107,64 @@ mod tests {
             )
         };
         assert!(empty.unwrap().as_bytes().is_empty());
+    }
+
+    /// T-5: a device tensor (here over an address no one dereferences) has
+    /// no host view: the plain accessors panic, the `try_` forms are
+    /// `None`, split/concat refuse it, and its owner drops once.
+    #[test]
+    fn t5_device_tensors_are_never_read_on_the_host() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let drops = std::sync::Arc::new(AtomicUsize::new(0));
+        let owner: KeepAlive = std::sync::Arc::new(DropCount(drops.clone()));
+        let mut t = Tensor::device_from_parts(0x1000, DType::F32, 4, crate::Device::Cuda(1), owner)
+            .unwrap();
+        assert!(t.is_device() && !t.is_external());
+        assert_eq!(t.device(), crate::Device::Cuda(1));
+        assert_eq!(t.device_ptr(), Some(0x1000 as *mut u8));
+        assert_eq!(t.as_ptr() as usize, 0x1000);
+        assert_eq!(t.len_bytes(), 16);
+        assert!(t.try_as_bytes().is_none() && t.try_as_bytes_mut().is_none());
+        assert!(t.try_as_slice::<f32>().is_none() && t.try_clone().is_none());
+        assert!(t.split(&[4]).is_none());
+        assert!(Tensor::concat(DType::F32, std::slice::from_ref(&t)).is_none());
+        for f in [
+            &(|t: &Tensor| assert!(!t.as_bytes().is_empty())) as &dyn Fn(&Tensor),
+            &|t: &Tensor| assert!(!t.as_slice::<f32>().is_empty()),
+            &|t: &Tensor| drop(t.clone()),
+            &|t: &Tensor| drop(t.to_f64_vec()),
+        ] {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&t)));
+            let msg = r.expect_err("a host view of device memory must panic");
+            let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(msg.contains("cuda:1") && msg.contains("to_host"), "{msg}");
+        }
+        assert!(format!("{t:?}").contains("0x1000"));
+        // Equal only to a tensor over the same memory; never to host data.
+        let alias = t.device_alias().unwrap();
+        assert_eq!(alias, t);
+        assert_ne!(Tensor::zeros(DType::F32, 4), t);
+        drop(alias);
+        drop(t);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        // Checks before anything else.
+        let own = || -> KeepAlive { std::sync::Arc::new(()) };
+        let bad = [
+            Tensor::device_from_parts(0, DType::U8, 1, crate::Device::Cuda(0), own()),
+            Tensor::device_from_parts(0x1002, DType::F32, 1, crate::Device::Cuda(0), own()),
+            Tensor::device_from_parts(0x1000, DType::F32, 1, crate::Device::Cpu, own()),
+            Tensor::device_from_parts(
+                0x1000,
+                DType::F64,
+                usize::MAX / 4,
+                crate::Device::Cuda(0),
+                own(),
+            ),
+        ];
+        assert_eq!(bad[0].as_ref().unwrap_err(), &ExternalError::Null);
+        assert!(matches!(bad[1], Err(ExternalError::Misaligned { .. })));
+        assert!(matches!(bad[2], Err(ExternalError::NotADevice { .. })));
+        assert!(matches!(bad[3], Err(ExternalError::TooLarge { .. })));
     }
 
     #[test]

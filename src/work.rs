@@ -12,6 +12,12 @@
 //! - WK-2: a dropped `Completer` completes its `Work` with `Error::Internal`.
 //! - WK-3: dropping a `Work` does not cancel the op; it still runs to completion
 //!   in order, and its result is discarded.
+//! - WK-4: [`Work::wait_stream`] never blocks the host until the op
+//!   finished when the backend published a fence for it (an op on device
+//!   memory issued through [`Comm::with_stream`](crate::Comm::with_stream)):
+//!   it waits only until the op was enqueued, then makes the stream wait.
+//!   Once the work completed, the fence is dropped and `wait_stream` has
+//!   nothing left to order.
 //!
 //! # Cancel safety
 //! `Work` is a plain future over shared state: dropping it mid-poll loses
@@ -57,6 +63,86 @@ struct State {
     done: AtomicBool,
     slot: Mutex<Slot>,
     cv: Condvar,
+    fence: Arc<FenceSlot>,
+}
+
+/// A device stream handle: a raw `cudaStream_t` / `hipStream_t`, for
+/// [`Comm::with_stream`](crate::Comm::with_stream) and
+/// [`Work::wait_stream`]. Chorus never creates or destroys it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceStream(usize);
+
+impl DeviceStream {
+    /// Wrap a raw stream (e.g. cudarc's `CudaStream::cu_stream()`, or
+    /// PyTorch's `torch.cuda.current_stream().cuda_stream`).
+    ///
+    /// # Safety
+    /// `raw` must be a stream of the communicator's device and runtime
+    /// (the CUDA runtime for `nccl`, HIP for `rccl`; `0` is the legacy
+    /// default stream), and stay valid while ops issued with it are being
+    /// enqueued and while `wait_stream` calls on it run.
+    pub unsafe fn from_raw(raw: *mut std::ffi::c_void) -> DeviceStream {
+        DeviceStream(raw as usize)
+    }
+
+    /// The raw stream.
+    pub fn as_raw(self) -> *mut std::ffi::c_void {
+        self.0 as *mut std::ffi::c_void
+    }
+}
+
+/// Makes a device stream wait for an op that is enqueued (an event
+/// recorded after it). Published by a backend into the op's
+/// [`FenceSlot`].
+pub trait StreamFence: Send + Sync {
+    /// Make `stream` wait for the op, without blocking the host.
+    ///
+    /// # Errors
+    /// The runtime's reason.
+    fn wait_on(&self, stream: DeviceStream) -> std::result::Result<(), String>;
+}
+
+#[derive(Default)]
+enum FenceState {
+    #[default]
+    Pending,
+    Ready(Arc<dyn StreamFence>),
+    Closed,
+}
+
+/// Where a backend publishes an op's [`StreamFence`] once the op is
+/// enqueued (WK-4); closed when the op completes.
+#[derive(Default)]
+pub struct FenceSlot {
+    m: Mutex<FenceState>,
+    cv: Condvar,
+}
+
+impl std::fmt::Debug for FenceSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FenceSlot").finish_non_exhaustive()
+    }
+}
+
+impl FenceSlot {
+    fn state(&self) -> std::sync::MutexGuard<'_, FenceState> {
+        self.m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publish the op's fence (ignored once the op completed).
+    pub fn publish(&self, fence: Arc<dyn StreamFence>) {
+        let mut st = self.state();
+        if matches!(*st, FenceState::Pending) {
+            *st = FenceState::Ready(fence);
+        }
+        self.cv.notify_all();
+    }
+
+    /// The op completed: no fence is needed any more (WK-4).
+    fn close(&self) {
+        *self.state() = FenceState::Closed;
+        self.cv.notify_all();
+    }
 }
 
 impl State {
@@ -81,6 +167,11 @@ impl std::fmt::Debug for Completer {
 }
 
 impl Completer {
+    /// The op's fence slot, for a backend to publish a fence in (WK-4).
+    pub(crate) fn fence_slot(&self) -> Option<Arc<FenceSlot>> {
+        self.state.as_ref().map(|s| s.fence.clone())
+    }
+
     /// Have the observer follow this op (hooks, flight recorder).
     pub(crate) fn track(&mut self, tracked: Box<Tracked>) {
         self.tracked = Some(tracked);
@@ -106,6 +197,7 @@ impl Completer {
             (*t).finish(result.as_ref().map(|_| ()));
         }
         if let Some(state) = self.state.take() {
+            state.fence.close();
             let waker = {
                 let mut slot = state.lock();
                 slot.result = Some(result);
@@ -205,6 +297,40 @@ impl<T> Work<T> {
             slot = self.state.cv.wait(slot).unwrap_or_else(|e| e.into_inner());
         }
         self.take(&mut slot)
+    }
+
+    /// Make the device stream `stream` wait for this op, TorchComms'
+    /// `work.wait()` (WK-4). For an op on device memory issued through
+    /// [`Comm::with_stream`](crate::Comm::with_stream), this blocks the
+    /// host only until the op is enqueued on the communicator's stream,
+    /// then orders `stream` after it (an event and `cudaStreamWaitEvent`):
+    /// work queued on `stream` afterwards sees the op's results. For any
+    /// other op it blocks until the op completed. Either way `.await` and
+    /// [`Work::wait`] still mean "finished".
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the runtime refuses the wait; an op's own
+    /// failure is reported by `wait`/`.await`, not here.
+    pub fn wait_stream(&self, stream: DeviceStream) -> Result<()> {
+        let fence = {
+            let slot = &self.state.fence;
+            let mut st = slot.state();
+            loop {
+                match &*st {
+                    FenceState::Pending => {
+                        st = slot.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                    }
+                    FenceState::Ready(f) => break Some(f.clone()),
+                    FenceState::Closed => break None,
+                }
+            }
+        };
+        match fence {
+            Some(f) => f
+                .wait_on(stream)
+                .map_err(|e| Error::Internal(format!("wait_stream: {e}"))),
+            None => Ok(()),
+        }
     }
 
     /// Like [`Work::wait`], but give up after `timeout`, returning the work

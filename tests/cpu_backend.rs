@@ -67,6 +67,7 @@ fn ctx(rank: usize, size: usize, kind: OpKind, seq: u64) -> OpCtx {
         seq,
         // These tests drive several ranks from one task: a wait must yield.
         may_block: false,
+        order: Default::default(),
     }
 }
 

@@ -209,3 +209,130 @@ fn gpu_all_reduce_bandwidth_report() {
         );
     }
 }
+
+/// Device tensors on a real GPU: every collective and point-to-point op on
+/// `Comm::device_zeros`/`to_device` tensors, with no host staging, equals
+/// the same op on host tensors (whose results the test above checks
+/// against references); `Avg` and `PremulSum` run on the device (`ncclAvg`,
+/// `ncclRedOpCreatePreMulSum`) and match the reference; a stream-ordered
+/// op (`with_stream` on the legacy default stream) completes.
+#[test]
+fn gpu_every_op_on_device_tensors_matches_the_host_op() {
+    for flavor in flavors() {
+        let Some(n) = world(flavor) else { continue };
+        run_ranks_on(
+            flavor.name(),
+            n,
+            "gpu-dev",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                let dev = |t: &Tensor| comm.to_device(t).expect("to_device");
+                let same = |d: &Tensor, h: &Tensor, what: &str| {
+                    assert!(d.is_device(), "{what}: not on the device");
+                    assert_eq!(&comm.to_host(d).expect("to_host"), h, "{what} rank {r}");
+                };
+                let count = 1000;
+                for dtype in [DType::F32, DType::F16, DType::BF16, DType::I32] {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::PremulSum(2.0)] {
+                        if !op.supports(dtype) {
+                            continue;
+                        }
+                        let out = comm.all_reduce(dev(&input(dtype, r, count)), op).unwrap();
+                        let want: Vec<f64> = (0..count)
+                            .map(|i| {
+                                let s: f64 = (0..n).map(|p| value(p, i)).sum();
+                                match op {
+                                    ReduceOp::Avg if dtype.is_float() => s / n as f64,
+                                    ReduceOp::Avg => (s as i64 / n as i64) as f64,
+                                    ReduceOp::PremulSum(k) => s * k,
+                                    _ => s,
+                                }
+                            })
+                            .collect();
+                        let host = comm.to_host(&out).unwrap();
+                        assert_close(
+                            dtype,
+                            &host,
+                            &want,
+                            &format!("device all_reduce {dtype} {op}"),
+                        );
+                    }
+                }
+                let dtype = DType::F32;
+                for root in 0..n {
+                    same(
+                        &comm
+                            .reduce(dev(&input(dtype, r, count)), ReduceOp::Sum, root)
+                            .unwrap(),
+                        &comm
+                            .reduce(input(dtype, r, count), ReduceOp::Sum, root)
+                            .unwrap(),
+                        "reduce",
+                    );
+                    let b = input(dtype, root, count);
+                    same(
+                        &comm.broadcast(dev(&b), root).unwrap(),
+                        &comm.broadcast(b, root).unwrap(),
+                        "broadcast",
+                    );
+                    same(
+                        &comm
+                            .gather_single(dev(&input(dtype, r, count)), root)
+                            .unwrap(),
+                        &comm.gather_single(input(dtype, r, count), root).unwrap(),
+                        "gather_single",
+                    );
+                }
+                same(
+                    &comm.all_gather(dev(&input(dtype, r, count))).unwrap(),
+                    &comm.all_gather(input(dtype, r, count)).unwrap(),
+                    "all_gather",
+                );
+                same(
+                    &comm
+                        .reduce_scatter(dev(&input(dtype, r, count * n)), ReduceOp::Sum)
+                        .unwrap(),
+                    &comm
+                        .reduce_scatter(input(dtype, r, count * n), ReduceOp::Sum)
+                        .unwrap(),
+                    "reduce_scatter",
+                );
+                same(
+                    &comm
+                        .all_to_all_single(dev(&input(dtype, r, count * n)))
+                        .unwrap(),
+                    &comm.all_to_all_single(input(dtype, r, count * n)).unwrap(),
+                    "all_to_all_single",
+                );
+                if n > 1 {
+                    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                    let got = comm
+                        .batch_p2p(vec![
+                            chorus::P2POp::send(dev(&input(dtype, r, count)), next),
+                            chorus::P2POp::recv(comm.device_zeros(dtype, count).unwrap(), prev),
+                        ])
+                        .unwrap();
+                    same(
+                        got.last().expect("recv"),
+                        &input(dtype, prev, count),
+                        "p2p ring",
+                    );
+                }
+                // SAFETY: 0 is the legacy default stream of the runtime.
+                let s = unsafe { chorus::DeviceStream::from_raw(std::ptr::null_mut()) };
+                let w = comm
+                    .with_stream(s)
+                    .unwrap()
+                    .all_reduce_async(dev(&Tensor::full(1.0f32, 8)), ReduceOp::Sum);
+                w.wait_stream(s).unwrap();
+                let out = w.wait().unwrap();
+                assert_eq!(
+                    comm.to_host(&out).unwrap().to_vec::<f32>(),
+                    vec![n as f32; 8]
+                );
+                comm.finalize().unwrap();
+            },
+        );
+    }
+}

@@ -233,3 +233,25 @@ fn chorus_perf_json_of_every_op_parses_with_the_documented_bandwidths() {
         );
     }
 }
+
+/// `--device cuda` needs a GPU backend: refused cleanly (exit 2, a reason),
+/// never a crash, whatever machine this runs on.
+#[test]
+fn chorus_perf_device_cuda_on_the_cpu_backend_is_refused() {
+    let out = Command::new(BIN)
+        .args([
+            "all_reduce",
+            "-n",
+            "1",
+            "--device",
+            "cuda",
+            "--backend",
+            "cpu",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("chorus-perf could not be started");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--backend nccl or rccl"), "{err}");
+}

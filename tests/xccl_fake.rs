@@ -12,12 +12,12 @@
 
 mod common;
 
-use std::ffi::{c_int, c_uint};
+use std::ffi::{c_int, c_uint, c_void};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use chorus::backends::xccl::{probe, Flavor};
+use chorus::backends::xccl::{live_completion_threads, probe, Flavor};
 use chorus::{DType, Error, P2POp, ReduceOp, Tensor};
 use common::{assert_close, input, run_ranks_on, value};
 
@@ -38,6 +38,10 @@ struct Counters {
     bad_pointer: u64,
     in_progress_misuse: u64,
     last_traffic_class: i64,
+    live_redops: u64,
+    live_events: u64,
+    freed_in_use: u64,
+    in_use_allocs: u64,
 }
 
 struct Fake {
@@ -171,7 +175,8 @@ fn setup() -> (MutexGuard<'static, ()>, &'static Fake) {
     // their own threads: let that finish, so leak checks start from zero.
     eventually(Duration::from_secs(10), || {
         let c = f.counters();
-        (c.live_allocs, c.live_streams, c.live_comms) == (0, 0, 0)
+        (c.live_allocs, c.live_streams, c.live_comms, c.live_events) == (0, 0, 0, 0)
+            && live_completion_threads() == 0
     });
     (g, f)
 }
@@ -478,6 +483,10 @@ fn ops_keep_the_callers_device_and_allocate_on_the_comms_device() {
         );
         let after = f.counters();
         assert_eq!(after.bad_pointer, before.bad_pointer, "{after:?}");
+        assert_eq!(
+            after.in_progress_misuse, before.in_progress_misuse,
+            "a call on a communicator still in progress: {after:?}"
+        );
     }
 }
 
@@ -538,6 +547,9 @@ fn clean_finalize_leaks_nothing_and_uses_nonblocking_streams() {
                     comm.all_reduce(input(DType::F32, r, 64 * k), ReduceOp::Sum)
                         .unwrap();
                 }
+                // Ops complete through the communicator's completion thread,
+                // which finalize ends (checked after the run).
+                assert!(live_completion_threads() >= 1);
                 comm.finalize().unwrap();
             },
         );
@@ -557,8 +569,14 @@ fn clean_finalize_leaks_nothing_and_uses_nonblocking_streams() {
         assert!(
             eventually(Duration::from_secs(10), || {
                 let c = f.counters();
-                (c.live_allocs, c.live_streams, c.live_comms)
-                    == (before.live_allocs, before.live_streams, before.live_comms)
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
             }),
             "leaked: {:?} (before {before:?})",
             f.counters()
@@ -596,8 +614,14 @@ fn abort_mid_op_fails_the_op_and_frees_everything() {
         assert!(
             eventually(Duration::from_secs(10), || {
                 let c = f.counters();
-                (c.live_allocs, c.live_streams, c.live_comms)
-                    == (before.live_allocs, before.live_streams, before.live_comms)
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
             }),
             "leaked after abort: {:?} (before {before:?})",
             f.counters()
@@ -663,6 +687,625 @@ fn a_peer_failure_fails_the_waiting_ranks() {
                 );
                 assert!(eventually(Duration::from_secs(20), || !comm.is_active()));
             },
+        );
+    }
+}
+
+/// The reference value of `op` over every rank's [`value`] at `i`, in the
+/// element type's arithmetic (integer `Avg` truncates, as NCCL's does).
+fn reduce_ref(dtype: DType, op: ReduceOp, n: usize, i: usize) -> f64 {
+    let v: Vec<f64> = (0..n).map(|p| value(p, i)).collect();
+    match op {
+        ReduceOp::Sum => v.iter().sum(),
+        ReduceOp::Max => v.iter().cloned().fold(f64::MIN, f64::max),
+        ReduceOp::Avg if dtype.is_float() => v.iter().sum::<f64>() / n as f64,
+        ReduceOp::Avg => (v.iter().sum::<f64>() as i64 / n as i64) as f64,
+        ReduceOp::PremulSum(s) => v.iter().map(|x| x * s).sum(),
+        other => panic!("no reference for {other}"),
+    }
+}
+
+/// Every collective and point-to-point op on device tensors, for both
+/// flavours at worlds 2 to 4: results come back as device tensors of the
+/// communicator's device (in place where the op is in place), and equal
+/// the reference (reductions) or the same op on host tensors (data
+/// movement, whose host path the test above checks against references).
+/// `Avg` and `PremulSum` run on the device (`ncclAvg`, a PreMulSum op that
+/// is destroyed after use), and nothing leaks.
+#[test]
+fn every_op_on_device_tensors_matches_the_host_reference_world_2_to_4() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        for n in 2..=4 {
+            run_ranks_on(
+                flavor.name(),
+                n,
+                &format!("xf-dev-{n}"),
+                |_, o| o,
+                move |comm| {
+                    let r = comm.rank();
+                    let what = |s: &str| format!("{} world {n} rank {r}: {s}", comm.backend());
+                    let dev = |t: &Tensor| comm.to_device(t).expect("to_device");
+                    let host = |t: &Tensor, s: &str| {
+                        assert!(t.is_device(), "{}: not a device tensor", what(s));
+                        assert_eq!(t.device(), comm.device(), "{}", what(s));
+                        comm.to_host(t).expect("to_host")
+                    };
+                    // Reductions against the reference, every op on device.
+                    for dtype in [
+                        DType::F32,
+                        DType::I32,
+                        DType::F16,
+                        DType::BF16,
+                        DType::F64,
+                        DType::I8,
+                    ] {
+                        for op in [
+                            ReduceOp::Sum,
+                            ReduceOp::Max,
+                            ReduceOp::Avg,
+                            ReduceOp::PremulSum(2.0),
+                        ] {
+                            for count in [0usize, 4, 1 << 10] {
+                                let t = dev(&input(dtype, r, count));
+                                let at = t.as_ptr();
+                                let out = comm.all_reduce(t, op).unwrap();
+                                assert_eq!(out.as_ptr(), at, "all_reduce is in place");
+                                let want: Vec<f64> =
+                                    (0..count).map(|i| reduce_ref(dtype, op, n, i)).collect();
+                                let s = format!("all_reduce {dtype} {op} {count}");
+                                assert_close(dtype, &host(&out, &s), &want, &what(&s));
+                            }
+                            let count = 3 * n;
+                            let out = comm
+                                .reduce_scatter(dev(&input(dtype, r, count)), op)
+                                .unwrap();
+                            let want: Vec<f64> = (0..3)
+                                .map(|i| reduce_ref(dtype, op, n, r * 3 + i))
+                                .collect();
+                            let s = format!("reduce_scatter {dtype} {op}");
+                            assert_close(dtype, &host(&out, &s), &want, &what(&s));
+                        }
+                    }
+                    let dtype = DType::F32;
+                    let count = 33;
+                    // Data movement: the device result equals the host op's.
+                    let same = |d: &Tensor, h: &Tensor, s: &str| {
+                        assert_eq!(&host(d, s), h, "{}", what(s));
+                    };
+                    for root in 0..n {
+                        let op = ReduceOp::Avg;
+                        let out = comm.reduce(dev(&input(dtype, r, count)), op, root).unwrap();
+                        let want = comm.reduce(input(dtype, r, count), op, root).unwrap();
+                        same(&out, &want, "reduce");
+                        let b = if r == root {
+                            input(dtype, root, count)
+                        } else {
+                            Tensor::zeros(dtype, count)
+                        };
+                        same(
+                            &comm.broadcast(dev(&b), root).unwrap(),
+                            &comm.broadcast(b, root).unwrap(),
+                            "broadcast",
+                        );
+                        let inputs = (r == root).then(|| {
+                            (0..n)
+                                .map(|p| input(dtype, p + 7, count))
+                                .collect::<Vec<_>>()
+                        });
+                        let dinputs = inputs.as_ref().map(|v| v.iter().map(dev).collect());
+                        same(
+                            &comm
+                                .scatter(dev(&Tensor::zeros(dtype, count)), dinputs, root)
+                                .unwrap(),
+                            &comm
+                                .scatter(Tensor::zeros(dtype, count), inputs, root)
+                                .unwrap(),
+                            "scatter",
+                        );
+                        let g = comm.gather(dev(&input(dtype, r, count)), root).unwrap();
+                        let h = comm.gather(input(dtype, r, count), root).unwrap();
+                        assert_eq!(g.len(), h.len(), "{}", what("gather"));
+                        for (d, h) in g.iter().zip(&h) {
+                            same(d, h, "gather");
+                        }
+                        same(
+                            &comm
+                                .gather_single(dev(&input(dtype, r, count)), root)
+                                .unwrap(),
+                            &comm.gather_single(input(dtype, r, count), root).unwrap(),
+                            "gather_single",
+                        );
+                    }
+                    same(
+                        &comm.all_gather(dev(&input(dtype, r, count))).unwrap(),
+                        &comm.all_gather(input(dtype, r, count)).unwrap(),
+                        "all_gather",
+                    );
+                    let counts: Vec<usize> = (0..n).map(|p| count + p).collect();
+                    same(
+                        &comm
+                            .all_gather_v(dev(&input(dtype, r, count + r)), &counts)
+                            .unwrap(),
+                        &comm
+                            .all_gather_v(input(dtype, r, count + r), &counts)
+                            .unwrap(),
+                        "all_gather_v",
+                    );
+                    let (o, i) = comm
+                        .all_gather_into(
+                            dev(&input(dtype, r, count)),
+                            comm.device_zeros(dtype, count * n).unwrap(),
+                        )
+                        .unwrap();
+                    same(
+                        &o,
+                        &comm.all_gather(input(dtype, r, count)).unwrap(),
+                        "all_gather_into",
+                    );
+                    same(&i, &input(dtype, r, count), "all_gather_into input");
+                    same(
+                        &comm
+                            .reduce_scatter_v(
+                                dev(&input(dtype, r, counts.iter().sum())),
+                                &counts,
+                                ReduceOp::Sum,
+                            )
+                            .unwrap(),
+                        &comm
+                            .reduce_scatter_v(
+                                input(dtype, r, counts.iter().sum()),
+                                &counts,
+                                ReduceOp::Sum,
+                            )
+                            .unwrap(),
+                        "reduce_scatter_v",
+                    );
+                    let (o, _) = comm
+                        .reduce_scatter_into(
+                            dev(&input(dtype, r, count * n)),
+                            comm.device_zeros(dtype, count).unwrap(),
+                            ReduceOp::Max,
+                        )
+                        .unwrap();
+                    same(
+                        &o,
+                        &comm
+                            .reduce_scatter(input(dtype, r, count * n), ReduceOp::Max)
+                            .unwrap(),
+                        "reduce_scatter_into",
+                    );
+                    same(
+                        &comm
+                            .all_to_all_single(dev(&input(dtype, r, count * n)))
+                            .unwrap(),
+                        &comm.all_to_all_single(input(dtype, r, count * n)).unwrap(),
+                        "all_to_all_single",
+                    );
+                    let send: Vec<usize> = (0..n).map(|p| (r + p) % 3 + 1).collect();
+                    let recv: Vec<usize> = (0..n).map(|p| (p + r) % 3 + 1).collect();
+                    let total = send.iter().sum();
+                    same(
+                        &comm
+                            .all_to_all_v_single(dev(&input(dtype, r, total)), &send, &recv)
+                            .unwrap(),
+                        &comm
+                            .all_to_all_v_single(input(dtype, r, total), &send, &recv)
+                            .unwrap(),
+                        "all_to_all_v_single",
+                    );
+                    let parts: Vec<Tensor> =
+                        (0..n).map(|p| input(dtype, r * n + p, p + 1)).collect();
+                    let d = comm.all_to_all(parts.iter().map(dev).collect()).unwrap();
+                    let h = comm.all_to_all(parts).unwrap();
+                    assert_eq!(d.len(), n);
+                    for (d, h) in d.iter().zip(&h) {
+                        same(d, h, "all_to_all");
+                    }
+                    // Point-to-point: a ring in one batch, then single
+                    // send/recv pairs, all on device buffers.
+                    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                    let got = comm
+                        .batch_p2p(vec![
+                            P2POp::send(dev(&input(dtype, r, count)), next),
+                            P2POp::recv(comm.device_zeros(dtype, count).unwrap(), prev),
+                        ])
+                        .unwrap();
+                    same(
+                        got.last().expect("recv"),
+                        &input(dtype, prev, count),
+                        "p2p ring",
+                    );
+                    if r == 0 {
+                        comm.send(dev(&input(DType::I64, 0, 9)), 1).unwrap();
+                    } else if r == 1 {
+                        let got = comm
+                            .recv(comm.device_zeros(DType::I64, 9).unwrap(), 0)
+                            .unwrap();
+                        same(&got, &input(DType::I64, 0, 9), "recv");
+                    }
+                    // Async, with the input dropped right after enqueue.
+                    let works: Vec<_> = (0..3)
+                        .map(|_| comm.all_reduce_async(dev(&input(dtype, r, count)), ReduceOp::Sum))
+                        .collect();
+                    for w in works {
+                        let want: Vec<f64> = (0..count).map(|i| sum_ref(n, i)).collect();
+                        assert_close(
+                            dtype,
+                            &host(&w.wait().unwrap(), "async"),
+                            &want,
+                            &what("async"),
+                        );
+                    }
+                    comm.finalize().unwrap();
+                },
+            );
+        }
+        let after = f.counters();
+        assert_eq!(after.bad_pointer, before.bad_pointer, "{after:?}");
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_redops)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_redops,
+                    )
+            }),
+            "leaked: {:?} (before {before:?})",
+            f.counters()
+        );
+    }
+}
+
+/// Device tensors where they cannot go are `InvalidArgument` before any
+/// I/O, never a crash: another device, mixed with host tensors, on the
+/// cpu backend; and the host never reads a device tensor.
+#[test]
+fn misplaced_device_tensors_are_invalid_arguments() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-dev-invalid",
+            |_, o| o,
+            |comm| {
+                let r = comm.rank();
+                let invalid = |res: chorus::Result<Tensor>, s: &str| match res {
+                    Err(Error::InvalidArgument { reason, .. }) => reason,
+                    other => panic!("{s}: expected InvalidArgument, got {other:?}"),
+                };
+                let d = comm.device_zeros(DType::F32, 4).unwrap();
+                assert!(d.try_as_slice::<f32>().is_none() && d.try_as_bytes().is_none());
+                assert!(d.try_clone().is_none() && d.split(&[4]).is_none());
+                let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    d.as_slice::<f32>().to_vec()
+                }));
+                assert!(panicked.is_err(), "a host view of device memory must panic");
+                // The same memory, claimed to be on another GPU.
+                // SAFETY: refused before use; the alias is never dereferenced.
+                let other = unsafe {
+                    Tensor::from_device_ptr(
+                        d.device_ptr().unwrap(),
+                        DType::F32,
+                        4,
+                        chorus::Device::Cuda(7),
+                        Box::new(()),
+                    )
+                }
+                .unwrap();
+                let reason = invalid(comm.all_reduce(other, ReduceOp::Sum), "wrong device");
+                assert!(reason.contains("cuda:7"), "{reason}");
+                // Host and device mixed in one op.
+                let reason = invalid(
+                    comm.all_gather_into(d, Tensor::zeros(DType::F32, 8))
+                        .map(|(o, _)| o),
+                    "mixed",
+                );
+                assert!(reason.contains("mixed"), "{reason}");
+                let peer = 1 - r;
+                let batch = comm.batch_p2p(vec![
+                    P2POp::send(Tensor::zeros(DType::F32, 4), peer),
+                    P2POp::recv(comm.device_zeros(DType::F32, 4).unwrap(), peer),
+                ]);
+                assert!(
+                    matches!(batch, Err(Error::InvalidArgument { .. })),
+                    "{batch:?}"
+                );
+                invalid(
+                    comm.to_host(&Tensor::zeros(DType::F32, 1)),
+                    "to_host of a host tensor",
+                );
+                // A device tensor on the cpu backend, and no device memory there.
+                let cpu = chorus::new_comm(
+                    "cpu",
+                    chorus::Device::Cpu,
+                    &format!("xf-dev-cpu-{r}"),
+                    chorus::CommOptions::single(),
+                )
+                .unwrap();
+                let reason = invalid(
+                    cpu.broadcast(comm.device_zeros(DType::F32, 4).unwrap(), 0),
+                    "device tensor on cpu",
+                );
+                assert!(reason.contains("host memory only"), "{reason}");
+                invalid(cpu.device_zeros(DType::F32, 1), "cpu device_zeros");
+                cpu.finalize().unwrap();
+                // Nothing was sent: the communicator still works.
+                let out = comm
+                    .all_reduce(
+                        comm.to_device(&Tensor::full(1i32, 3)).unwrap(),
+                        ReduceOp::Sum,
+                    )
+                    .unwrap();
+                assert_eq!(comm.to_host(&out).unwrap().to_vec::<i32>(), vec![2, 2, 2]);
+                comm.finalize().unwrap();
+            },
+        );
+        assert_eq!(f.counters().bad_pointer, 0);
+    }
+}
+
+impl Fake {
+    fn sym<T: Copy>(&self, name: &[u8]) -> T {
+        // SAFETY: each caller names a symbol of the fake with type `T`.
+        unsafe { *self.lib.get::<T>(name).expect("fake symbol") }
+    }
+
+    /// A non-blocking stream on the calling thread's current device.
+    fn stream(&self) -> *mut c_void {
+        let f: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int =
+            self.sym(b"cudaStreamCreateWithFlags\0");
+        let mut s = std::ptr::null_mut();
+        // SAFETY: out-parameter call.
+        assert_eq!(unsafe { f(&mut s, 1) }, 0);
+        s
+    }
+
+    fn memcpy(&self, dst: *mut c_void, src: *const c_void, n: usize, kind: c_int, s: *mut c_void) {
+        let f: unsafe extern "C" fn(
+            *mut c_void,
+            *const c_void,
+            usize,
+            c_int,
+            *mut c_void,
+        ) -> c_int = self.sym(b"cudaMemcpyAsync\0");
+        // SAFETY: the callers pass live buffers of `n` bytes.
+        assert_eq!(unsafe { f(dst, src, n, kind, s) }, 0, "memcpy kind {kind}");
+    }
+
+    fn sync(&self, s: *mut c_void) {
+        let f: unsafe extern "C" fn(*mut c_void) -> c_int = self.sym(b"cudaStreamSynchronize\0");
+        // SAFETY: a live stream.
+        assert_eq!(unsafe { f(s) }, 0);
+    }
+
+    fn destroy_stream(&self, s: *mut c_void) {
+        let f: unsafe extern "C" fn(*mut c_void) -> c_int = self.sym(b"cudaStreamDestroy\0");
+        // SAFETY: a live stream, destroyed once.
+        assert_eq!(unsafe { f(s) }, 0);
+    }
+
+    fn gate(&self, s: *mut c_void, close: bool) {
+        let f: unsafe extern "C" fn(*mut c_void, c_int) -> c_int =
+            self.sym(b"fake_xccl_stream_gate\0");
+        // SAFETY: control symbol over a live stream.
+        assert_eq!(unsafe { f(s, c_int::from(close)) }, 0);
+    }
+}
+
+/// Stream-ordered work: an op issued through `with_stream` waits, on the
+/// device, for the caller's stream (here a copy into its input that a
+/// closed gate holds back: without the wait the op would reduce the stale
+/// zeros), and `Work::wait_stream` makes the caller's stream wait for the
+/// op (a copy out queued after it sees the reduced values, not the input:
+/// rank 1's stream stays gated until rank 0's copy is queued and its gate
+/// open, so without the fence rank 0's copy would run before the op). Nothing blocks on the host, and the
+/// events and completion threads are gone afterwards.
+#[test]
+fn with_stream_ops_wait_for_the_callers_stream_and_wait_stream_orders_it_after() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        let r0_queued = Signal::default();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-stream",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                let f = fake();
+                f.set_device(r as c_int);
+                let us = f.stream();
+                // SAFETY: a live stream of this rank's device, destroyed below.
+                let stream = unsafe { chorus::DeviceStream::from_raw(us) };
+                let t = comm.device_zeros(DType::F32, 4).unwrap();
+                let ptr = t.device_ptr().unwrap();
+                f.gate(us, true);
+                let mine = [(r + 1) as f32; 4];
+                f.memcpy(ptr.cast(), mine.as_ptr().cast(), 16, 1, us);
+                let w = comm
+                    .with_stream(stream)
+                    .unwrap()
+                    .all_reduce_async(t, ReduceOp::Sum);
+                w.wait_stream(stream).unwrap();
+                let mut seen = vec![0.0f32; 4];
+                f.memcpy(seen.as_mut_ptr().cast(), ptr.cast(), 16, 2, us);
+                // Rank 1's op waits for its gated stream until rank 0's copy
+                // out is queued and free to run.
+                if r == 1 {
+                    assert!(
+                        r0_queued.wait(Duration::from_secs(40)),
+                        "rank 0 never queued"
+                    );
+                }
+                f.gate(us, false);
+                if r == 0 {
+                    r0_queued.raise();
+                }
+                let out = w.wait().unwrap();
+                f.sync(us);
+                assert_eq!(
+                    seen,
+                    vec![3.0f32; 4],
+                    "rank {r}: the caller's stream did not wait for the op"
+                );
+                assert_eq!(
+                    comm.to_host(&out).unwrap().to_vec::<f32>(),
+                    vec![3.0f32; 4],
+                    "rank {r}: the op did not wait for the caller's stream"
+                );
+                f.destroy_stream(us);
+                comm.finalize().unwrap();
+            },
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
+            }),
+            "leaked: {:?} (before {before:?})",
+            f.counters()
+        );
+    }
+    // No streams without device memory.
+    let cpu = chorus::new_comm(
+        "cpu",
+        chorus::Device::Cpu,
+        "xf-stream-cpu",
+        chorus::CommOptions::single(),
+    )
+    .unwrap();
+    // SAFETY: refused before use.
+    let s = unsafe { chorus::DeviceStream::from_raw(std::ptr::null_mut()) };
+    assert!(matches!(
+        cpu.with_stream(s),
+        Err(Error::InvalidArgument { .. })
+    ));
+    cpu.finalize().unwrap();
+}
+
+/// `chorus-perf --device cuda` on the fake: every collective on device
+/// tensors, checked, one rank (the fake's ranks meet inside one process,
+/// and chorus-perf starts one process per rank).
+#[test]
+fn chorus_perf_device_cuda_runs_every_collective_on_the_fake() {
+    let (_g, _f) = setup();
+    for flavor in flavors() {
+        for op in [
+            "all_reduce",
+            "all_gather",
+            "broadcast",
+            "reduce_scatter",
+            "reduce",
+            "gather",
+            "scatter",
+            "all_to_all",
+            "all_to_all_single",
+        ] {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_chorus-perf"))
+                .args([
+                    op, "-n", "1", "-b", "8", "-e", "4K", "-f", "8", "-w", "1", "-i", "3",
+                ])
+                .args([
+                    "--backend",
+                    flavor.name(),
+                    "--device",
+                    "cuda",
+                    "--timeout",
+                    "50",
+                ])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .expect("chorus-perf could not be started");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{op}: {stdout}\n{stderr}");
+            assert!(stdout.contains("device=cuda"), "{op}: {stdout}");
+            let rows: Vec<&str> = stdout.lines().filter(|l| !l.starts_with('#')).collect();
+            assert_eq!(rows.len(), 4, "{op}: {stdout}");
+            assert!(
+                rows.iter().all(|r| r.trim_end().ends_with("ok")),
+                "{op}: {stdout}"
+            );
+        }
+    }
+}
+
+/// XC-9: a device tensor whose op is still waiting on the device for a
+/// hung peer stays allocated when its `Work` and the tensor are dropped,
+/// and when the communicator aborts (which drops the op); it is freed only
+/// after `ncclCommAbort` let the queued work go, never under it.
+#[test]
+fn device_memory_of_an_op_in_flight_is_freed_only_after_the_abort() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        let done = Signal::default();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-dev-abort",
+            |_, o| o,
+            move |comm| {
+                let f = fake();
+                let warm = comm.device_zeros(DType::F32, 4).unwrap();
+                comm.all_reduce(warm, ReduceOp::Sum).unwrap();
+                let t = comm.device_zeros(DType::F32, 1 << 10).unwrap();
+                if comm.rank() == 1 {
+                    // Rank 1 joins the op but its device makes no progress.
+                    f.call_i(b"fake_xccl_hang\0", 1, 1);
+                }
+                let live = f.counters().live_allocs;
+                // The op waits on the device for rank 1's part.
+                drop(comm.all_reduce_async(t, ReduceOp::Sum));
+                if comm.rank() == 0 {
+                    // Both ranks' calls are queued on their streams.
+                    assert!(eventually(Duration::from_secs(20), || f
+                        .counters()
+                        .in_use_allocs
+                        >= 2));
+                    assert!(f.counters().live_allocs >= live, "freed while the op waits");
+                    comm.abort();
+                    done.raise();
+                } else {
+                    assert!(done.wait(Duration::from_secs(40)));
+                    comm.abort();
+                    f.call_i(b"fake_xccl_hang\0", 1, 0);
+                }
+            },
+        );
+        let after = f.counters();
+        assert_eq!(
+            after.freed_in_use, before.freed_in_use,
+            "cudaFree under queued work: {after:?}"
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_streams, c.live_comms, c.live_events)
+                    == (
+                        before.live_allocs,
+                        before.live_streams,
+                        before.live_comms,
+                        before.live_events,
+                    )
+                    && live_completion_threads() == 0
+            }),
+            "leaked after abort: {:?} (before {before:?})",
+            f.counters()
         );
     }
 }

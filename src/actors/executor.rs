@@ -169,6 +169,9 @@ pub(crate) struct Core {
     p2p_seq: Vec<u64>,
     /// The backend is finalized or aborted: no op touches it again.
     closed: bool,
+    /// The backend's device memory, for outputs of device ops sized or
+    /// split here (never read on the host, CM-4).
+    mem: Option<std::sync::Arc<dyn crate::backends::DeviceMemory>>,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -194,6 +197,7 @@ impl Core {
         watchdog: Option<super::watchdog::Watchdog>,
     ) -> Core {
         Core {
+            mem: backend.device_memory(),
             p2p_seq: vec![0; info.size],
             info,
             backend,
@@ -252,6 +256,11 @@ impl Core {
             kind: req.kind,
             seq: req.seq,
             may_block,
+            order: crate::backends::StreamOrder {
+                // WK-4: a fence only for ops ordered with a stream.
+                fence: req.stream.and(completer.fence_slot()),
+                wait_for: req.stream,
+            },
         };
         let bytes = req.count * req.dtype.size();
         let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
@@ -520,13 +529,26 @@ impl Core {
                     // Output sizes come from the senders' headers (this rank's
                     // own for a world of one); never trusted to fit.
                     *recv_counts = headers.iter().map(|h| h.counts[me] as usize).collect();
-                    *output = checked_sum(recv_counts)
-                        .and_then(|total| Tensor::try_zeros(input.dtype(), total))
-                        .ok_or_else(|| {
-                            ctx.mismatch(format!(
-                                "peers announce {recv_counts:?} elements for this rank, more than fits in memory"
-                            ))
-                        })?;
+                    let total = checked_sum(recv_counts);
+                    *output = match (&self.mem, input.is_device()) {
+                        (Some(mem), true) => total
+                            .ok_or_else(|| "sizes overflow".to_string())
+                            .and_then(|t| mem.zeros(input.dtype(), t))
+                            .map_err(|e| {
+                                ctx.mismatch(format!(
+                                    "peers announce {recv_counts:?} elements for this rank, \
+                                     which cannot be allocated on {}: {e}",
+                                    mem.device()
+                                ))
+                            })?,
+                        _ => total
+                            .and_then(|total| Tensor::try_zeros(input.dtype(), total))
+                            .ok_or_else(|| {
+                                ctx.mismatch(format!(
+                                    "peers announce {recv_counts:?} elements for this rank, more than fits in memory"
+                                ))
+                            })?,
+                    };
                 }
             }
         }
@@ -535,7 +557,7 @@ impl Core {
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         self.backend.execute(ctx, &mut req.data).await?;
-        finish(ctx, req)
+        finish(ctx, req, self.mem.as_deref())
     }
 
     /// A `Mismatch` error; when the ranks are out of step the communicator
@@ -614,10 +636,29 @@ impl Core {
     }
 }
 
-fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
+/// Split `t` into tensors of `counts`: on the host, or on the device
+/// through the backend's memory (CM-4: never read on the host).
+fn split_any(
+    t: &Tensor,
+    counts: &[usize],
+    mem: Option<&dyn crate::backends::DeviceMemory>,
+) -> std::result::Result<Vec<Tensor>, String> {
+    match (t.is_device(), mem) {
+        (true, Some(mem)) => crate::backends::device_split(mem, t, counts),
+        (true, None) => Err("a device tensor without device memory".into()),
+        (false, _) => t.split(counts).ok_or_else(|| "out of memory".to_string()),
+    }
+}
+
+fn finish(
+    ctx: &OpCtx,
+    req: &mut Request,
+    mem: Option<&dyn crate::backends::DeviceMemory>,
+) -> Result<Completion> {
     let n = ctx.size;
     let avg = |t: &mut Tensor| {
-        if req.user_op == Some(ReduceOp::Avg) {
+        // A device backend applied Avg itself (ncclAvg, CM-4).
+        if req.user_op == Some(ReduceOp::Avg) && !t.is_device() {
             kernels::divide(t.dtype(), t.as_bytes_mut(), n);
         }
     };
@@ -655,12 +696,12 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         OpData::Gather { output, root, .. } => {
             if ctx.rank == root {
                 let counts = vec![req.count; n];
-                Completion::Tensors(output.split(&counts).ok_or_else(|| {
+                Completion::Tensors(split_any(&output, &counts, mem).map_err(|e| {
                     Error::InvalidArgument {
                         comm: ctx.comm.clone(),
                         rank: ctx.rank,
                         op: ctx.kind.name(),
-                        reason: format!("no memory to split the output into {n} x {}", req.count),
+                        reason: format!("cannot split the output into {n} x {}: {e}", req.count),
                     }
                 })?)
             } else {
@@ -675,9 +716,9 @@ fn finish(ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
             if req.kind == OpKind::AllToAll {
                 Completion::Tensors(
                     // Sizes come from the peers' headers.
-                    output.split(&recv_counts).ok_or_else(|| {
+                    split_any(&output, &recv_counts, mem).map_err(|e| {
                         ctx.mismatch(format!(
-                            "no memory to split the {recv_counts:?} elements peers sent"
+                            "cannot split the {recv_counts:?} elements peers sent: {e}"
                         ))
                     })?,
                 )

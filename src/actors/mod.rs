@@ -101,6 +101,8 @@ pub(crate) struct Request {
     /// [`Backend::window`] instead of `execute`.
     pub(crate) window: Option<crate::backends::WindowOp>,
     pub(crate) timeout: Duration,
+    /// The caller's stream the op is ordered with (`Comm::with_stream`).
+    pub(crate) stream: Option<crate::DeviceStream>,
     pub(crate) completer: Option<Completer>,
     /// Collective sequence number (assigned by the executor).
     pub(crate) seq: u64,
@@ -129,6 +131,7 @@ impl Request {
             whole: false,
             window: None,
             timeout: Duration::from_secs(600),
+            stream: None,
             completer: None,
             seq: 0,
         }

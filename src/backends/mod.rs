@@ -8,7 +8,7 @@
 //! | name  | feature | needs | notes |
 //! |-------|---------|-------|-------|
 //! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
-//! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12) at run time, a CUDA device | host tensors staged through device memory |
+//! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12) at run time, a CUDA device | device tensors in place; host tensors staged through device memory |
 //! | `rccl` | `rccl` | librccl.so + libamdhip64.so at run time, a ROCm device | same layer as `nccl` (module `xccl`) |
 //! | `gloo` | `gloo` | Debian `libgloo-dev` at build time | C++ shim over Gloo's TCP transport |
 //! | `mpi` | `mpi` | Open MPI (`libopenmpi-dev`, `libclang-dev` to build), run under `mpirun` | rsmpi |
@@ -222,6 +222,22 @@ pub struct OpCtx {
     /// blocking op. False on a worker of the caller's runtime, where a wait
     /// must yield to the runtime instead.
     pub may_block: bool,
+    /// Stream ordering asked for by the caller
+    /// ([`Comm::with_stream`](crate::Comm::with_stream)); empty otherwise.
+    pub order: StreamOrder,
+}
+
+/// How an op on device memory is ordered with the caller's stream
+/// ([`Comm::with_stream`](crate::Comm::with_stream)).
+#[derive(Debug, Clone, Default)]
+pub struct StreamOrder {
+    /// The op must wait for the work queued on this stream before it was
+    /// issued (an event recorded there, and the communicator's stream made
+    /// to wait for it), without blocking the host.
+    pub wait_for: Option<crate::DeviceStream>,
+    /// Where the backend publishes a fence once the op is enqueued, for
+    /// [`Work::wait_stream`](crate::Work::wait_stream).
+    pub fence: Option<Arc<crate::FenceSlot>>,
 }
 
 impl OpCtx {
@@ -379,7 +395,9 @@ pub struct P2PTransfer {
 #[derive(Debug)]
 pub enum OpData {
     /// In-place all-reduce of `buf`. `op` is the combining operator
-    /// ([`ReduceOp::combine_op`]): pre/post scaling is done by the executor.
+    /// ([`ReduceOp::combine_op`]): pre/post scaling is done by the executor
+    /// (for device tensors, `Avg` and `PremulSum` reach the backend as
+    /// they are, see [`Backend::device_memory`]).
     AllReduce {
         /// Data in and result out.
         buf: Tensor,
@@ -578,6 +596,83 @@ pub enum WindowDone {
     Done,
 }
 
+/// Device memory of one GPU, as a backend that runs ops on device tensors
+/// provides it ([`Backend::device_memory`]): allocation and host ↔ device
+/// copies for [`Comm::device_zeros`](crate::Comm::device_zeros),
+/// [`Comm::to_device`](crate::Comm::to_device) and
+/// [`Comm::to_host`](crate::Comm::to_host), and the device-side copies the
+/// generic layer needs (outputs of `gather` and list-form `all_to_all`
+/// split into per-rank tensors, `scatter`'s inputs concatenated).
+///
+/// Every call is synchronous: it returns when the copy finished, on a
+/// stream of its own (never the communicator's), so it never orders
+/// against an op in flight; callers only pass tensors that no op holds.
+pub trait DeviceMemory: Send + Sync {
+    /// The GPU this memory lives on.
+    fn device(&self) -> crate::Device;
+
+    /// A device tensor of `len` zeroed elements.
+    ///
+    /// # Errors
+    /// The runtime's reason (out of device memory, ...).
+    fn zeros(&self, dtype: crate::DType, len: usize) -> std::result::Result<Tensor, String>;
+
+    /// Copy `len_bytes` bytes from `src` (at byte offset `src_off`) to
+    /// `dst` (at `dst_off`); each side is host or device memory of this
+    /// device, as the tensor says.
+    ///
+    /// # Errors
+    /// The runtime's reason, or ranges outside the tensors.
+    fn copy(
+        &self,
+        src: &Tensor,
+        src_off: usize,
+        dst: &mut Tensor,
+        dst_off: usize,
+        len_bytes: usize,
+    ) -> std::result::Result<(), String>;
+}
+
+/// A device tensor holding the concatenation of `parts` (device tensors of
+/// `dtype` on `mem`'s device).
+pub(crate) fn device_concat(
+    mem: &dyn DeviceMemory,
+    dtype: crate::DType,
+    parts: &[Tensor],
+) -> std::result::Result<Tensor, String> {
+    let lens: Vec<usize> = parts.iter().map(Tensor::len).collect();
+    let total = crate::tensor::checked_sum(&lens).ok_or("sizes overflow usize")?;
+    let mut out = mem.zeros(dtype, total)?;
+    let mut off = 0;
+    for p in parts {
+        mem.copy(p, 0, &mut out, off, p.len_bytes())?;
+        off += p.len_bytes();
+    }
+    Ok(out)
+}
+
+/// `t` (a device tensor on `mem`'s device) split into new device tensors of
+/// `counts` elements.
+pub(crate) fn device_split(
+    mem: &dyn DeviceMemory,
+    t: &Tensor,
+    counts: &[usize],
+) -> std::result::Result<Vec<Tensor>, String> {
+    if crate::tensor::checked_sum(counts) != Some(t.len()) {
+        return Err(format!("{counts:?} do not add up to {}", t.len()));
+    }
+    let es = t.dtype().size();
+    let mut off = 0;
+    let mut out = Vec::with_capacity(counts.len());
+    for &c in counts {
+        let mut part = mem.zeros(t.dtype(), c)?;
+        mem.copy(t, off, &mut part, 0, c * es)?;
+        off += c * es;
+        out.push(part);
+    }
+    Ok(out)
+}
+
 /// The data plane of one communicator on one rank.
 ///
 /// Called only by the communicator's executor, one op at a time, in issue
@@ -671,6 +766,19 @@ pub trait Backend: Send {
     /// [BE-4]: self#invariants
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
+    }
+
+    /// The device memory this backend runs ops on, if it takes device
+    /// tensors (`nccl`, `rccl`); `None` (the default) means every device
+    /// tensor is refused with `InvalidArgument` before it reaches the
+    /// backend. Asked once, when the communicator starts. A backend that
+    /// returns `Some` gets device tensors of that device only, never mixed
+    /// with host tensors in one op, and for reductions on them the user's
+    /// own `Avg` or `PremulSum` in [`OpData`] (the host cannot scale device
+    /// memory); it must keep every device tensor's memory alive until the
+    /// op finished on the device, or its communicator was aborted.
+    fn device_memory(&self) -> Option<Arc<dyn DeviceMemory>> {
+        None
     }
 
     /// Split this communicator with the library's own call ([BE-4]). Called on

@@ -770,6 +770,7 @@ mod tests {
             kind: OpKind::AllGather,
             seq: 4,
             may_block: false,
+            order: Default::default(),
         };
         let (c, d) = partition(&ctx, &[1, 0, 3], 4).unwrap();
         assert_eq!(c, vec![4, 0, 12]);

@@ -614,6 +614,7 @@ mod tests {
             kind,
             seq,
             may_block: false,
+            order: Default::default(),
         }
     }
 

@@ -44,6 +44,13 @@
 //! included) with a fresh output, which is what a caller who keeps the input
 //! and uses the allocating forms pays.
 //!
+//! `--device cuda` (with `--backend nccl` or `rccl`) runs every op on
+//! device tensors, allocated once per size on rank `r`'s GPU `r` (or
+//! `LOCAL_RANK`'s): no host staging inside the timed region, and only the
+//! in-place column (device ops write in place; copies for gather and
+//! scatter are made on the device, outside the timed region). Without a
+//! usable GPU it refuses with the backend's reason and exit code 2.
+//!
 //! `--async` issues every op through its `_async` form and awaits the `Work`
 //! from a task on a tokio multi-thread runtime (2 workers), to compare with
 //! the blocking forms (the default), which may run an op on the calling
@@ -212,12 +219,20 @@ struct Args {
     /// Print one JSON object per size instead of the table.
     #[arg(long)]
     json: bool,
+    /// Where the buffers live: `cpu` (host memory) or `cuda` (device
+    /// tensors on the rank's GPU; needs `--backend nccl` or `rccl`).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
     /// Kill the ranks after this many seconds.
     #[arg(long, default_value = "600")]
     timeout: u64,
 }
 
 impl Args {
+    fn on_device(&self) -> bool {
+        self.device == "cuda"
+    }
+
     fn api(&self) -> Api {
         if self.use_async {
             Api::Async
@@ -242,6 +257,10 @@ fn parse_size(s: &str) -> Result<usize, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.device == "cuda" && !matches!(args.backend.as_str(), "nccl" | "rccl") {
+        eprintln!("chorus-perf: --device cuda needs --backend nccl or rccl");
+        return ExitCode::from(2);
+    }
     if args.factor < 2 || args.min_bytes == 0 || args.min_bytes > args.max_bytes {
         eprintln!("chorus-perf: need -f >= 2 and 0 < -b <= -e");
         return ExitCode::from(2);
@@ -394,8 +413,23 @@ fn run_rank(args: &Args) -> Result<(), String> {
     if let Some(rt) = rt.as_ref().filter(|_| !args.own_runtime) {
         options = options.with_runtime(rt.handle().clone());
     }
-    let comm = new_comm(&args.backend, Device::Cpu, "perf", options)
-        .map_err(|e| format!("new_comm: {e}"))?;
+    let device = if args.on_device() {
+        let local = ["LOCAL_RANK", "CHORUS_LOCAL_RANK", "CHORUS_RANK"]
+            .iter()
+            .find_map(|k| std::env::var(k).ok()?.parse::<usize>().ok())
+            .unwrap_or(0);
+        Device::Cuda(local)
+    } else {
+        Device::Cpu
+    };
+    let comm = match new_comm(&args.backend, device, "perf", options) {
+        Ok(c) => c,
+        Err(e @ chorus::Error::BackendUnavailable { .. }) if args.on_device() => {
+            eprintln!("chorus-perf: --device cuda refused: {e}");
+            std::process::exit(2);
+        }
+        Err(e) => return Err(format!("new_comm: {e}")),
+    };
     if args.op.point_to_point() && comm.size() < 2 {
         return Err(format!("{} needs at least 2 ranks", args.op.name()));
     }
@@ -432,9 +466,10 @@ async fn sweep(args: Args, comm: Comm) -> Result<bool, String> {
     if rank == 0 && !args.json {
         let count = |c: Option<usize>, auto: &str| c.map_or(auto.to_string(), |c| c.to_string());
         println!(
-            "# chorus-perf {} backend={} nranks={n} api={} warmup={} iters={} budget={}s (median over ops of the max over ranks)",
+            "# chorus-perf {} backend={} device={} nranks={n} api={} warmup={} iters={} budget={}s (median over ops of the max over ranks)",
             args.op.name(),
             args.backend,
+            args.device,
             match (api, args.own_runtime) {
                 (Api::Blocking, _) => "blocking",
                 (Api::Async, false) => "async",
@@ -651,6 +686,9 @@ struct Buffers {
     b: Tensor,
     /// all_to_all's inputs; scatter's inputs on the root.
     list: Vec<Tensor>,
+    /// With `--device cuda`: the communicator whose device holds the
+    /// buffers (device copies go through it).
+    dev: Option<Comm>,
 }
 
 fn empty() -> Tensor {
@@ -661,7 +699,15 @@ impl Buffers {
     /// Buffers of `op` for `count` elements (`per` per block); with
     /// `pattern`, filled with the check's input, else zeros (whose sums stay
     /// finite however often they are reused).
-    fn new(op: Op, rank: usize, n: usize, count: usize, per: usize, pattern: bool) -> Buffers {
+    fn new(
+        op: Op,
+        rank: usize,
+        n: usize,
+        count: usize,
+        per: usize,
+        pattern: bool,
+        dev: Option<&Comm>,
+    ) -> chorus::Result<Buffers> {
         let fill = |len: usize, f: &dyn Fn(usize) -> f32| {
             if pattern {
                 Tensor::from_vec((0..len).map(f).collect::<Vec<f32>>())
@@ -699,38 +745,66 @@ impl Buffers {
                 (fill(count, &|i| val(rank, i)), empty(), vec![])
             }
         };
-        Buffers {
+        let Some(comm) = dev else {
+            return Ok(Buffers {
+                op,
+                rank,
+                a,
+                b,
+                list,
+                dev: None,
+            });
+        };
+        let list = list
+            .iter()
+            .map(|t| comm.to_device(t))
+            .collect::<chorus::Result<Vec<_>>>()?;
+        Ok(Buffers {
             op,
             rank,
-            a,
-            b,
+            a: comm.to_device(&a)?,
+            b: comm.to_device(&b)?,
             list,
+            dev: Some(comm.clone()),
+        })
+    }
+
+    /// A copy of `t`: on the host, or on the device for device buffers.
+    fn dup(dev: &Option<Comm>, t: &Tensor) -> Tensor {
+        match dev {
+            Some(c) if t.is_device() => match c.device_clone(t) {
+                Ok(t) => t,
+                Err(e) => panic!("device copy: {e}"),
+            },
+            _ => t.clone(),
         }
     }
 
     /// The next op's arguments: the buffers themselves (`fresh == false`,
     /// given back by [`Buffers::keep`]) or fresh copies of them.
     fn call(&mut self, fresh: bool) -> Call {
+        let dev = &self.dev;
         let take = |t: &mut Tensor| {
             if fresh {
-                t.clone()
+                Buffers::dup(dev, t)
             } else {
                 std::mem::replace(t, empty())
             }
         };
+        let dup_list = |v: &[Tensor]| v.iter().map(|t| Buffers::dup(dev, t)).collect();
         match self.op {
-            Op::AllGather | Op::ReduceScatter if fresh => Call::One(self.a.clone()),
+            Op::AllGather | Op::ReduceScatter if fresh => Call::One(Buffers::dup(dev, &self.a)),
             Op::AllGather | Op::ReduceScatter | Op::PingPong => {
                 let a = take(&mut self.a);
                 Call::Two(a, take(&mut self.b))
             }
             // gather consumes its input, scatter its inputs, all_to_all its list.
-            Op::Gather => Call::One(self.a.clone()),
+            Op::Gather => Call::One(Buffers::dup(dev, &self.a)),
             Op::Scatter => Call::Scatter(
                 take(&mut self.a),
-                (self.rank == 0).then(|| self.list.clone()),
+                (self.rank == 0).then(|| dup_list(&self.list)),
             ),
-            Op::AllToAll if fresh => Call::List(self.list.clone()),
+            Op::AllToAll if fresh => Call::List(dup_list(&self.list)),
             Op::AllToAll => Call::List(std::mem::take(&mut self.list)),
             Op::AllReduce | Op::Reduce | Op::Broadcast | Op::AllToAllSingle | Op::SendRecv => {
                 Call::One(take(&mut self.a))
@@ -752,15 +826,33 @@ impl Buffers {
 }
 
 /// Correctness: one op on the check's input, compared with the closed form.
-async fn check(comm: &Comm, op: Op, api: Api, count: usize, per: usize) -> chorus::Result<bool> {
+async fn check(
+    comm: &Comm,
+    op: Op,
+    api: Api,
+    count: usize,
+    per: usize,
+    on_device: bool,
+) -> chorus::Result<bool> {
     let (rank, n) = (comm.rank(), comm.size());
-    let mut bufs = Buffers::new(op, rank, n, count, per, true);
+    let dev = on_device.then_some(comm);
+    let mut bufs = Buffers::new(op, rank, n, count, per, true, dev)?;
     let call = bufs.call(false);
     let back = issue(comm, op, api, call).await?;
     let sum_over = |i: usize| (0..n).map(|r| val(r, i)).sum::<f32>();
     let is = |t: &Tensor, len: usize, f: &dyn Fn(usize) -> f32| {
-        t.len() == len
-            && t.as_slice::<f32>()
+        // Device results are checked through a host copy.
+        let host = if t.is_device() {
+            match comm.to_host(t) {
+                Ok(h) => h,
+                Err(_) => return false,
+            }
+        } else {
+            t.clone()
+        };
+        host.len() == len
+            && host
+                .as_slice::<f32>()
                 .iter()
                 .enumerate()
                 .all(|(i, &v)| v == f(i))
@@ -842,7 +934,15 @@ async fn time_ops(
     out_of_place: bool,
 ) -> chorus::Result<Vec<f64>> {
     let (op, api) = (args.op, args.api());
-    let mut bufs = Buffers::new(op, comm.rank(), comm.size(), count, per, false);
+    let mut bufs = Buffers::new(
+        op,
+        comm.rank(),
+        comm.size(),
+        count,
+        per,
+        false,
+        args.on_device().then_some(comm),
+    )?;
     // Warm up in batches, each followed by one agreement (rank 0's clock
     // decides, so that every rank runs the same ops); the last batch gives
     // the per-op estimate for the timed count. `-w 0` still runs one op.
@@ -916,7 +1016,7 @@ async fn measure(args: &Args, comm: &Comm, bytes: usize) -> chorus::Result<Row> 
     let check_ok = if args.no_check {
         true
     } else {
-        let ok = check(comm, args.op, api, count, per).await?;
+        let ok = check(comm, args.op, api, count, per, args.on_device()).await?;
         // Every rank learns whether any rank failed.
         let v = max_over_ranks(comm, api, vec![f64::from(u8::from(!ok))]).await?;
         v.first() == Some(&0.0)
@@ -932,7 +1032,8 @@ async fn measure(args: &Args, comm: &Comm, bytes: usize) -> chorus::Result<Row> 
     };
     let ip = time_ops(args, comm, count, per, false).await?;
     let in_place = timing(ip.len(), reduce_times(comm, api, ip).await?);
-    let out_of_place = if args.in_place_only {
+    // Device buffers: in place only (see the module docs).
+    let out_of_place = if args.in_place_only || args.on_device() {
         None
     } else {
         let oop = time_ops(args, comm, count, per, true).await?;

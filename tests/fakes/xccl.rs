@@ -28,6 +28,18 @@
 //!   collective get `ncclRemoteError` (a peer failure);
 //! - `ncclCommDestroy` of a communicator that was not finalized finalizes
 //!   it implicitly and blocks until every peer finalized (as NCCL does);
+//! - `ncclAvg`, and `ncclRedOpCreatePreMulSum` (host-immediate scalars)
+//!   with `ncclRedOpDestroy`: a created op is valid for its communicator
+//!   and datatype only, its scalar is read at creation, and ops never
+//!   destroyed show in the leak counters;
+//! - `cudaMemsetAsync` on the stream, checked like a copy;
+//! - events: `cudaEventRecord` captures the work queued on a stream so
+//!   far (`cudaEventQuery` is `cudaErrorNotReady` until that ran, success
+//!   for an event never recorded), an event is tagged with the device
+//!   current at creation and refuses a stream of another device, and
+//!   `cudaStreamWaitEvent` makes a stream's later work wait until the
+//!   event's work ran on the other stream (a stream thread blocks), so an
+//!   op that forgot to wait for its input's stream reads stale data;
 //! - error injection and leak counters, through the `fake_xccl_*` symbols.
 //!
 //! Ranks of one test process meet through in-process state keyed by the
@@ -56,6 +68,10 @@ const RT_INVALID_DEVICE: c_int = 101;
 const RT_INVALID_DEVPTR: c_int = 17;
 const RT_NOT_READY: c_int = 600;
 const NOCOLOR: c_int = -1;
+/// `ncclNumOps`: created reduction ops are numbered from here.
+const NUM_OPS: c_int = 5;
+/// `ncclScalarHostImmediate`.
+const SCALAR_HOST_IMMEDIATE: c_int = 1;
 /// How often a blocked stream task re-checks abort and hang flags.
 const RECHECK: Duration = Duration::from_millis(20);
 
@@ -78,6 +94,11 @@ struct Counters {
     aborts: AtomicU64,
     bad_pointer: AtomicU64,
     in_progress_misuse: AtomicU64,
+    redops_created: AtomicU64,
+    redops_destroyed: AtomicU64,
+    events_created: AtomicU64,
+    events_destroyed: AtomicU64,
+    freed_in_use: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -93,6 +114,11 @@ static COUNTERS: Counters = Counters {
     aborts: AtomicU64::new(0),
     bad_pointer: AtomicU64::new(0),
     in_progress_misuse: AtomicU64::new(0),
+    redops_created: AtomicU64::new(0),
+    redops_destroyed: AtomicU64::new(0),
+    events_created: AtomicU64::new(0),
+    events_destroyed: AtomicU64::new(0),
+    freed_in_use: AtomicU64::new(0),
 };
 
 /// `trafficClass` as the last `ncclCommInitRankConfig`/`ncclCommSplit` saw
@@ -192,7 +218,39 @@ impl Stream {
 }
 
 fn stream_of(s: *mut c_void) -> Option<Arc<Stream>> {
+    if s.is_null() {
+        return Some(default_stream(DEVICE.with(Cell::get)));
+    }
     lock(&STREAMS).get(&(s as usize)).cloned()
+}
+
+/// The legacy default stream (`0`) of `device`: created on first use, never
+/// destroyed, not counted as a live stream. (It does not model the legacy
+/// stream's implicit synchronisation, which non-blocking streams, the only
+/// kind the backends create, do not take part in.)
+fn default_stream(device: c_int) -> Arc<Stream> {
+    static DEFAULTS: LazyLock<Mutex<HashMap<c_int, Arc<Stream>>>> =
+        LazyLock::new(|| Mutex::new(HashMap::new()));
+    lock(&DEFAULTS)
+        .entry(device)
+        .or_insert_with(|| {
+            let s = Arc::new(Stream {
+                device,
+                q: Mutex::new(StreamQ {
+                    tasks: VecDeque::new(),
+                    busy: false,
+                    closed: false,
+                }),
+                cv: Condvar::new(),
+            });
+            let w = s.clone();
+            std::thread::Builder::new()
+                .name("fake-default-stream".into())
+                .spawn(move || w.worker())
+                .expect("spawn stream thread");
+            s
+        })
+        .clone()
 }
 
 fn create_stream(out: *mut *mut c_void, blocking: bool) -> RtError {
@@ -268,6 +326,12 @@ unsafe fn rt_free(p: *mut c_void) -> RtError {
     if p.is_null() {
         return SUCCESS;
     }
+    if lock(&IN_USE).contains_key(&(p as usize)) {
+        // Real CUDA would synchronise the device first (and hang behind a
+        // kernel waiting for a dead peer), or the kernel would use freed
+        // memory: either way a bug in the caller.
+        COUNTERS.freed_in_use.fetch_add(1, SeqCst);
+    }
     let Some((_, size)) = lock(&ALLOCS).remove(&(p as usize)) else {
         return RT_INVALID_DEVPTR;
     };
@@ -320,6 +384,139 @@ unsafe fn rt_memcpy_async(
     SUCCESS
 }
 
+fn rt_memset_async(dst: *mut c_void, value: c_int, n: usize, stream: *mut c_void) -> RtError {
+    let Some(s) = stream_of(stream) else {
+        return 400;
+    };
+    if n == 0 {
+        return SUCCESS;
+    }
+    let d = dst as usize;
+    if device_of(d, n).is_none() {
+        return RT_INVALID_VALUE;
+    }
+    s.push(Box::new(move || {
+        // SAFETY: checked device allocation; freed only by cudaFree.
+        unsafe { std::ptr::write_bytes(d as *mut u8, value as u8, n) };
+    }));
+    SUCCESS
+}
+
+// ------------------------------------------------------------- events
+
+/// An event: the generation last recorded and the last one whose
+/// preceding stream work ran.
+struct Event {
+    device: c_int,
+    m: Mutex<(u64, u64)>,
+    cv: Condvar,
+}
+
+static EVENTS: LazyLock<Mutex<HashMap<usize, Arc<Event>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn event_of(e: *mut c_void) -> Option<Arc<Event>> {
+    lock(&EVENTS).get(&(e as usize)).cloned()
+}
+
+unsafe fn rt_event_create(out: *mut *mut c_void, _flags: c_uint) -> RtError {
+    if out.is_null() {
+        return RT_INVALID_VALUE;
+    }
+    let e = Arc::new(Event {
+        device: DEVICE.with(Cell::get),
+        m: Mutex::new((0, 0)),
+        cv: Condvar::new(),
+    });
+    let id = Arc::as_ptr(&e) as usize;
+    lock(&EVENTS).insert(id, e);
+    COUNTERS.events_created.fetch_add(1, SeqCst);
+    *out = id as *mut c_void;
+    SUCCESS
+}
+
+fn rt_event_record(ev: *mut c_void, stream: *mut c_void) -> RtError {
+    let (Some(e), Some(s)) = (event_of(ev), stream_of(stream)) else {
+        return 400;
+    };
+    if e.device != s.device {
+        // CUDA: the event and the stream must belong to the same device.
+        return RT_INVALID_VALUE;
+    }
+    let gen = {
+        let mut g = lock(&e.m);
+        g.0 += 1;
+        g.0
+    };
+    let e2 = e.clone();
+    s.push(Box::new(move || {
+        let mut g = lock(&e2.m);
+        g.1 = g.1.max(gen);
+        e2.cv.notify_all();
+    }));
+    SUCCESS
+}
+
+fn rt_event_query(ev: *mut c_void) -> RtError {
+    let Some(e) = event_of(ev) else {
+        return 400;
+    };
+    let g = lock(&e.m);
+    if g.1 >= g.0 {
+        SUCCESS
+    } else {
+        RT_NOT_READY
+    }
+}
+
+fn rt_event_destroy(ev: *mut c_void) -> RtError {
+    if lock(&EVENTS).remove(&(ev as usize)).is_none() {
+        return 400;
+    }
+    COUNTERS.events_destroyed.fetch_add(1, SeqCst);
+    SUCCESS
+}
+
+fn rt_stream_wait_event(stream: *mut c_void, ev: *mut c_void, _flags: c_uint) -> RtError {
+    let (Some(s), Some(e)) = (stream_of(stream), event_of(ev)) else {
+        return 400;
+    };
+    // The generation recorded now; later records do not count (as CUDA).
+    let gen = lock(&e.m).0;
+    s.push(Box::new(move || {
+        let mut g = lock(&e.m);
+        while g.1 < gen {
+            g =
+                e.cv.wait_timeout(g, RECHECK)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+        }
+    }));
+    SUCCESS
+}
+
+macro_rules! event_exports {
+    ($($create:ident $record:ident $query:ident $destroy:ident $wait:ident),*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $create(e: *mut *mut c_void, flags: c_uint) -> RtError { rt_event_create(e, flags) }
+        #[no_mangle]
+        pub extern "C" fn $record(e: *mut c_void, s: *mut c_void) -> RtError { rt_event_record(e, s) }
+        #[no_mangle]
+        pub extern "C" fn $query(e: *mut c_void) -> RtError { rt_event_query(e) }
+        #[no_mangle]
+        pub extern "C" fn $destroy(e: *mut c_void) -> RtError { rt_event_destroy(e) }
+        #[no_mangle]
+        pub extern "C" fn $wait(s: *mut c_void, e: *mut c_void, flags: c_uint) -> RtError {
+            rt_stream_wait_event(s, e, flags)
+        }
+    )*};
+}
+
+event_exports!(
+    cudaEventCreateWithFlags cudaEventRecord cudaEventQuery cudaEventDestroy cudaStreamWaitEvent,
+    hipEventCreateWithFlags hipEventRecord hipEventQuery hipEventDestroy hipStreamWaitEvent
+);
+
 fn rt_stream_query(stream: *mut c_void) -> RtError {
     match stream_of(stream) {
         Some(s) if s.idle() => SUCCESS,
@@ -366,7 +563,12 @@ fn rt_error_string(e: RtError) -> *const c_char {
 
 macro_rules! runtime_exports {
     ($($getcount:ident $setdev:ident $getdev:ident $malloc:ident $free:ident $memcpy:ident
+       $memset:ident
        $screate:ident $screateflags:ident $squery:ident $ssync:ident $sdestroy:ident $errstr:ident),*) => {$(
+        #[no_mangle]
+        pub extern "C" fn $memset(p: *mut c_void, v: c_int, n: usize, s: *mut c_void) -> RtError {
+            rt_memset_async(p, v, n, s)
+        }
         #[no_mangle]
         pub unsafe extern "C" fn $getcount(n: *mut c_int) -> RtError { rt_get_device_count(n) }
         #[no_mangle]
@@ -401,10 +603,10 @@ macro_rules! runtime_exports {
 
 runtime_exports!(
     cudaGetDeviceCount cudaSetDevice cudaGetDevice cudaMalloc cudaFree cudaMemcpyAsync
-    cudaStreamCreate cudaStreamCreateWithFlags cudaStreamQuery cudaStreamSynchronize
+    cudaMemsetAsync cudaStreamCreate cudaStreamCreateWithFlags cudaStreamQuery cudaStreamSynchronize
     cudaStreamDestroy cudaGetErrorString,
     hipGetDeviceCount hipSetDevice hipGetDevice hipMalloc hipFree hipMemcpyAsync
-    hipStreamCreate hipStreamCreateWithFlags hipStreamQuery hipStreamSynchronize
+    hipMemsetAsync hipStreamCreate hipStreamCreateWithFlags hipStreamQuery hipStreamSynchronize
     hipStreamDestroy hipGetErrorString
 );
 
@@ -464,6 +666,9 @@ struct Comm {
     finalizing: AtomicBool,
     coll_seq: AtomicU64,
     split_seq: AtomicU64,
+    /// `ncclRedOpCreatePreMulSum` ops of this communicator: op -> (dtype,
+    /// scalar).
+    redops: Mutex<HashMap<c_int, (c_int, f64)>>,
 }
 
 impl Comm {
@@ -636,6 +841,40 @@ fn average(acc: &mut [u8], dtype: c_int, n: usize) {
     }
 }
 
+/// `ncclRedOpCreatePreMulSum`'s local step: multiply every element by `s`
+/// (in the element type, as NCCL does with a scalar of that type).
+fn premultiply(acc: &mut [u8], dtype: c_int, s: f64) {
+    let zero = vec![0u8; acc.len()];
+    macro_rules! mul {
+        ($t:ty, $f:expr) => {
+            fold::<$t, { std::mem::size_of::<$t>() }>(
+                acc,
+                &zero,
+                <$t>::from_ne_bytes,
+                <$t>::to_ne_bytes,
+                |a, _| $f(a),
+            )
+        };
+    }
+    use half::{bf16, f16};
+    match dtype {
+        0 => mul!(i8, |a: i8| a.wrapping_mul(s as i8)),
+        1 => mul!(u8, |a: u8| a.wrapping_mul(s as u8)),
+        2 => mul!(i32, |a: i32| a.wrapping_mul(s as i32)),
+        3 => mul!(u32, |a: u32| a.wrapping_mul(s as u32)),
+        4 => mul!(i64, |a: i64| a.wrapping_mul(s as i64)),
+        5 => mul!(u64, |a: u64| a.wrapping_mul(s as u64)),
+        6 => mul!(f16, |a: f16| f16::from_f64(
+            a.to_f64() * f16::from_f64(s).to_f64()
+        )),
+        7 => mul!(f32, |a: f32| a * s as f32),
+        8 => mul!(f64, |a: f64| a * s),
+        _ => mul!(bf16, |a: bf16| bf16::from_f64(
+            a.to_f64() * bf16::from_f64(s).to_f64()
+        )),
+    }
+}
+
 // ------------------------------------------------------------- operations
 
 #[derive(Clone, Copy)]
@@ -657,6 +896,9 @@ enum Op {
         dtype: c_int,
         op: c_int,
         root: c_int,
+        /// The scalar of a PreMulSum op, resolved when the call was made
+        /// (the op may be destroyed right after).
+        premul: Option<f64>,
     },
     Send {
         buf: usize,
@@ -704,6 +946,7 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
         dtype,
         op: red,
         root,
+        premul,
     } = op
     else {
         return;
@@ -716,7 +959,12 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
         Kind::Broadcast if comm.rank as c_int != root => 0,
         _ => count * es,
     };
-    let input = read(send, in_bytes);
+    let mut input = read(send, in_bytes);
+    if let Some(s) = premul {
+        premultiply(&mut input, dtype, s);
+    }
+    // A PreMulSum op sums (after the local scaling).
+    let red = if premul.is_some() { 0 } else { red };
     let cl = &comm.clique;
     let mut st = lock(&cl.m);
     {
@@ -875,7 +1123,23 @@ fn issue(batch: Vec<Pending>) -> NcclResult {
     for (comm, stream, mut ops) in by {
         ops.sort_by_key(|(_, o)| !matches!(o, Op::Send { .. }));
         let c = comm.clone();
+        // The allocations these calls use are in use until the task ran.
+        let used: Vec<usize> = ops
+            .iter()
+            .flat_map(|(_, o)| match *o {
+                Op::Coll { send, recv, .. } => vec![send, recv],
+                Op::Send { buf, .. } | Op::Recv { buf, .. } => vec![buf],
+            })
+            .filter_map(alloc_start)
+            .collect();
+        {
+            let mut u = lock(&IN_USE);
+            for &a in &used {
+                *u.entry(a).or_insert(0) += 1;
+            }
+        }
         stream.push(Box::new(move || {
+            let _release = InUse(used);
             for (seq, op) in ops {
                 let s = c.state.load(SeqCst);
                 if c.aborted.load(SeqCst) || (s != SUCCESS && s != NCCL_IN_PROGRESS) {
@@ -896,6 +1160,35 @@ fn issue(batch: Vec<Pending>) -> NcclResult {
     r
 }
 
+/// Device allocations (by start address) that queued NCCL work will still
+/// touch, with how many stream tasks hold each.
+static IN_USE: LazyLock<Mutex<HashMap<usize, usize>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Releases a stream task's hold on its allocations when the task ends.
+struct InUse(Vec<usize>);
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let mut u = lock(&IN_USE);
+        for a in &self.0 {
+            if let Some(n) = u.get_mut(a) {
+                *n -= 1;
+                if *n == 0 {
+                    u.remove(a);
+                }
+            }
+        }
+    }
+}
+
+/// The start of the device allocation holding `p`.
+fn alloc_start(p: usize) -> Option<usize> {
+    let allocs = lock(&ALLOCS);
+    let (&start, &(_, size)) = allocs.range(..=p).next_back()?;
+    (p < start + size.max(1)).then_some(start)
+}
+
 /// Check and queue (or issue) one call.
 unsafe fn enqueue(call: &str, c: *mut c_void, stream: *mut c_void, op: Op) -> NcclResult {
     let comm = match usable(c, call) {
@@ -913,6 +1206,35 @@ unsafe fn enqueue(call: &str, c: *mut c_void, stream: *mut c_void, op: Op) -> Nc
                 }
                 *f = Some((dev, left - 1, code));
             }
+        }
+    }
+    let mut op = op;
+    if let Op::Coll {
+        op: red,
+        dtype,
+        premul,
+        ..
+    } = &mut op
+    {
+        if *red >= NUM_OPS {
+            match lock(&comm.redops).get(red) {
+                Some(&(d, s)) if d == *dtype => *premul = Some(s),
+                Some(&(d, _)) => {
+                    set_last_error(format!(
+                        "{call}: reduction op {red} was created for datatype {d}, used with {dtype}"
+                    ));
+                    return NCCL_INVALID_ARGUMENT;
+                }
+                None => {
+                    set_last_error(format!(
+                        "{call}: reduction op {red} is not an op of this communicator"
+                    ));
+                    return NCCL_INVALID_ARGUMENT;
+                }
+            }
+        } else if *red < 0 {
+            set_last_error(format!("{call}: invalid reduction op {red}"));
+            return NCCL_INVALID_ARGUMENT;
         }
     }
     let Some(stream) = stream_of(stream) else {
@@ -1113,6 +1435,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
         finalizing: AtomicBool::new(false),
         coll_seq: AtomicU64::new(0),
         split_seq: AtomicU64::new(0),
+        redops: Mutex::new(HashMap::new()),
     });
     *out = register(comm.clone());
     let join = move || {
@@ -1289,6 +1612,7 @@ pub unsafe extern "C" fn ncclAllReduce(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1318,6 +1642,7 @@ pub unsafe extern "C" fn ncclReduce(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1346,6 +1671,7 @@ pub unsafe extern "C" fn ncclBroadcast(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1373,6 +1699,7 @@ pub unsafe extern "C" fn ncclAllGather(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1401,6 +1728,7 @@ pub unsafe extern "C" fn ncclReduceScatter(
             dtype,
             op,
             root,
+            premul: None,
         },
     )
 }
@@ -1449,6 +1777,79 @@ pub unsafe extern "C" fn ncclRecv(
         peer,
     };
     enqueue("ncclRecv", comm, stream, op)
+}
+
+/// Read one scalar of NCCL datatype `dtype` at `p` (host memory).
+unsafe fn read_scalar(p: *const c_void, dtype: c_int) -> Option<f64> {
+    use half::{bf16, f16};
+    Some(match dtype {
+        0 => f64::from(p.cast::<i8>().read_unaligned()),
+        1 => f64::from(p.cast::<u8>().read_unaligned()),
+        2 => f64::from(p.cast::<i32>().read_unaligned()),
+        3 => f64::from(p.cast::<u32>().read_unaligned()),
+        4 => p.cast::<i64>().read_unaligned() as f64,
+        5 => p.cast::<u64>().read_unaligned() as f64,
+        6 => f16::from_bits(p.cast::<u16>().read_unaligned()).to_f64(),
+        7 => f64::from(p.cast::<f32>().read_unaligned()),
+        8 => p.cast::<f64>().read_unaligned(),
+        9 => bf16::from_bits(p.cast::<u16>().read_unaligned()).to_f64(),
+        _ => return None,
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
+    op: *mut c_int,
+    scalar: *mut c_void,
+    dtype: c_int,
+    residence: c_int,
+    c: *mut c_void,
+) -> NcclResult {
+    let comm = match usable(c, "ncclRedOpCreatePreMulSum") {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    if op.is_null() || scalar.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    if residence != SCALAR_HOST_IMMEDIATE {
+        // Device-resident scalars are read while the collective runs; the
+        // backend never uses them, so the fake does not model them.
+        set_last_error("fake: only ncclScalarHostImmediate scalars are modelled".into());
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let Some(s) = read_scalar(scalar, dtype) else {
+        set_last_error(format!(
+            "ncclRedOpCreatePreMulSum: invalid datatype {dtype}"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    };
+    let mut ops = lock(&comm.redops);
+    let id = (NUM_OPS..)
+        .find(|k| !ops.contains_key(k))
+        .unwrap_or(NUM_OPS);
+    ops.insert(id, (dtype, s));
+    COUNTERS.redops_created.fetch_add(1, SeqCst);
+    *op = id;
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn ncclRedOpDestroy(op: c_int, c: *mut c_void) -> NcclResult {
+    // Like every call on a non-blocking communicator: refused while an
+    // enqueue is still in progress.
+    let comm = match usable(c, "ncclRedOpDestroy") {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    if lock(&comm.redops).remove(&op).is_none() {
+        set_last_error(format!(
+            "ncclRedOpDestroy: {op} is not an op of this communicator"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    COUNTERS.redops_destroyed.fetch_add(1, SeqCst);
+    SUCCESS
 }
 
 #[no_mangle]
@@ -1576,6 +1977,7 @@ pub unsafe extern "C" fn ncclCommSplit(
             finalizing: AtomicBool::new(false),
             coll_seq: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
+            redops: Mutex::new(HashMap::new()),
         });
         let ptr = register(child);
         // The late write NCCL does from its own thread.
@@ -1636,6 +2038,14 @@ pub struct FakeCounters {
     pub in_progress_misuse: u64,
     /// `trafficClass` of the last config read.
     pub last_traffic_class: i64,
+    /// PreMulSum reduction ops created and not destroyed.
+    pub live_redops: u64,
+    /// Events created and not destroyed.
+    pub live_events: u64,
+    /// `cudaFree` of an allocation that queued NCCL work still uses.
+    pub freed_in_use: u64,
+    /// Allocations queued NCCL work still uses.
+    pub in_use_allocs: u64,
 }
 
 #[no_mangle]
@@ -1659,6 +2069,10 @@ pub unsafe extern "C" fn fake_xccl_counters(out: *mut FakeCounters) {
         bad_pointer: c.bad_pointer.load(SeqCst),
         in_progress_misuse: c.in_progress_misuse.load(SeqCst),
         last_traffic_class: i64::from(LAST_TRAFFIC_CLASS.load(SeqCst)),
+        live_redops: c.redops_created.load(SeqCst) - c.redops_destroyed.load(SeqCst),
+        live_events: c.events_created.load(SeqCst) - c.events_destroyed.load(SeqCst),
+        freed_in_use: c.freed_in_use.load(SeqCst),
+        in_use_allocs: lock(&IN_USE).len() as u64,
     };
 }
 
@@ -1697,6 +2111,35 @@ pub extern "C" fn fake_xccl_hang(device: c_int, hang: c_int) {
     } else {
         h.remove(&device);
     }
+}
+
+static GATES: LazyLock<(Mutex<HashSet<usize>>, Condvar)> =
+    LazyLock::new(|| (Mutex::new(HashSet::new()), Condvar::new()));
+
+/// Close (`close != 0`: work queued on `stream` from now on waits) or
+/// open the gate of `stream`, so a test controls when a stream makes
+/// progress. Returns 0, or 400 for an unknown stream.
+#[no_mangle]
+pub extern "C" fn fake_xccl_stream_gate(stream: *mut c_void, close: c_int) -> c_int {
+    let Some(s) = stream_of(stream) else {
+        return 400;
+    };
+    let id = stream as usize;
+    let (m, cv) = &*GATES;
+    if close != 0 {
+        lock(m).insert(id);
+        s.push(Box::new(move || {
+            let (m, cv) = &*GATES;
+            let mut g = lock(m);
+            while g.contains(&id) {
+                g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+        }));
+    } else {
+        lock(m).remove(&id);
+        cv.notify_all();
+    }
+    SUCCESS
 }
 
 /// Forget the cliques of finished tests (their communicators are gone).

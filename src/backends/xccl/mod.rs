@@ -7,10 +7,13 @@
 //! [`Backend`]). Pure-Rust planning lives in [`plan`] and is unit-tested
 //! without a GPU.
 //!
-//! What exists today: the public [`Tensor`] is host memory, so
-//! every op stages its host buffers through device memory on the
-//! communicator's own stream: host → device copy, the NCCL call(s), wait for
-//! the stream, device → host copy. There is no device-buffer API yet.
+//! Device tensors ([`Tensor::is_device`], allocated through
+//! [`XcclMemory`] or adopted with [`Tensor::from_device_ptr`]) are used in
+//! place: the NCCL calls get their device pointers, with no host staging;
+//! `Avg` is `ncclAvg` and `PremulSum` a `ncclRedOpCreatePreMulSum` op.
+//! Host tensors are staged through device memory on the communicator's own
+//! stream: host → device copy, the NCCL call(s), wait for the stream,
+//! device → host copy.
 //!
 //! # Invariants
 //! - XC-1: the libraries are loaded and a device is found before any I/O or
@@ -23,11 +26,14 @@
 //! - XC-3: the communicator is created non-blocking (`blocking = 0`) and
 //!   polled with `ncclCommGetAsyncError`; init that does not finish within
 //!   `connect_timeout` is aborted (`ncclCommAbort`) and reported.
-//! - XC-4: an op completes when its stream has drained (`*StreamQuery`),
-//!   not when it was enqueued; while waiting, `ncclCommGetAsyncError` is
-//!   polled so a remote failure becomes `PeerFailed` instead of a hang. The
-//!   device → host copy is only enqueued after that, so host buffers are
-//!   never written by the device after `execute` returned or was dropped.
+//! - XC-4: an op completes when an event recorded after it on the stream
+//!   completed, not when it was enqueued; the communicator's
+//!   [completion thread](completion) waits for it, polling
+//!   `ncclCommGetAsyncError` meanwhile so a remote failure becomes
+//!   `PeerFailed` instead of a hang, and wakes the op (no timer on the
+//!   op's side). The device → host copy of a host op is only enqueued
+//!   after that, so host buffers are never written by the device after
+//!   `execute` returned or was dropped.
 //! - XC-5: after an error the communicator is unusable until `abort`
 //!   ([BE-2]), which calls `ncclCommAbort`; `Drop` aborts (never destroys,
 //!   which could block) and never panics.
@@ -39,6 +45,18 @@
 //!   aborts the communicator and reaches `health()` without waiting for the
 //!   next op. NCCL does not say which rank failed, so such an error names
 //!   none unless the heartbeats (the watchdog's WD-2) name one first.
+//! - XC-9: the memory of every device tensor an op uses is kept allocated
+//!   (its keep-alive held by the backend) until the op finished on the
+//!   device, or until the communicator was aborted (`ncclCommAbort`, then
+//!   the stream drained), even when the op's `Work` and its tensors were
+//!   dropped first; a PreMulSum op is destroyed once the op that uses it
+//!   finished (or right away when enqueueing failed).
+//! - XC-10: an op issued through `Comm::with_stream` waits on the device
+//!   for the work queued on the caller's stream before it was issued: an
+//!   event recorded there and `*StreamWaitEvent` on the communicator's
+//!   stream, before the op's first call; once the op is enqueued, the
+//!   completion thread publishes a fence (an event after the op) for
+//!   `Work::wait_stream`. The host never waits for the caller's stream.
 //! - XC-8: `split` uses `ncclCommSplit` when the library has it (NCCL >=
 //!   2.18; [BE-4]): every parent rank calls it (non-members with
 //!   `NCCL_SPLIT_NOCOLOR`), the child's rank is the key, and the child gets
@@ -61,10 +79,12 @@ use crate::error::{Error, Result};
 use crate::options::Device;
 use crate::tensor::{DType, Tensor};
 
+pub mod completion;
 pub mod plan;
 pub mod result;
 pub mod sys;
 
+pub use completion::live_completion_threads;
 use plan::{Buf, Call};
 use result::CallError;
 
@@ -296,6 +316,192 @@ struct DevBuf {
     cap: usize,
 }
 
+/// Device memory of one GPU through the vendor runtime: allocation
+/// (`*Malloc` + `*MemsetAsync`) and copies (`*MemcpyAsync`), each on a
+/// non-blocking stream of its own and synchronised before returning, never
+/// on a communicator's stream. Device tensors it allocates are freed
+/// (`*Free`, with the device set) when their last holder drops.
+pub struct XcclMemory {
+    api: Arc<Vendor>,
+    device: c_int,
+    stream: sys::Stream,
+}
+
+// SAFETY: the stream is only used for copies that are synchronised before
+// the call returns; the runtime allows that from any thread, and every call
+// sets the device first.
+unsafe impl Send for XcclMemory {}
+// SAFETY: as above; concurrent copies on one stream are serialised by the
+// runtime, and each caller waits for its own.
+unsafe impl Sync for XcclMemory {}
+
+impl std::fmt::Debug for XcclMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XcclMemory")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A device allocation made by [`XcclMemory`], freed when dropped.
+struct DeviceAlloc {
+    api: Arc<Vendor>,
+    device: c_int,
+    ptr: *mut c_void,
+}
+
+// SAFETY: a device address, only passed to `*Free`, which is thread-safe.
+unsafe impl Send for DeviceAlloc {}
+// SAFETY: shared access does nothing with the pointer.
+unsafe impl Sync for DeviceAlloc {}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let Ok(_dev) = DeviceGuard::set(&self.api.rt, self.device) else {
+            return;
+        };
+        // SAFETY: allocated by `*Malloc` on this device; no op holds it (an
+        // op keeps its own reference until finished, XC-9).
+        let _ = unsafe { (self.api.rt.free)(self.ptr) };
+    }
+}
+
+impl XcclMemory {
+    fn new(api: Arc<Vendor>, device: c_int) -> std::result::Result<XcclMemory, CallError> {
+        let rt = &api.rt;
+        let mut stream: sys::Stream = std::ptr::null_mut();
+        {
+            let _dev = DeviceGuard::set(rt, device)?;
+            // SAFETY: out-parameter call on the device.
+            let r = unsafe { (rt.stream_create_with_flags)(&mut stream, sys::STREAM_NON_BLOCKING) };
+            result::rt(rt, "StreamCreateWithFlags", r)?;
+        }
+        Ok(XcclMemory {
+            api,
+            device,
+            stream,
+        })
+    }
+
+    fn sync(&self) -> std::result::Result<(), CallError> {
+        let rt = &self.api.rt;
+        // SAFETY: live stream of this memory.
+        result::rt(rt, "StreamSynchronize", unsafe {
+            (rt.stream_synchronize)(self.stream)
+        })
+    }
+}
+
+impl Drop for XcclMemory {
+    fn drop(&mut self) {
+        if let Ok(_dev) = DeviceGuard::set(&self.api.rt, self.device) {
+            // SAFETY: every copy on it was synchronised; destroyed once.
+            let _ = unsafe { (self.api.rt.stream_destroy)(self.stream) };
+        }
+    }
+}
+
+impl super::DeviceMemory for XcclMemory {
+    fn device(&self) -> Device {
+        Device::Cuda(self.device as usize)
+    }
+
+    fn zeros(&self, dtype: DType, len: usize) -> std::result::Result<Tensor, String> {
+        let bytes = len
+            .checked_mul(dtype.size())
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| format!("{len} x {dtype} overflows"))?;
+        let rt = &self.api.rt;
+        let _dev = DeviceGuard::set(rt, self.device).map_err(|e| e.to_string())?;
+        let mut p = std::ptr::null_mut();
+        // Zero-length tensors get a real (small) allocation, so every
+        // pointer NCCL sees is a valid device pointer.
+        // SAFETY: out-parameter call, device set.
+        let r = unsafe { (rt.malloc)(&mut p, bytes.max(256)) };
+        result::rt(rt, "Malloc", r).map_err(|e| e.to_string())?;
+        let owner = DeviceAlloc {
+            api: self.api.clone(),
+            device: self.device,
+            ptr: p,
+        };
+        // SAFETY: `p` holds `bytes` bytes on this device.
+        let r = unsafe { (rt.memset_async)(p, 0, bytes, self.stream) };
+        result::rt(rt, "MemsetAsync", r)
+            .and_then(|()| self.sync())
+            .map_err(|e| e.to_string())?;
+        Tensor::device_from_parts(p as usize, dtype, len, self.device(), Arc::new(owner))
+            .map_err(|e| e.to_string())
+    }
+
+    fn copy(
+        &self,
+        src: &Tensor,
+        src_off: usize,
+        dst: &mut Tensor,
+        dst_off: usize,
+        len_bytes: usize,
+    ) -> std::result::Result<(), String> {
+        let fits = |t: &Tensor, off: usize| {
+            off.checked_add(len_bytes)
+                .is_some_and(|end| end <= t.len_bytes())
+        };
+        if !fits(src, src_off) || !fits(dst, dst_off) {
+            return Err(format!(
+                "copy of {len_bytes} bytes at {src_off} -> {dst_off} outside tensors of {} and {} bytes",
+                src.len_bytes(),
+                dst.len_bytes()
+            ));
+        }
+        for t in [src, &*dst] {
+            if t.is_device() && t.device() != self.device() {
+                return Err(format!(
+                    "a tensor on {} given to memory of {}",
+                    t.device(),
+                    self.device()
+                ));
+            }
+        }
+        if len_bytes == 0 {
+            return Ok(());
+        }
+        let kind = match (src.is_device(), dst.is_device()) {
+            (false, false) => {
+                let from = src.as_bytes()[src_off..src_off + len_bytes].to_vec();
+                dst.as_bytes_mut()[dst_off..dst_off + len_bytes].copy_from_slice(&from);
+                return Ok(());
+            }
+            (false, true) => sys::MEMCPY_H2D,
+            (true, false) => sys::MEMCPY_D2H,
+            (true, true) => MEMCPY_D2D,
+        };
+        let s: *const u8 = match src.device_ptr() {
+            Some(p) => p,
+            None => src.as_bytes().as_ptr(),
+        };
+        let d: *mut u8 = match dst.device_ptr() {
+            Some(p) => p,
+            None => dst.as_bytes_mut().as_mut_ptr(),
+        };
+        let rt = &self.api.rt;
+        let _dev = DeviceGuard::set(rt, self.device).map_err(|e| e.to_string())?;
+        // SAFETY: ranges checked above; device pointers come from device
+        // tensors of this device (valid while the tensors live, which they
+        // do until `sync` returned), host pointers from live host tensors.
+        let r = unsafe {
+            (rt.memcpy_async)(
+                d.wrapping_add(dst_off).cast(),
+                s.wrapping_add(src_off).cast(),
+                len_bytes,
+                kind,
+                self.stream,
+            )
+        };
+        result::rt(rt, "MemcpyAsync", r)
+            .and_then(|()| self.sync())
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// The NCCL/RCCL backend of one communicator on one rank.
 pub struct XcclBackend {
     flavor: Flavor,
@@ -310,6 +516,16 @@ pub struct XcclBackend {
     broken: Option<Error>,
     /// Bound of `ncclCommFinalize` (the connect timeout).
     finalize_timeout: Duration,
+    /// This device's memory, for device tensors (created with the backend).
+    mem: Arc<XcclMemory>,
+    /// Keep-alives of the device tensors of the op in flight (XC-9).
+    inflight: Vec<crate::tensor::KeepAlive>,
+    /// Finds when ops finished on the device (XC-4).
+    done: completion::CompletionThread,
+    /// Recorded on the caller's stream of a `with_stream` op (XC-10).
+    wait_ev: sys::Event,
+    /// The stream ordering of the op in flight (XC-10).
+    order: super::StreamOrder,
 }
 
 // SAFETY: the raw communicator, stream and device pointers are only used by
@@ -504,33 +720,51 @@ impl XcclBackend {
         Ok(b.ptr)
     }
 
-    /// Wait until the stream drained, polling the communicator's async
-    /// error ([XC-4]).
+    /// Wait until the op just enqueued finished on the device: the
+    /// completion thread settles the communicator, records an event and
+    /// wakes this future when it completed ([XC-4]).
     ///
     /// [XC-4]: self#invariants
-    async fn wait_stream(&self) -> std::result::Result<(), CallError> {
-        loop {
-            // SAFETY: live stream and communicator.
-            if unsafe { result::stream_done(&self.api.rt, self.stream)? } {
-                // A stream can drain because NCCL gave up on a failed peer:
-                // the async error decides whether the op succeeded.
-                // SAFETY: live communicator.
-                unsafe { result::async_error(&self.api.nccl, self.comm)? };
-                return Ok(());
-            }
-            // SAFETY: as above.
-            unsafe { result::async_error(&self.api.nccl, self.comm)? };
-            tokio::time::sleep(POLL).await;
+    async fn complete(&mut self) -> std::result::Result<(), CallError> {
+        match self
+            .done
+            .submit(self.comm, self.stream, self.order.fence.take())
+            .await
+        {
+            Ok(r) => r,
+            Err(_) => Err(CallError {
+                call: "completion thread",
+                code: 0,
+                nccl: false,
+                message: "stopped before the op completed".into(),
+            }),
         }
     }
 
-    /// Wait until a non-blocking call on the communicator settled.
-    async fn settle(&self) -> std::result::Result<(), CallError> {
-        // SAFETY: live communicator.
-        while !unsafe { result::async_error(&self.api.nccl, self.comm)? } {
-            tokio::time::sleep(POLL).await;
+    /// [XC-10]: make the communicator's stream wait for the work queued on
+    /// the caller's stream so far (an event recorded there), without
+    /// blocking the host. The device must be set.
+    ///
+    /// [XC-10]: self#invariants
+    fn order_after(&self) -> std::result::Result<(), CallError> {
+        let Some(user) = self.order.wait_for else {
+            return Ok(());
+        };
+        let rt = &self.api.rt;
+        // SAFETY: the caller's stream (valid, `DeviceStream::from_raw`'s
+        // contract) and this communicator's event and stream, device set.
+        unsafe {
+            result::rt(
+                rt,
+                "EventRecord(caller's stream)",
+                (rt.event_record)(self.wait_ev, user.as_raw()),
+            )?;
+            result::rt(
+                rt,
+                "StreamWaitEvent",
+                (rt.stream_wait_event)(self.stream, self.wait_ev, 0),
+            )
         }
-        Ok(())
     }
 
     /// Enqueue the plan's calls (inside one group when asked).
@@ -546,6 +780,7 @@ impl XcclBackend {
         din: *mut c_void,
         dout: *mut c_void,
     ) -> std::result::Result<(), CallError> {
+        self.order_after()?;
         let n = &self.api.nccl;
         let (comm, stream) = (self.comm, self.stream);
         let at = |b: Buf, off: usize| -> *mut c_void {
@@ -659,6 +894,9 @@ impl XcclBackend {
     ///
     /// [XC-4]: self#invariants
     async fn run(&mut self, size: usize, data: &mut OpData) -> std::result::Result<(), CallError> {
+        if on_device(data) {
+            return self.run_device(size, data).await;
+        }
         // Host views: what goes in, where results land.
         let (p, dtype, op, esize) = match &*data {
             OpData::P2P { ops } => {
@@ -734,8 +972,7 @@ impl XcclBackend {
             }
             self.enqueue(&p, dtype, op, esize, din, dout)?;
         }
-        self.settle().await?;
-        self.wait_stream().await?;
+        self.complete().await?;
         let dout = dout_addr as *mut c_void;
         let stream = self.stream;
         let rt = &self.api.rt;
@@ -764,6 +1001,250 @@ impl XcclBackend {
             result::rt(rt, "StreamSynchronize", (rt.stream_synchronize)(stream))?;
         }
         Ok(())
+    }
+}
+
+impl XcclBackend {
+    /// The NCCL op of a reduction on device buffers ([XP-3]).
+    ///
+    /// [XP-3]: plan#invariants
+    fn device_op(&self, op: crate::op::ReduceOp, dt: DType) -> Result<plan::DeviceRedOp> {
+        let n = &self.api.nccl;
+        // ncclAvg since 2.10 (version code 21000).
+        let has_avg = self.api.version() >= 21000;
+        let has_premul = n.red_op_create_pre_mul_sum.is_some() && n.red_op_destroy.is_some();
+        plan::nccl_device_op(op, dt, has_avg, has_premul)
+    }
+
+    /// Run one op on device buffers in place: no staging (XC-9).
+    async fn run_device(
+        &mut self,
+        size: usize,
+        data: &mut OpData,
+    ) -> std::result::Result<(), CallError> {
+        let plan_err = |message: String| CallError {
+            call: "plan",
+            code: 0,
+            nccl: false,
+            message,
+        };
+        // XC-9: hold the memory until the op finished or the comm aborted.
+        self.inflight = tensors(data)
+            .into_iter()
+            .filter_map(Tensor::device_keep_alive)
+            .collect();
+        let addr = |t: &Tensor| t.device_ptr().map_or(0, |p| p as usize);
+        let (p, dtype, redop, esize, din, dout) = match &*data {
+            OpData::P2P { ops } => {
+                // Each transfer on its own buffer; bytes as ncclUint8.
+                let calls = ops
+                    .iter()
+                    .map(|t| {
+                        let b = t.buf.len_bytes();
+                        if t.send {
+                            (Some(addr(&t.buf)), None, b, t.peer)
+                        } else {
+                            (None, Some(addr(&t.buf)), b, t.peer)
+                        }
+                    })
+                    .collect::<Vec<_>>();
+                self.enqueue_p2p_device(&calls)?;
+                self.complete().await?;
+                self.inflight.clear();
+                return Ok(());
+            }
+            OpData::AllReduce { buf, .. }
+            | OpData::Reduce { buf, .. }
+            | OpData::Broadcast { buf, .. } => {
+                let (dt, op) = op_of(data);
+                (
+                    plan::plan(data, self.rank, size),
+                    dt,
+                    op,
+                    dt.size(),
+                    addr(buf),
+                    addr(buf),
+                )
+            }
+            OpData::ReduceScatter { input, output, .. }
+            | OpData::AllGather { input, output, .. }
+            | OpData::Scatter { input, output, .. }
+            | OpData::Gather { input, output, .. }
+            | OpData::AllToAll { input, output, .. } => {
+                let (dt, op) = op_of(data);
+                let p = plan::plan(data, self.rank, size);
+                // XP-1 on the caller's buffers; an uneven reduce_scatter's
+                // non-owner destinations are never written (NCCL's reduce
+                // writes on the root only), so only the input is bounded.
+                let scratch_out = matches!(data, OpData::ReduceScatter { .. });
+                if p.in_len > input.len() || (!scratch_out && p.out_len > output.len()) {
+                    return Err(plan_err(format!(
+                        "plan needs {} in / {} out elements, buffers hold {} / {}",
+                        p.in_len,
+                        p.out_len,
+                        input.len(),
+                        output.len()
+                    )));
+                }
+                (p, dt, op, dt.size(), addr(input), addr(output))
+            }
+            OpData::Barrier => return Ok(()),
+        };
+        if p.calls.is_empty() {
+            self.inflight.clear();
+            return Ok(());
+        }
+        let nop = match redop {
+            Some(o) => self
+                .device_op(o, dtype)
+                .map_err(|e| plan_err(e.to_string()))?,
+            None => plan::DeviceRedOp::Builtin(0),
+        };
+        let premul = {
+            let rt = &self.api.rt;
+            let _dev = DeviceGuard::set(rt, self.device)?;
+            let ndt = plan::nccl_dtype(dtype);
+            let (op, created) = match nop {
+                plan::DeviceRedOp::Builtin(o) => (o, false),
+                plan::DeviceRedOp::PreMulSum(s) => (self.create_premul(ndt, dtype, s)?, true),
+            };
+            // SAFETY: device set; the pointers are device tensors of this
+            // device, sized for the plan (checked above, XP-1).
+            let r = unsafe {
+                self.enqueue(&p, ndt, op, esize, din as *mut c_void, dout as *mut c_void)
+            };
+            if r.is_err() {
+                if created {
+                    let _ = self.destroy_premul(op);
+                }
+                return r;
+            }
+            created.then_some(op)
+        };
+        let done = self.complete().await;
+        // XC-9: destroyed once the op finished, when the communicator is
+        // settled (a non-blocking communicator refuses calls while an
+        // enqueue is in progress); a failed destroy fails the op.
+        if let Some(op) = premul {
+            self.destroy_premul(op)?;
+        }
+        done?;
+        self.inflight.clear();
+        Ok(())
+    }
+
+    /// `ncclRedOpDestroy` of a PreMulSum op made by `create_premul`.
+    fn destroy_premul(&self, op: sys::ncclRedOp_t) -> std::result::Result<(), CallError> {
+        let Some(destroy) = self.api.nccl.red_op_destroy else {
+            return Ok(());
+        };
+        let _dev = DeviceGuard::set(&self.api.rt, self.device)?;
+        // SAFETY: created by `create_premul` on this live communicator, and
+        // destroyed once.
+        let d = unsafe { destroy(op, self.comm) };
+        result::nccl(&self.api.nccl, "ncclRedOpDestroy", d)
+    }
+
+    /// `ncclRedOpCreatePreMulSum` with the host-immediate scalar `s`.
+    fn create_premul(
+        &self,
+        ndt: c_int,
+        dtype: DType,
+        s: f64,
+    ) -> std::result::Result<sys::ncclRedOp_t, CallError> {
+        let n = &self.api.nccl;
+        let Some(create) = n.red_op_create_pre_mul_sum else {
+            return Err(CallError {
+                call: "ncclRedOpCreatePreMulSum",
+                code: 0,
+                nccl: false,
+                message: "missing from the library".into(),
+            });
+        };
+        let mut scalar = plan::scalar_bytes(dtype, s);
+        let mut op: sys::ncclRedOp_t = 0;
+        // SAFETY: live communicator, device set by the caller; the scalar
+        // is host memory of one element of `dtype`, read before the call
+        // returns (ncclScalarHostImmediate).
+        let r = unsafe {
+            create(
+                &mut op,
+                scalar.as_mut_ptr().cast(),
+                ndt,
+                sys::NCCL_SCALAR_HOST_IMMEDIATE,
+                self.comm,
+            )
+        };
+        result::nccl(n, "ncclRedOpCreatePreMulSum", r)?;
+        Ok(op)
+    }
+
+    /// Grouped `ncclSend`/`ncclRecv` on device buffers: `(send addr, recv
+    /// addr, bytes, peer)` per transfer, in order.
+    fn enqueue_p2p_device(
+        &self,
+        calls: &[(Option<usize>, Option<usize>, usize, usize)],
+    ) -> std::result::Result<(), CallError> {
+        let n = &self.api.nccl;
+        let _dev = DeviceGuard::set(&self.api.rt, self.device)?;
+        let u8t = plan::nccl_dtype(DType::U8);
+        self.order_after()?;
+        let group = GroupGuard::start(n)?;
+        for &(send, recv, bytes, peer) in calls {
+            // SAFETY: device pointers of live device tensors of `bytes`
+            // bytes (held by `inflight`, XC-9); device set; inside a group.
+            unsafe {
+                match (send, recv) {
+                    (Some(p), _) => result::nccl(
+                        n,
+                        "ncclSend",
+                        (n.send)(
+                            p as *const c_void,
+                            bytes,
+                            u8t,
+                            peer as c_int,
+                            self.comm,
+                            self.stream,
+                        ),
+                    )?,
+                    (_, Some(p)) => result::nccl(
+                        n,
+                        "ncclRecv",
+                        (n.recv)(
+                            p as *mut c_void,
+                            bytes,
+                            u8t,
+                            peer as c_int,
+                            self.comm,
+                            self.stream,
+                        ),
+                    )?,
+                    (None, None) => {}
+                }
+            }
+        }
+        group.end()
+    }
+}
+
+/// Whether an op runs on device buffers (the generic layer never mixes, CM-4).
+fn on_device(d: &OpData) -> bool {
+    tensors(d).iter().any(|t| t.is_device())
+}
+
+/// Every tensor of an op.
+fn tensors(d: &OpData) -> Vec<&Tensor> {
+    match d {
+        OpData::AllReduce { buf, .. }
+        | OpData::Reduce { buf, .. }
+        | OpData::Broadcast { buf, .. } => vec![buf],
+        OpData::ReduceScatter { input, output, .. }
+        | OpData::AllGather { input, output, .. }
+        | OpData::Scatter { input, output, .. }
+        | OpData::Gather { input, output, .. }
+        | OpData::AllToAll { input, output, .. } => vec![input, output],
+        OpData::P2P { ops } => ops.iter().map(|t| &t.buf).collect(),
+        OpData::Barrier => vec![],
     }
 }
 
@@ -867,6 +1348,8 @@ impl XcclBackend {
         ctrl: CpuBackend,
     ) -> std::result::Result<XcclBackend, CallError> {
         let mut me = XcclBackend {
+            mem: Arc::new(XcclMemory::new(api.clone(), device)?),
+            done: completion::CompletionThread::start(api.clone(), device, &init.comm)?,
             flavor,
             comm_name: init.comm.clone(),
             rank: init.rank,
@@ -887,6 +1370,9 @@ impl XcclBackend {
             ctrl,
             broken: None,
             finalize_timeout: init.connect_timeout,
+            inflight: Vec::new(),
+            wait_ev: std::ptr::null_mut(),
+            order: Default::default(),
         };
         let rt = &me.api.rt;
         let mut stream: sys::Stream = std::ptr::null_mut();
@@ -896,8 +1382,13 @@ impl XcclBackend {
             // SAFETY: out-parameter call on the communicator's device.
             let r = unsafe { (rt.stream_create_with_flags)(&mut stream, sys::STREAM_NON_BLOCKING) };
             result::rt(rt, "StreamCreateWithFlags", r)?;
+            me.stream = stream;
+            let mut ev: sys::Event = std::ptr::null_mut();
+            // SAFETY: out-parameter call on the communicator's device.
+            let r = unsafe { (rt.event_create_with_flags)(&mut ev, sys::EVENT_DISABLE_TIMING) };
+            result::rt(rt, "EventCreateWithFlags", r)?;
+            me.wait_ev = ev;
         }
-        me.stream = stream;
         Ok(me)
     }
 
@@ -1039,7 +1530,10 @@ impl XcclBackend {
     /// drop), after the stream drained.
     fn release(&mut self) {
         let rt = &self.api.rt;
-        if self.stream.is_null() && self.bufs.iter().all(|b| b.ptr.is_null()) {
+        if self.stream.is_null()
+            && self.bufs.iter().all(|b| b.ptr.is_null())
+            && self.wait_ev.is_null()
+        {
             return;
         }
         let _dev = DeviceGuard::set(rt, self.device);
@@ -1059,6 +1553,10 @@ impl XcclBackend {
             if !self.stream.is_null() {
                 let _ = (rt.stream_destroy)(self.stream);
                 self.stream = std::ptr::null_mut();
+            }
+            if !self.wait_ev.is_null() {
+                let _ = (rt.event_destroy)(self.wait_ev);
+                self.wait_ev = std::ptr::null_mut();
             }
         }
     }
@@ -1150,11 +1648,16 @@ impl Backend for XcclBackend {
         }
         // Reject unsupported reductions before touching the device (XP-3).
         if let (dt, Some(op)) = op_of(data) {
-            plan::nccl_op(op, dt)?;
+            if on_device(data) {
+                self.device_op(op, dt)?;
+            } else {
+                plan::nccl_op(op, dt)?;
+            }
         }
         let span = tracing::debug_span!("xccl_op", op = ctx.kind.name(), seq = ctx.seq);
         let _g = span.enter();
         drop(_g);
+        self.order = ctx.order.clone();
         match self.run(ctx.size, data).await {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -1165,8 +1668,12 @@ impl Backend for XcclBackend {
     }
 
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        // XT-1: the completion thread lets go of the communicator first.
+        self.done.stop();
         self.abort_comm();
         self.release();
+        // XC-9: the device is done with the op's memory now.
+        self.inflight.clear();
         self.broken = Some(Error::Internal(format!(
             "{} communicator {:?} was aborted: {reason}",
             self.flavor.name(),
@@ -1177,7 +1684,9 @@ impl Backend for XcclBackend {
 
     async fn finalize(&mut self) {
         // Finalize (bounded), then destroy; abort when either fails, so a
-        // communicator is never leaked nor waited on forever.
+        // communicator is never leaked nor waited on forever. No op runs,
+        // so the completion thread can go first (XT-1).
+        self.done.stop();
         if !self.comm.is_null() && self.broken.is_none() && self.finalize_comm().await {
             let r = {
                 let _dev = DeviceGuard::set(&self.api.rt, self.device);
@@ -1191,11 +1700,16 @@ impl Backend for XcclBackend {
         }
         self.abort_comm();
         self.release();
+        self.inflight.clear();
         self.ctrl.finalize().await;
     }
 
     fn polls_async_errors(&self) -> bool {
         true
+    }
+
+    fn device_memory(&self) -> Option<Arc<dyn super::DeviceMemory>> {
+        Some(self.mem.clone())
     }
 
     fn capabilities(&self) -> super::Capabilities {
@@ -1237,8 +1751,10 @@ impl Backend for XcclBackend {
 impl Drop for XcclBackend {
     fn drop(&mut self) {
         // XC-5: abort, never destroy (which may block); errors are logged.
+        self.done.stop();
         self.abort_comm();
         self.release();
+        self.inflight.clear();
     }
 }
 

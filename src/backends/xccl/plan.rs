@@ -10,8 +10,11 @@
 //!   from this rank in that peer's plan for the same op (all-to-all, gather,
 //!   scatter and P2P are symmetric by construction).
 //! - XP-3: bitwise reduce ops have no NCCL equivalent and are
-//!   `UnsupportedOp`; `Avg` and `PremulSum` never reach NCCL, because the
-//!   executor pre/post-scales and passes their combining op (`Sum`).
+//!   `UnsupportedOp`. On host buffers `Avg` and `PremulSum` never reach
+//!   NCCL, because the executor pre/post-scales and passes their combining
+//!   op (`Sum`); on device buffers they are `ncclAvg` (NCCL >= 2.10) and a
+//!   `ncclRedOpCreatePreMulSum` op (NCCL >= 2.11), or `UnsupportedOp` on a
+//!   library without them ([`nccl_device_op`]).
 
 use std::ops::Range;
 
@@ -55,6 +58,52 @@ pub fn nccl_op(op: ReduceOp, dtype: DType) -> Result<ncclRedOp_t> {
             dtype,
         }),
     }
+}
+
+/// The reduce op of an op on device buffers ([XP-3]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DeviceRedOp {
+    /// A built-in `ncclRedOp_t`.
+    Builtin(ncclRedOp_t),
+    /// `ncclRedOpCreatePreMulSum` with this scalar, created per op.
+    PreMulSum(f64),
+}
+
+/// The NCCL reduce op for `op` on device buffers of `dtype` ([XP-3]):
+/// `has_avg` when the library has `ncclAvg` (NCCL >= 2.10), `has_premul`
+/// when it exports `ncclRedOpCreatePreMulSum`.
+///
+/// # Errors
+/// `UnsupportedOp` for bitwise ops, and for `Avg`/`PremulSum` on a library
+/// without them.
+///
+/// [XP-3]: self#invariants
+pub fn nccl_device_op(
+    op: ReduceOp,
+    dtype: DType,
+    has_avg: bool,
+    has_premul: bool,
+) -> Result<DeviceRedOp> {
+    match op {
+        ReduceOp::Avg if has_avg => Ok(DeviceRedOp::Builtin(super::sys::NCCL_AVG)),
+        ReduceOp::PremulSum(s) if has_premul => Ok(DeviceRedOp::PreMulSum(s)),
+        ReduceOp::Avg | ReduceOp::PremulSum(_) => Err(Error::UnsupportedOp {
+            op: format!(
+                "{op} on device tensors (needs ncclAvg, NCCL >= 2.10, and \
+                 ncclRedOpCreatePreMulSum, NCCL >= 2.11; this library lacks it)"
+            ),
+            dtype,
+        }),
+        other => nccl_op(other, dtype).map(DeviceRedOp::Builtin),
+    }
+}
+
+/// The bytes of one `dtype` element of value `s` (a PreMulSum scalar in
+/// the element type, as NCCL reads it).
+pub fn scalar_bytes(dtype: DType, s: f64) -> Vec<u8> {
+    crate::tensor::Tensor::from_f64s(dtype, &[s])
+        .as_bytes()
+        .to_vec()
 }
 
 /// NCCL's name for a result code.
@@ -389,6 +438,33 @@ mod tests {
                 Err(Error::UnsupportedOp { .. })
             ));
         }
+    }
+
+    #[test]
+    fn xp_3_device_avg_and_premul_are_native_or_unsupported() {
+        assert_eq!(
+            nccl_device_op(ReduceOp::Avg, DType::F32, true, true).unwrap(),
+            DeviceRedOp::Builtin(4)
+        );
+        assert_eq!(
+            nccl_device_op(ReduceOp::PremulSum(0.5), DType::F16, true, true).unwrap(),
+            DeviceRedOp::PreMulSum(0.5)
+        );
+        assert_eq!(
+            nccl_device_op(ReduceOp::Max, DType::I32, false, false).unwrap(),
+            DeviceRedOp::Builtin(2)
+        );
+        for op in [ReduceOp::Avg, ReduceOp::PremulSum(2.0), ReduceOp::BXor] {
+            assert!(matches!(
+                nccl_device_op(op, DType::F32, false, false),
+                Err(Error::UnsupportedOp { .. })
+            ));
+        }
+        assert_eq!(scalar_bytes(DType::F32, 2.0), 2.0f32.to_le_bytes().to_vec());
+        assert_eq!(
+            scalar_bytes(DType::F16, 1.0),
+            half::f16::ONE.to_bits().to_le_bytes().to_vec()
+        );
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! The CUDA runtime (`cuda*`) and HIP (`hip*`) entry points used here have
 //! identical signatures and the same numeric values for the constants used
 //! (`*MemcpyHostToDevice` = 1, `*MemcpyDeviceToHost` = 2, `*ErrorNotReady` =
-//! 600), so one table serves both, loaded with a different symbol prefix.
+//! 600, `*StreamNonBlocking` = 1, `*EventDisableTiming` = 2), so one table
+//! serves both, loaded with a different symbol prefix.
 #![allow(non_camel_case_types)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
@@ -23,6 +24,8 @@ pub type ncclResult_t = c_int;
 pub type ncclComm_t = *mut c_void;
 /// `cudaStream_t` / `hipStream_t` (opaque).
 pub type Stream = *mut c_void;
+/// `cudaEvent_t` / `hipEvent_t` (opaque).
+pub type Event = *mut c_void;
 /// `ncclDataType_t`.
 pub type ncclDataType_t = c_int;
 /// `ncclRedOp_t`.
@@ -38,12 +41,20 @@ pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
 pub const NCCL_TIMEOUT: ncclResult_t = 8;
 /// `cudaStreamNonBlocking` / `hipStreamNonBlocking`.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
+/// `cudaEventDisableTiming` / `hipEventDisableTiming`: an event only for
+/// completion (cheaper to record and query).
+pub const EVENT_DISABLE_TIMING: c_uint = 2;
 /// `cudaErrorNotReady` / `hipErrorNotReady`.
 pub const RT_NOT_READY: RtError = 600;
 /// `cudaMemcpyHostToDevice` / `hipMemcpyHostToDevice`.
 pub const MEMCPY_H2D: c_int = 1;
 /// `cudaMemcpyDeviceToHost` / `hipMemcpyDeviceToHost`.
 pub const MEMCPY_D2H: c_int = 2;
+/// `ncclAvg` (NCCL >= 2.10): sum, then divide by the rank count.
+pub const NCCL_AVG: ncclRedOp_t = 4;
+/// `ncclScalarHostImmediate`: a PreMulSum scalar in host memory, read
+/// before `ncclRedOpCreatePreMulSum` returns.
+pub const NCCL_SCALAR_HOST_IMMEDIATE: c_int = 1;
 /// `NCCL_SPLIT_NOCOLOR`: this rank takes part in a split but joins no child.
 pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
 /// `NCCL_UNIQUE_ID_BYTES`.
@@ -171,6 +182,11 @@ fn_table! {
         // NCCL >= 2.13.
         comm_finalize: "CommFinalize" => fn(ncclComm_t) -> ncclResult_t;
         get_last_error: "GetLastError" => fn(ncclComm_t) -> *const c_char;
+        // NCCL >= 2.11: `ncclRedOpCreatePreMulSum(ncclRedOp_t* op, void*
+        // scalar, ncclDataType_t, ncclScalarResidence_t, ncclComm_t)` and
+        // `ncclRedOpDestroy(ncclRedOp_t, ncclComm_t)`.
+        red_op_create_pre_mul_sum: "RedOpCreatePreMulSum" => fn(*mut ncclRedOp_t, *mut c_void, ncclDataType_t, c_int, ncclComm_t) -> ncclResult_t;
+        red_op_destroy: "RedOpDestroy" => fn(ncclRedOp_t, ncclComm_t) -> ncclResult_t;
     }
 }
 
@@ -183,10 +199,20 @@ fn_table! {
         malloc: "Malloc" => fn(*mut *mut c_void, usize) -> RtError;
         free: "Free" => fn(*mut c_void) -> RtError;
         memcpy_async: "MemcpyAsync" => fn(*mut c_void, *const c_void, usize, c_int, Stream) -> RtError;
+        memset_async: "MemsetAsync" => fn(*mut c_void, c_int, usize, Stream) -> RtError;
         stream_create_with_flags: "StreamCreateWithFlags" => fn(*mut Stream, c_uint) -> RtError;
         stream_query: "StreamQuery" => fn(Stream) -> RtError;
         stream_synchronize: "StreamSynchronize" => fn(Stream) -> RtError;
         stream_destroy: "StreamDestroy" => fn(Stream) -> RtError;
+        // cudaEventCreateWithFlags(cudaEvent_t*, unsigned int),
+        // cudaEventRecord(cudaEvent_t, cudaStream_t), cudaEventQuery(cudaEvent_t),
+        // cudaEventDestroy(cudaEvent_t), cudaStreamWaitEvent(cudaStream_t,
+        // cudaEvent_t, unsigned int); hip* alike.
+        event_create_with_flags: "EventCreateWithFlags" => fn(*mut Event, c_uint) -> RtError;
+        event_record: "EventRecord" => fn(Event, Stream) -> RtError;
+        event_query: "EventQuery" => fn(Event) -> RtError;
+        event_destroy: "EventDestroy" => fn(Event) -> RtError;
+        stream_wait_event: "StreamWaitEvent" => fn(Stream, Event, c_uint) -> RtError;
         get_error_string: "GetErrorString" => fn(RtError) -> *const c_char;
     }
 }

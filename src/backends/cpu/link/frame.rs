@@ -631,6 +631,7 @@ mod tests {
             kind: crate::backends::OpKind::Broadcast,
             seq: 4,
             may_block: false,
+            order: Default::default(),
         }
     }
 

@@ -131,6 +131,7 @@ pub(crate) async fn setup_shm(
         kind: crate::op::OpKind::Barrier,
         seq: SHM_SETUP_SEQ,
         may_block: false,
+        order: Default::default(),
     };
     let mut nonce = [0u8; 8];
     SystemRandom::new()
