@@ -252,8 +252,9 @@ impl Window {
     /// way they land before any later signal from this rank to `dst`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `dst` is not a rank or the bytes do not
-    /// fit its window (before any I/O); [`Error::PeerFailed`] if `dst` is
+    /// [`Error::InvalidArgument`] if `dst` is not a rank, the bytes do not
+    /// fit its window, or `data` is a device tensor (before any I/O);
+    /// [`Error::PeerFailed`] if `dst` is
     /// gone; the communicator's failures otherwise.
     pub fn put(&self, data: Tensor, dst: usize, offset: usize) -> Result<Tensor> {
         self.comm
@@ -263,6 +264,15 @@ impl Window {
     /// Async form of [`Window::put`].
     pub fn put_async(&self, data: Tensor, dst: usize, offset: usize) -> Work<Tensor> {
         self.comm.submit(to_buffer, || {
+            if data.is_device() {
+                return Err(self.invalid(
+                    "window_put",
+                    format!(
+                        "windows take host memory; the tensor is on {} (copy it with Comm::to_host)",
+                        data.device()
+                    ),
+                ));
+            }
             self.check_range("window_put", dst, offset, data.len_bytes())?;
             let len = data.len_bytes();
             Ok(Request::window(

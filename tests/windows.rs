@@ -582,3 +582,44 @@ fn dead_peer(tcp: bool) {
     drop(guard);
     assert!(line.starts_with("peer_failed "), "rank 0 got: {line}");
 }
+
+/// A device tensor (here an address that is never dereferenced) given to a
+/// cpu window or a cpu collective is `InvalidArgument` before any I/O, and
+/// the communicator stays usable.
+#[test]
+fn device_tensors_are_refused_by_cpu_windows_and_ops() {
+    run_ranks(2, "win-device", |comm| {
+        let win = comm.new_window(64).expect("new_window");
+        let fake = || {
+            // SAFETY: the tensor is refused before its memory is touched;
+            // the address is aligned and non-null, and nothing owns it.
+            unsafe {
+                Tensor::from_device_ptr(
+                    std::ptr::NonNull::<u64>::dangling().as_ptr().cast(),
+                    DType::F32,
+                    4,
+                    Device::Cuda(0),
+                    Box::new(()),
+                )
+            }
+            .expect("device tensor")
+        };
+        let peer = 1 - comm.rank();
+        match win.put(fake(), peer, 0) {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("host memory"), "{reason}")
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        assert!(matches!(
+            comm.all_reduce(fake(), chorus::ReduceOp::Sum),
+            Err(Error::InvalidArgument { .. })
+        ));
+        let t = comm
+            .all_reduce(Tensor::full(1.0f32, 4), chorus::ReduceOp::Sum)
+            .expect("still usable");
+        assert_eq!(t.as_slice::<f32>(), &[2.0; 4]);
+        win.free().expect("free");
+        comm.finalize().expect("finalize");
+    });
+}
