@@ -8,7 +8,9 @@ Prints one JSON object per size, in chorus-perf's --json schema. Rooted
 ops use root 0; ping_pong reports half the round trip, as chorus-perf does.
 MPI has no list form of all-to-all, so all_to_all and all_to_all_single
 both run MPI_Alltoall; gloo has no list all_to_all either (that op exits
-with an error there).
+with an error there). all_gather runs in place on MPI (MPI_IN_PLACE), as
+chorus-perf's --in-place-only does; PyTorch's gloo has no in-place
+all_gather, so there it copies from a separate input.
 
   mpiexec -n 2 python peer_bench.py --system mpich --op all_reduce -b 8 -e 128M -f 4
   python peer_bench.py --system gloo --op all_reduce -n 2 -b 8 -e 128M -f 4
@@ -116,7 +118,9 @@ def mpi_main(a):
         if op == "all_reduce":
             comm.Allreduce(MPI.IN_PLACE, src, op=MPI.SUM)
         elif op == "all_gather":
-            comm.Allgather(src, dst)
+            # In place, as chorus-perf --in-place-only runs it: this rank's
+            # block already sits in dst.
+            comm.Allgather(MPI.IN_PLACE, dst)
         elif op == "broadcast":
             comm.Bcast(src, root=0)
         elif op == "reduce_scatter":

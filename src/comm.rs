@@ -1145,10 +1145,93 @@ impl Comm {
                 input,
                 output,
                 counts: counts.to_vec(),
+                in_place: false,
             },
         );
         req.return_input = return_input;
         Ok(req)
+    }
+
+    /// [`Comm::all_gather`] in place: `output` holds `size()` equal blocks,
+    /// and block `rank()` already holds this rank's data (as nccl-tests'
+    /// in-place mode and TorchComms' `all_gather_single` with the input a
+    /// view of the output). Every other block is overwritten with its
+    /// rank's block. Saves the copy of this rank's own block, and a
+    /// separate input buffer. Ranks may mix this form with
+    /// [`Comm::all_gather`] and [`Comm::all_gather_into`] in one op.
+    ///
+    /// Backends that cannot run it in place (see
+    /// [`Capabilities::in_place_all_gather`](crate::backends::Capabilities::in_place_all_gather))
+    /// get a copy of the block as their input; the result is the same.
+    ///
+    /// ```
+    /// # use chorus::{new_comm, CommOptions, Device, Tensor};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-ag-in-place", CommOptions::single())?;
+    /// let out = comm.all_gather_in_place(Tensor::full(4u8, 2))?;
+    /// assert_eq!(out.to_vec::<u8>(), vec![4, 4]);
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `output.len()` is not a multiple of
+    /// `size()`; otherwise as [`Comm::all_gather`].
+    pub fn all_gather_in_place(&self, output: Tensor) -> Result<Tensor> {
+        self.blocking("all_gather_in_place", || {
+            self.all_gather_in_place_async(output)
+        })
+    }
+
+    /// Async form of [`Comm::all_gather_in_place`].
+    pub fn all_gather_in_place_async(&self, output: Tensor) -> Work<Tensor> {
+        self.submit(to_tensor, || self.all_gather_in_place_request(output))
+    }
+
+    fn all_gather_in_place_request(&self, output: Tensor) -> Result<Request> {
+        let op = "all_gather_in_place";
+        let (n, rank) = (self.size(), self.rank());
+        if output.len() % n != 0 {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the output's {} elements are not {n} equal blocks",
+                    output.len()
+                ),
+            ));
+        }
+        let count = output.len() / n;
+        let dev = self.placement(op, &[&output])?;
+        let (dtype, es) = (output.dtype(), output.dtype().size());
+        let native = self.shared.caps.in_place_all_gather && dev.is_none();
+        let input = if native {
+            Tensor::zeros(dtype, 0)
+        } else {
+            // A backend without an in-place form gets its block as input.
+            let mut input = self.output_on(op, dtype, count, dev)?;
+            match dev {
+                Some(mem) => mem
+                    .copy(&output, rank * count * es, &mut input, 0, count * es)
+                    .map_err(|e| self.invalid(op, e))?,
+                None => input
+                    .as_bytes_mut()
+                    .copy_from_slice(&output.as_bytes()[rank * count * es..][..count * es]),
+            }
+            input
+        };
+        let counts = vec![count; n];
+        Ok(Request::collective(
+            OpKind::AllGather,
+            None,
+            dtype,
+            None,
+            count,
+            counts.clone(),
+            OpData::AllGather {
+                input,
+                output,
+                counts,
+                in_place: native,
+            },
+        ))
     }
 
     // ---------------------------------------------------------------- broadcast

@@ -331,10 +331,18 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
                 caps,
                 chorus::Capabilities {
                     split: chorus::SplitMode::Native,
-                    elastic: false
+                    elastic: false,
+                    in_place_all_gather: false,
                 }
             ),
-            "cpu" | "gloo" => assert_eq!(caps, chorus::Capabilities::default()),
+            "cpu" => assert_eq!(
+                caps,
+                chorus::Capabilities {
+                    in_place_all_gather: true,
+                    ..Default::default()
+                }
+            ),
+            "gloo" => assert_eq!(caps, chorus::Capabilities::default()),
             _ => {}
         }
         let half = comm.split_by_color(Some((r % 2) as u32), r as i64, "half");
@@ -651,6 +659,69 @@ fn into_forms_reuse_both_buffers_and_overwrite_stale_output_world_3() {
             .unwrap();
         assert_eq!(s.to_vec::<u8>(), vec![n as u8; 2]);
     });
+}
+
+#[test]
+fn all_gather_in_place_fills_every_block_and_mixes_with_other_forms() {
+    for n in [2, 3] {
+        run_ranks(n, &format!("ag-in-place-{n}"), move |comm| {
+            let r = comm.rank();
+            let want = |count: usize| -> Vec<f64> {
+                (0..n)
+                    .flat_map(|p| (0..count).map(move |i| value(p, i)))
+                    .collect()
+            };
+            // 0 elements, a fused small op, ring sizes (1 MiB of f32).
+            for (step, count) in [0usize, 1, 257, 1 << 18].into_iter().enumerate() {
+                let mut output = Tensor::full(-7.0f32, n * count);
+                let mine = input(DType::F32, r, count);
+                output.as_bytes_mut()[r * count * 4..][..count * 4]
+                    .copy_from_slice(mine.as_bytes());
+                let got = if step % 2 == 0 {
+                    comm.all_gather_in_place(output).unwrap()
+                } else {
+                    comm.all_gather_in_place_async(output).wait().unwrap()
+                };
+                assert_close(
+                    DType::F32,
+                    &got,
+                    &want(count),
+                    &format!("all_gather_in_place {count}"),
+                );
+            }
+            // Rank 0 in place, the others through all_gather / _into.
+            let count = 33;
+            let got = match r {
+                0 => {
+                    let mut output = Tensor::zeros(DType::F32, n * count);
+                    output.as_bytes_mut()[..count * 4]
+                        .copy_from_slice(input(DType::F32, 0, count).as_bytes());
+                    comm.all_gather_in_place(output).unwrap()
+                }
+                1 => comm.all_gather(input(DType::F32, r, count)).unwrap(),
+                _ => {
+                    comm.all_gather_into(
+                        input(DType::F32, r, count),
+                        Tensor::zeros(DType::F32, n * count),
+                    )
+                    .unwrap()
+                    .0
+                }
+            };
+            assert_close(DType::F32, &got, &want(count), "mixed all_gather forms");
+            // A length that is not n blocks is refused before anything moves.
+            let e = comm
+                .all_gather_in_place(Tensor::zeros(DType::F32, n * 3 + 1))
+                .unwrap_err();
+            assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+            // A rank passing a different block length is a typed mismatch.
+            let len = if r == 0 { n * 2 } else { n * 3 };
+            let e = comm
+                .all_gather_in_place(Tensor::zeros(DType::F32, len))
+                .unwrap_err();
+            assert!(matches!(e, chorus::Error::Mismatch { .. }), "{e}");
+        });
+    }
 }
 
 #[test]

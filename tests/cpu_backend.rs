@@ -226,6 +226,7 @@ async fn large_transfers_between_same_host_ranks_take_the_single_copy_path() {
                 input: Tensor::from_vec(vec![r as i32 + 1; n]),
                 output: Tensor::zeros(DType::I32, n * size),
                 counts: vec![n; size],
+                in_place: false,
             };
             b.execute(&ctx(r, size, OpKind::AllGather, 2), &mut gather)
                 .await
@@ -710,6 +711,7 @@ fn build(case: Case, r: usize, size: usize, c: usize, dtype: DType) -> (OpKind, 
                     input: t(dtype, &vals(r, 0, counts[r])),
                     output: Tensor::zeros(dtype, c),
                     counts,
+                    in_place: false,
                 },
             )
         }

@@ -149,6 +149,7 @@ impl Backend for MemNet {
                 input,
                 output,
                 counts,
+                ..
             } => {
                 for p in self.peers().collect::<Vec<_>>() {
                     self.send(ctx, p, DATA, input.as_bytes().to_vec())?;

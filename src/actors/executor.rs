@@ -834,6 +834,7 @@ mod tests {
                     crate::backends::SplitMode::Reconnect
                 },
                 elastic: true,
+                in_place_all_gather: false,
             }
         }
         async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {

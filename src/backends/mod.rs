@@ -335,6 +335,11 @@ pub struct Capabilities {
     /// `join_comm` can form a communicator of a different size; if not,
     /// `reconfigure` fails with [`Error::NotSupported`] on every rank.
     pub elastic: bool,
+    /// Whether the backend runs an all_gather whose own block already sits
+    /// in the output ([`OpData::AllGather`]'s `in_place`) without a copy.
+    /// If not, [`Comm::all_gather_in_place`](crate::Comm::all_gather_in_place)
+    /// copies the block out first and runs an ordinary all_gather.
+    pub in_place_all_gather: bool,
 }
 
 impl Default for Capabilities {
@@ -343,6 +348,7 @@ impl Default for Capabilities {
         Capabilities {
             split: SplitMode::Reconnect,
             elastic: true,
+            in_place_all_gather: false,
         }
     }
 }
@@ -427,12 +433,17 @@ pub enum OpData {
     },
     /// Gather every rank's `input` into `output` (blocks of `counts`).
     AllGather {
-        /// This rank's block.
+        /// This rank's block; empty when `in_place`.
         input: Tensor,
         /// Concatenation of all blocks.
         output: Tensor,
         /// Block sizes per rank.
         counts: Vec<usize>,
+        /// This rank's block already sits at its place in `output`, and
+        /// `input` is empty. Only a backend whose
+        /// [`Capabilities::in_place_all_gather`] is true is given such an
+        /// op; for the others the library copies the block into `input`.
+        in_place: bool,
     },
     /// Broadcast `buf` from `root`.
     Broadcast {

@@ -442,6 +442,7 @@ impl VendorComm for MpiComm {
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         split: super::SplitMode::Native,
         elastic: false,
+        in_place_all_gather: false,
     };
 
     fn split(&mut self, child: Option<SplitChild>) -> Result<Option<OpenChild<Self>>> {
@@ -606,6 +607,7 @@ fn run(
             input,
             output,
             counts,
+            ..
         } => {
             let (c, d) = partition(ctx, counts, input.dtype().size())?;
             let mut part = PartitionMut::new(output.as_bytes_mut(), c, d);

@@ -578,6 +578,7 @@ mod tests {
         const CAPABILITIES: super::super::Capabilities = super::super::Capabilities {
             split: super::super::SplitMode::Reconnect,
             elastic: true,
+            in_place_all_gather: false,
         };
 
         fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {

@@ -36,9 +36,11 @@
 //! the round trip, like MPI latency benchmarks.
 //!
 //! Chorus ops move their buffers in and out, so they are in place by nature;
-//! the in-place columns reuse the same buffers op after op (all_gather and
-//! reduce_scatter through their `_into` forms, which take the output buffer
-//! too). gather, scatter and all_to_all consume what they are given, so their
+//! the in-place columns reuse the same buffers op after op. all_gather's
+//! in-place column is a true in-place all_gather (`all_gather_in_place`:
+//! this rank's block already sits in the output, as in nccl-tests);
+//! reduce_scatter's goes through `reduce_scatter_into`, which takes the
+//! output buffer too. gather, scatter and all_to_all consume what they are given, so their
 //! in-place columns hand them a copy made outside the timed region. The
 //! out-of-place columns time an op on a fresh copy of its arguments (the copy
 //! included) with a fresh output, which is what a caller who keeps the input
@@ -592,6 +594,8 @@ enum Call {
     Two(Tensor, Tensor),
     List(Vec<Tensor>),
     Scatter(Tensor, Option<Vec<Tensor>>),
+    /// The output of an in-place all_gather (this rank's block in place).
+    InPlace(Tensor),
 }
 
 /// What one op hands back.
@@ -600,6 +604,8 @@ enum Back {
     /// `(output, input)` of the `_into` forms; `(send, recv)` of ping_pong.
     Two(Tensor, Tensor),
     List(Vec<Tensor>),
+    /// The output of an in-place all_gather, to reuse as the next one's.
+    Out(Tensor),
 }
 
 /// Run one op.
@@ -614,10 +620,10 @@ async fn issue(comm: &Comm, op: Op, api: Api, call: Call) -> chorus::Result<Back
             Back::One(go!(api, comm.broadcast / broadcast_async(t, 0)))
         }
         (Op::AllGather, Call::One(t)) => Back::One(go!(api, comm.all_gather / all_gather_async(t))),
-        (Op::AllGather, Call::Two(i, o)) => {
-            let (o, i) = go!(api, comm.all_gather_into / all_gather_into_async(i, o));
-            Back::Two(o, i)
-        }
+        (Op::AllGather, Call::InPlace(o)) => Back::Out(go!(
+            api,
+            comm.all_gather_in_place / all_gather_in_place_async(o)
+        )),
         (Op::ReduceScatter, Call::One(t)) => {
             Back::One(go!(api, comm.reduce_scatter / reduce_scatter_async(t, sum)))
         }
@@ -716,7 +722,18 @@ impl Buffers {
             }
         };
         let (a, b, list) = match op {
-            Op::AllGather => (fill(per, &|i| val(rank, i)), fill(count, &|_| 0.0), vec![]),
+            // The output holds this rank's block in place, zeros elsewhere.
+            Op::AllGather => (
+                fill(per, &|i| val(rank, i)),
+                fill(count, &|i| {
+                    if i / per == rank {
+                        val(rank, i % per)
+                    } else {
+                        0.0
+                    }
+                }),
+                vec![],
+            ),
             Op::ReduceScatter => (fill(count, &|i| val(rank, i)), fill(per, &|_| 0.0), vec![]),
             Op::Gather => (fill(per, &|i| val(rank, i)), empty(), vec![]),
             Op::Scatter => {
@@ -794,7 +811,8 @@ impl Buffers {
         let dup_list = |v: &[Tensor]| v.iter().map(|t| Buffers::dup(dev, t)).collect();
         match self.op {
             Op::AllGather | Op::ReduceScatter if fresh => Call::One(Buffers::dup(dev, &self.a)),
-            Op::AllGather | Op::ReduceScatter | Op::PingPong => {
+            Op::AllGather => Call::InPlace(take(&mut self.b)),
+            Op::ReduceScatter | Op::PingPong => {
                 let a = take(&mut self.a);
                 Call::Two(a, take(&mut self.b))
             }
@@ -820,6 +838,7 @@ impl Buffers {
             (Op::PingPong, Back::Two(s, r)) => (self.a, self.b) = (s, r),
             (_, Back::Two(o, i)) => (self.b, self.a) = (o, i),
             (_, Back::One(t)) => self.a = t,
+            (_, Back::Out(t)) => self.b = t,
             (_, Back::List(_)) => {}
         }
     }
@@ -862,7 +881,7 @@ async fn check(
         (Op::Reduce, Back::One(t)) if rank == 0 => is(t, count, &sum_over),
         (Op::Reduce, Back::One(t)) => is(t, count, &|i| val(rank, i)),
         (Op::Broadcast, Back::One(t)) => is(t, count, &|i| val(0, i)),
-        (Op::AllGather, Back::Two(out, _)) => is(out, count, &|i| val(i / per, i % per)),
+        (Op::AllGather, Back::Out(out)) => is(out, count, &|i| val(i / per, i % per)),
         (Op::ReduceScatter, Back::Two(out, _)) => is(out, per, &|i| sum_over(rank * per + i)),
         (Op::Gather, Back::List(v)) if rank == 0 => {
             v.len() == n

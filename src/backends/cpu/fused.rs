@@ -156,9 +156,18 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
             }
             let gather = matches!(data, OpData::AllGather { .. });
             let offs = super::schedule::offsets(counts);
+            // An in-place all_gather sends its own block of the output.
+            let mine = match data {
+                OpData::AllGather {
+                    output,
+                    in_place: true,
+                    ..
+                } => block(output.as_bytes(), offs[rank] * es..offs[rank + 1] * es)?,
+                _ => input.as_bytes(),
+            };
             for p in peers() {
                 let piece = if gather {
-                    input.as_bytes()
+                    mine
                 } else {
                     block(input.as_bytes(), offs[p] * es..offs[p + 1] * es)?
                 };
@@ -395,11 +404,15 @@ pub(super) fn apply(
             input,
             output,
             counts,
+            in_place,
         } => {
-            let es = input.dtype().size();
+            let es = output.dtype().size();
             let offs = super::schedule::offsets(counts);
             let out = output.as_bytes_mut();
             for (k, src) in got.iter().enumerate() {
+                if k == rank && *in_place {
+                    continue; // already at its place
+                }
                 let src = if k == rank { input.as_bytes() } else { src };
                 let dst = offs
                     .get(k + 1)
@@ -643,7 +656,7 @@ mod tests {
             for (r, d) in out.into_iter().enumerate() { if let OpData::ReduceScatter { output, .. } = d { prop_assert_eq!(output.to_vec::<i32>(), sum_of(counts[r], offs[r])); } }
             // all_gather
             let want: Vec<i32> = (0..n).flat_map(|r| vec_of(r, counts[r])).collect();
-            let out = run((0..n).map(|r| OpData::AllGather { input: ints(&vec_of(r, counts[r])), output: Tensor::zeros(DType::I32, total), counts: counts.to_vec() }).collect()).unwrap();
+            let out = run((0..n).map(|r| OpData::AllGather { input: ints(&vec_of(r, counts[r])), output: Tensor::zeros(DType::I32, total), counts: counts.to_vec(), in_place: false }).collect()).unwrap();
             for d in out { if let OpData::AllGather { output, .. } = d { prop_assert_eq!(output.to_vec::<i32>(), want.clone()); } }
             // broadcast
             let out = run((0..n).map(|r| OpData::Broadcast { buf: ints(&vec_of(r, c)), root }).collect()).unwrap();

@@ -711,6 +711,7 @@ impl CpuBackend {
                 input,
                 output,
                 counts,
+                in_place,
             } => {
                 if counts.len() != size {
                     return Err(Error::Internal(format!(
@@ -719,8 +720,12 @@ impl CpuBackend {
                     )));
                 }
                 Planned {
-                    schedule: builders::all_gather(rank, size, counts),
-                    src: Some(input),
+                    schedule: if *in_place {
+                        builders::all_gather_in_place(rank, size, counts)
+                    } else {
+                        builders::all_gather(rank, size, counts)
+                    },
+                    src: (!*in_place).then_some(input),
                     dst: output,
                     op: ReduceOp::Sum,
                     copy_out: None,
@@ -971,6 +976,13 @@ async fn run_transfers<'a>(
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn capabilities(&self) -> crate::backends::Capabilities {
+        crate::backends::Capabilities {
+            in_place_all_gather: true,
+            ..Default::default()
+        }
     }
 
     fn supports_windows(&self) -> bool {

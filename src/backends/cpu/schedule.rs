@@ -421,6 +421,19 @@ pub fn all_gather(rank: usize, size: usize, counts: &[usize]) -> Schedule {
     b.finish()
 }
 
+/// All-gather in place: block `rank` of `Dst` (the concatenation of all
+/// blocks) already holds this rank's data; there is no `Src` and no local
+/// copy. The same ring as [`all_gather`] forwards each block once around.
+pub fn all_gather_in_place(rank: usize, size: usize, counts: &[usize]) -> Schedule {
+    if rank >= size || counts.len() != size {
+        return Schedule::default();
+    }
+    let offs = offsets(counts);
+    let mut b = Builder::new(rank, size);
+    b.ring_all_gather(&offs, false);
+    b.finish()
+}
+
 /// Broadcast `count` elements of `Dst` from `root`.
 ///
 /// Binomial tree on ranks renumbered relative to `root` (`v = rank - root mod

@@ -371,6 +371,28 @@ fn check_all_gather(size: usize, counts: &[usize]) {
     }
 }
 
+fn check_all_gather_in_place(size: usize, counts: &[usize]) {
+    let offs = offsets(counts);
+    let total = offs[size];
+    let scheds = (0..size)
+        .map(|r| all_gather_in_place(r, size, counts))
+        .collect();
+    let blocks: Vec<Vec<f64>> = (0..size).map(|r| data(r, counts[r])).collect();
+    let want: Vec<f64> = blocks.concat();
+    // Each rank's output holds junk except its own block; there is no Src.
+    let dst = (0..size)
+        .map(|r| {
+            let mut d = vec![JUNK; total];
+            d[offs[r]..offs[r + 1]].copy_from_slice(&blocks[r]);
+            d
+        })
+        .collect();
+    let out = run(scheds, vec![vec![]; size], dst, ReduceOp::Sum);
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(got, &want, "all_gather_in_place rank {r} counts {counts:?}");
+    }
+}
+
 fn check_broadcast(size: usize, count: usize, root: usize) {
     let scheds = (0..size).map(|r| broadcast(r, size, count, root)).collect();
     let dst = (0..size)
@@ -495,6 +517,14 @@ fn all_gather_concatenates_blocks_even_and_uneven_counts() {
     for (size, count) in sizes_and_counts() {
         check_all_gather(size, &vec![count; size]);
         check_all_gather(size, &uneven_counts(size, count));
+    }
+}
+
+#[test]
+fn all_gather_in_place_concatenates_blocks_without_a_source() {
+    for (size, count) in sizes_and_counts() {
+        check_all_gather_in_place(size, &vec![count; size]);
+        check_all_gather_in_place(size, &uneven_counts(size, count));
     }
 }
 

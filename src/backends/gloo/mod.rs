@@ -393,6 +393,7 @@ impl GlooComm {
                 input,
                 output,
                 counts,
+                ..
             } => {
                 let es = input.dtype().size();
                 let out_bytes: Vec<usize> = counts.iter().map(|c| c * es).collect();
@@ -508,6 +509,7 @@ impl VendorComm for GlooComm {
     const CAPABILITIES: super::Capabilities = super::Capabilities {
         split: super::SplitMode::Reconnect,
         elastic: true,
+        in_place_all_gather: false,
     };
 
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {

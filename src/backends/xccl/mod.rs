@@ -1722,6 +1722,7 @@ impl Backend for XcclBackend {
                 super::SplitMode::Reconnect
             },
             elastic: true,
+            in_place_all_gather: false,
         }
     }
 

@@ -522,6 +522,7 @@ mod tests {
             input: Tensor::zeros(DType::F32, 3),
             output: Tensor::zeros(DType::F32, 9),
             counts: vec![3, 3, 3],
+            in_place: false,
         };
         let p = plan(&even, 1, 3);
         assert_eq!(p.calls, vec![Call::AllGather(3)]);
@@ -530,6 +531,7 @@ mod tests {
             input: Tensor::zeros(DType::F32, 2),
             output: Tensor::zeros(DType::F32, 6),
             counts: vec![1, 2, 3],
+            in_place: false,
         };
         let p = plan(&uneven, 1, 3);
         assert!(p.grouped);
