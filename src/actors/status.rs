@@ -14,13 +14,13 @@
 //!
 //! | tag | rule |
 //! |-----|------|
-//! | [ST-1] | the state only moves forward: `Active` → `Finalized` or `Active` → `Aborted`, once. |
-//! | [ST-2] | the cause is set together with the move to `Aborted` and never changes afterwards. |
-//! | [ST-3] | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
+//! | [SU-1] | the state only moves forward: `Active` → `Finalized` or `Active` → `Aborted`, once. |
+//! | [SU-2] | the cause is set together with the move to `Aborted` and never changes afterwards. |
+//! | [SU-3] | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
 //!
-//! [ST-1]: crate::transport::store#invariants
-//! [ST-2]: crate::transport::store#invariants
-//! [ST-3]: crate::transport::store#invariants
+//! [SU-1]: crate::actors::status#invariants
+//! [SU-2]: crate::actors::status#invariants
+//! [SU-3]: crate::actors::status#invariants
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -81,10 +81,10 @@ struct Cell {
 #[derive(Debug, Clone)]
 pub(crate) struct StatusReader(Arc<Cell>);
 
-/// Writes a communicator's status: held by its actor alone ([ST-1], [ST-2]).
+/// Writes a communicator's status: held by its actor alone ([SU-1], [SU-2]).
 ///
-/// [ST-1]: crate::transport::store#invariants
-/// [ST-2]: crate::transport::store#invariants
+/// [SU-1]: crate::actors::status#invariants
+/// [SU-2]: crate::actors::status#invariants
 #[derive(Debug)]
 pub(crate) struct StatusWriter(Arc<Cell>);
 
@@ -173,11 +173,11 @@ impl StatusWriter {
         State::from_u8(self.0.state.load(Ordering::Acquire))
     }
 
-    /// `Active` → `Aborted` with `cause` ([ST-1], [ST-2]). Returns false if the
+    /// `Active` → `Aborted` with `cause` ([SU-1], [SU-2]). Returns false if the
     /// communicator was no longer active.
     ///
-    /// [ST-1]: crate::transport::store#invariants
-    /// [ST-2]: crate::transport::store#invariants
+    /// [SU-1]: crate::actors::status#invariants
+    /// [SU-2]: crate::actors::status#invariants
     pub(crate) fn abort(&self, cause: Error) -> bool {
         if self.state() != State::Active {
             return false;
@@ -188,9 +188,9 @@ impl StatusWriter {
         true
     }
 
-    /// `Active` → `Finalized` ([ST-1]). Returns false if it was not active.
+    /// `Active` → `Finalized` ([SU-1]). Returns false if it was not active.
     ///
-    /// [ST-1]: crate::transport::store#invariants
+    /// [SU-1]: crate::actors::status#invariants
     pub(crate) fn finalize(&self) -> bool {
         self.0
             .state
@@ -209,9 +209,9 @@ impl StatusWriter {
 }
 
 /// A request to abort a communicator: raised by anyone, acted on by its
-/// actor ([ST-3]).
+/// actor ([SU-3]).
 ///
-/// [ST-3]: crate::transport::store#invariants
+/// [SU-3]: crate::actors::status#invariants
 #[derive(Debug)]
 pub(crate) struct AbortSignal {
     token: CancellationToken,
@@ -235,10 +235,10 @@ impl AbortSignal {
         })
     }
 
-    /// A child's signal: raised when `parent` is ([ST-3]). `parent_name`
+    /// A child's signal: raised when `parent` is ([SU-3]). `parent_name`
     /// names the parent in the child's cause.
     ///
-    /// [ST-3]: crate::transport::store#invariants
+    /// [SU-3]: crate::actors::status#invariants
     pub(crate) fn child_of(parent: &Arc<AbortSignal>, parent_name: &str) -> Arc<AbortSignal> {
         let token = parent.kids.child_token();
         Arc::new(AbortSignal {
@@ -264,9 +264,9 @@ impl AbortSignal {
         }
     }
 
-    /// Ask for an abort because of `cause`; the first cause wins ([ST-3]).
+    /// Ask for an abort because of `cause`; the first cause wins ([SU-3]).
     ///
-    /// [ST-3]: crate::transport::store#invariants
+    /// [SU-3]: crate::actors::status#invariants
     pub(crate) fn raise(&self, cause: Error) {
         let _ = self.cause.set(cause);
         self.token.cancel();

@@ -8,15 +8,16 @@
 //! | [`handshake`] | the three-message proof of the job secret that opens every link |
 //! | [`mesh`] | the setup of a communicator's full mesh and its shared-memory rings |
 //!
-//! Each module lists its own invariants ([LK-1] and [LK-2] in [`mesh`], [LK-3] and
-//! [LK-4] in [`frame`], [LK-5] and [LK-6] in [`handshake`]).
+//! Each module lists its own invariants ([LK-1] and [LK-2] in [`mesh`], [LK-3], [LK-4]
+//! and [LK-7] in [`frame`], [LK-5] and [LK-6] in [`handshake`]).
 //!
-//! [LK-1]: crate::backends::cpu::link::frame#invariants
-//! [LK-2]: crate::backends::cpu::link::frame#invariants
+//! [LK-1]: crate::backends::cpu::link::mesh#invariants
+//! [LK-2]: crate::backends::cpu::link::mesh#invariants
 //! [LK-3]: crate::backends::cpu::link::frame#invariants
 //! [LK-4]: crate::backends::cpu::link::frame#invariants
-//! [LK-5]: crate::backends::cpu::link::frame#invariants
-//! [LK-6]: crate::backends::cpu::link::frame#invariants
+//! [LK-5]: crate::backends::cpu::link::handshake#invariants
+//! [LK-6]: crate::backends::cpu::link::handshake#invariants
+//! [LK-7]: crate::backends::cpu::link::frame#invariants
 
 pub(crate) mod frame;
 pub(crate) mod handshake;
