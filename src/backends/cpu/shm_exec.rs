@@ -54,9 +54,11 @@
 //!   the machine went from 0.71 CPUs busy to fully used. Not done when every
 //!   rank has its own CPU: there a yield only loses the time slice to other
 //!   load (bimodal 2-4 ms ops on a loaded box, measured earlier).
-//! - SX-3: on a current-thread runtime the engine never sleeps in the
-//!   kernel (the peer may be a task on the same thread): it yields to the
-//!   runtime instead.
+//! - SX-3: on a worker of a caller's runtime (and on a current-thread
+//!   runtime, where the peer may be a task on the same thread) the engine
+//!   never sleeps in the kernel itself: it yields to the runtime, and a
+//!   wait that made no progress for [`HANDOFF`] sleeps on the ring's futex
+//!   from a blocking thread (`spawn_blocking`) while the task awaits it.
 //!
 //! [SC-3]: crate::backends::cpu::schedule#invariants
 //! [LK-7]: crate::backends::cpu::link::frame#invariants
@@ -108,10 +110,45 @@ const SLEEP: Duration = Duration::from_micros(50);
 /// [SX-2]: self#invariants
 const ROUND: Duration = Duration::from_millis(1);
 /// Without kernel sleeps (a turn on a caller's runtime), how long the
-/// engine polls and yields before it waits on a timer between rounds.
-const STALLED: Duration = Duration::from_millis(10);
-/// The timer wait between rounds of a stalled wait without kernel sleeps.
-const STALLED_SLEEP: Duration = Duration::from_millis(1);
+/// engine polls and yields to the runtime before it parks the wait on a
+/// blocking thread instead ([SX-3]).
+///
+/// [SX-3]: self#invariants
+const HANDOFF: Duration = Duration::from_micros(100);
+
+/// A futex wait on the ring a stalled engine most likely waits for.
+enum Park {
+    Data(RingConsumer),
+    Space(RingProducer),
+    Cma(RingProducer, u64),
+}
+
+impl Park {
+    /// The ring to wait on: the first pending receive's, else the first
+    /// pending send's (for space, or for the read of its single-copy payload).
+    fn pick(sends: &[(usize, SendQueue<'_>)], recvs: &[(usize, RecvQueue<'_>)]) -> Option<Park> {
+        if let Some(j) = recvs.first().and_then(|(_, q)| q.front()) {
+            return Some(Park::Data(j.ring.clone()));
+        }
+        let j = sends.first().and_then(|(_, q)| q.front())?;
+        Some(match j.awaiting_read() {
+            Some(t) => Park::Cma(j.ring.clone(), t),
+            None => Park::Space(j.ring.clone()),
+        })
+    }
+
+    /// Sleep until the ring changes or `timeout` passed.
+    fn wait(&self, timeout: Duration) {
+        match self {
+            Park::Data(r) => r.wait_data(timeout),
+            Park::Space(r) => r.wait_space(timeout),
+            Park::Cma(r, t) => r.wait_cma(*t, timeout),
+        }
+    }
+}
+
+type SendQueue<'a> = std::collections::VecDeque<SendJob<'a>>;
+type RecvQueue<'a> = std::collections::VecDeque<RecvJob<'a>>;
 
 /// Both rings of a same-host peer.
 #[derive(Debug)]
@@ -551,7 +588,7 @@ pub(crate) async fn run_shm(
     });
     let cma_min = if reduces { CMA_MIN } else { CMA_MIN_COPY };
     // Per peer, the queue of jobs in order; the engine works on the front.
-    let mut send_q: Vec<(usize, std::collections::VecDeque<SendJob<'_>>)> = Vec::new();
+    let mut send_q: Vec<(usize, SendQueue<'_>)> = Vec::new();
     for (peer, frames) in sends {
         let l = link(peer)?;
         let q = frames
@@ -571,7 +608,7 @@ pub(crate) async fn run_shm(
             .collect();
         send_q.push((peer, q));
     }
-    let mut recv_q: Vec<(usize, std::collections::VecDeque<RecvJob<'_>>)> = Vec::new();
+    let mut recv_q: Vec<(usize, RecvQueue<'_>)> = Vec::new();
     for (peer, frames) in recvs {
         let l = link(peer)?;
         let q = frames
@@ -597,6 +634,7 @@ pub(crate) async fn run_shm(
     // SX-5: more ranks of this communicator on this host than CPUs.
     let oversubscribed = links.iter().flatten().count() + 1 > cpus();
     let mut last_progress = Instant::now();
+    let mut park_for = SLEEP;
     loop {
         let round = Instant::now();
         let mut idle = 0u32;
@@ -631,6 +669,7 @@ pub(crate) async fn run_shm(
                 idle = 0;
                 if !may_block {
                     last_progress = Instant::now();
+                    park_for = SLEEP;
                 }
                 continue;
             }
@@ -639,21 +678,20 @@ pub(crate) async fn run_shm(
                 std::hint::spin_loop();
                 continue;
             }
-            if !may_block || round.elapsed() >= ROUND {
-                break;
-            }
+            // SX-5: give the CPU to a peer that may hold what this rank
+            // waits for. Also on a caller's runtime: a yield keeps the
+            // worker runnable (it is not a sleep), while returning to the
+            // runtime alone would spin through the whole time slice.
             if oversubscribed && idle < SPIN + YIELDS {
                 std::thread::yield_now();
                 continue;
             }
+            if !may_block || round.elapsed() >= ROUND {
+                break;
+            }
             // Sleep on the ring we most likely wait for.
-            if let Some(j) = recv_q.first().and_then(|(_, q)| q.front()) {
-                j.ring.wait_data(SLEEP);
-            } else if let Some(j) = send_q.first().and_then(|(_, q)| q.front()) {
-                match j.awaiting_read() {
-                    Some(t) => j.ring.wait_cma(t, SLEEP),
-                    None => j.ring.wait_space(SLEEP),
-                }
+            if let Some(p) = Park::pick(&send_q, &recv_q) {
+                p.wait(SLEEP);
             }
         }
         // SX-2: liveness of every peer still pending.
@@ -690,12 +728,22 @@ pub(crate) async fn run_shm(
                 }
             }
         }
-        if !may_block && last_progress.elapsed() >= STALLED {
-            // A long wait on a caller's runtime: a timer instead of a
-            // busy yield loop, which would keep a worker spinning.
-            tokio::time::sleep(STALLED_SLEEP).await;
-        } else {
-            tokio::task::yield_now().await;
+        if !may_block && last_progress.elapsed() >= HANDOFF {
+            if let Some(p) = Park::pick(&send_q, &recv_q) {
+                // SX-3: a stalled wait on a caller's runtime sleeps on a
+                // blocking thread, so the worker runs other tasks (or the
+                // peer's, on a current-thread runtime) and no CPU spins.
+                // The timeout grows while nothing moves, so that a long
+                // wait costs few hand-offs; the wait holds its own handles
+                // to the ring, so a turn dropped meanwhile frees nothing
+                // under it.
+                let t = park_for;
+                park_for = (park_for * 2).min(ROUND);
+                if tokio::task::spawn_blocking(move || p.wait(t)).await.is_ok() {
+                    continue;
+                }
+            }
         }
+        tokio::task::yield_now().await;
     }
 }
