@@ -377,7 +377,12 @@ fn futex_wake(word: &AtomicU32) {
 /// at most `timeout` ([SH-2]).
 ///
 /// [SH-2]: self#invariants
-fn sleep_unless(seq: &AtomicU32, flag: &AtomicU32, timeout: Duration, ready: impl Fn() -> bool) {
+pub(crate) fn sleep_unless(
+    seq: &AtomicU32,
+    flag: &AtomicU32,
+    timeout: Duration,
+    ready: impl Fn() -> bool,
+) {
     flag.store(1, Ordering::Relaxed);
     fence(Ordering::SeqCst);
     let s = seq.load(Ordering::Acquire);
@@ -390,7 +395,7 @@ fn sleep_unless(seq: &AtomicU32, flag: &AtomicU32, timeout: Duration, ready: imp
 /// Wake the other side if it announced a sleep ([SH-2]).
 ///
 /// [SH-2]: self#invariants
-fn wake_if_waiting(seq: &AtomicU32, flag: &AtomicU32) {
+pub(crate) fn wake_if_waiting(seq: &AtomicU32, flag: &AtomicU32) {
     fence(Ordering::SeqCst);
     if flag.load(Ordering::Relaxed) != 0 {
         seq.fetch_add(1, Ordering::Release);

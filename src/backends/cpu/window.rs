@@ -1,7 +1,8 @@
 //! One-sided windows of the cpu backend ([`WindowOp`]).
 //!
-//! Each rank's window is one mapping: a small header with one signal
-//! counter per source rank, then the window's bytes. When the rank has a
+//! Each rank's window is one mapping: a small header (with a futex word
+//! that signals wake), one signal counter per source rank, then the
+//! window's bytes. When the rank has a
 //! same-host peer (a shared-memory link), the mapping is a `0600` file
 //! under `/dev/shm`, named like the rings (`shm::ring_file_name`, so
 //! `shm::sweep_stale` removes it if its creator is killed), offered to the
@@ -39,10 +40,15 @@
 //! - CW-4: `Free`, finalize and abort free windows: receiver tasks
 //!   stopped, mappings unmapped, connections closed (`Free` and finalize
 //!   first send a close frame, bounded in time).
+//! - CW-5: every change a `wait_signal` waits for (a counter add, in
+//!   shared memory or by a receiver task, and a source ending) is followed
+//!   by a wake of the target window's futex word, so a waiter parked on it
+//!   (from a blocking thread, never a runtime worker) is woken at once;
+//!   each park is also bounded by [`MAX_BACKOFF`].
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -77,8 +83,13 @@ const CLOSE_BOUND: Duration = Duration::from_secs(1);
 const HANDSHAKE_BOUND: Duration = Duration::from_secs(5);
 /// Receive chunk of the receiver task.
 const CHUNK: usize = 64 << 10;
-/// Longest pause between two looks at a signal counter.
+/// Longest single park of a `wait_signal` between two looks at its
+/// counter (CW-5).
 const MAX_BACKOFF: Duration = Duration::from_millis(1);
+/// Header offsets of the futex word that signals bump and of the flag a
+/// parked waiter sets (CW-5).
+const OFF_WAKE_SEQ: usize = 24;
+const OFF_WAKE_FLAG: usize = 28;
 
 /// Where the window's bytes start: after the header and `n` counters.
 fn data_offset(n: usize) -> usize {
@@ -242,6 +253,30 @@ impl WinMem {
         (src < self.n).then(|| self.word(64 + 8 * src))
     }
 
+    fn word32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && (24..32).contains(&off));
+        // SAFETY: `off` is 4-aligned and inside header bytes 24..32, which
+        // are only ever accessed as these two atomic u32s (never through
+        // `word`).
+        unsafe { &*self.map.ptr.add(off).cast::<AtomicU32>() }
+    }
+
+    /// Wake a waiter parked on this window (CW-5).
+    fn wake(&self) {
+        shm::wake_if_waiting(self.word32(OFF_WAKE_SEQ), self.word32(OFF_WAKE_FLAG));
+    }
+
+    /// Park the calling thread until [`WinMem::wake`] or `timeout`, unless
+    /// `ready` already holds (CW-5).
+    fn park(&self, timeout: Duration, ready: impl Fn() -> bool) {
+        shm::sleep_unless(
+            self.word32(OFF_WAKE_SEQ),
+            self.word32(OFF_WAKE_FLAG),
+            timeout,
+            ready,
+        );
+    }
+
     fn fits(&self, offset: usize, len: usize) -> bool {
         offset.checked_add(len).is_some_and(|end| end <= self.size)
     }
@@ -287,8 +322,19 @@ struct Local {
     mem: WinMem,
     /// Per source rank: `LIVE`, `CLOSED` or `FAILED`.
     sources: Vec<AtomicU8>,
-    /// Woken when a receiver task applied a signal or a source ended.
-    notify: tokio::sync::Notify,
+}
+
+impl Local {
+    /// Whether `src`'s counter reached `value` or `src` ended.
+    fn settled(&self, src: usize, value: u64) -> bool {
+        self.mem
+            .counter(src)
+            .is_none_or(|c| c.load(Ordering::Acquire) >= value)
+            || self
+                .sources
+                .get(src)
+                .is_none_or(|s| s.load(Ordering::Acquire) != LIVE)
+    }
 }
 
 /// How this rank writes one rank's window.
@@ -637,7 +683,6 @@ impl CpuBackend {
         let local = Arc::new(Local {
             mem: local,
             sources: (0..n).map(|_| AtomicU8::new(LIVE)).collect(),
-            notify: tokio::sync::Notify::new(),
         });
         let mut tx: Vec<Option<OwnedWriteHalf>> = (0..n).map(|_| None).collect();
         let mut tasks = Vec::new();
@@ -795,18 +840,19 @@ async fn put(
 /// Add `value` to this rank's counter in `dst`'s window (CW-1).
 async fn signal(ctx: &OpCtx, w: &mut CpuWindow, dst: usize, value: u64) -> Result<()> {
     let me = ctx.rank;
-    let counter = match w.targets.get(dst) {
-        Some(Target::Me) => w.local.mem.counter(me),
-        Some(Target::Mapped(m)) => m.counter(me),
+    let mem = match w.targets.get(dst) {
+        Some(Target::Me) => Some(&w.local.mem),
+        Some(Target::Mapped(m)) => Some(m),
         Some(Target::Remote) => None,
         None => return Err(ctx.peer_failed(vec![dst], "no such rank")),
     };
-    if let Some(c) = counter {
+    if let Some(m) = mem {
+        let c = m
+            .counter(me)
+            .ok_or_else(|| ctx.peer_failed(vec![dst], "no signal counter for this rank"))?;
         // Release: every earlier put's bytes are visible with the count.
         c.fetch_add(value, Ordering::Release);
-        if dst == me {
-            w.local.notify.notify_waiters();
-        }
+        m.wake();
         return Ok(());
     }
     let tx =
@@ -822,17 +868,14 @@ async fn signal(ctx: &OpCtx, w: &mut CpuWindow, dst: usize, value: u64) -> Resul
 }
 
 /// Wait until `src`'s counter in `local` reaches `value`.
-async fn wait_signal(ctx: &OpCtx, local: &Local, src: usize, value: u64) -> Result<()> {
+async fn wait_signal(ctx: &OpCtx, local: &Arc<Local>, src: usize, value: u64) -> Result<()> {
     let counter = local
         .mem
         .counter(src)
         .ok_or_else(|| ctx.peer_failed(vec![src], "no such rank"))?;
-    let mut backoff = Duration::from_micros(10);
+    let mut park = Duration::from_micros(50);
     let mut spins = 0u32;
     loop {
-        let notified = local.notify.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
         if counter.load(Ordering::Acquire) >= value {
             return Ok(());
         }
@@ -860,9 +903,19 @@ async fn wait_signal(ctx: &OpCtx, local: &Local, src: usize, value: u64) -> Resu
             tokio::task::yield_now().await;
             continue;
         }
-        tokio::select! {
-            _ = notified => {}
-            _ = tokio::time::sleep(backoff) => backoff = (backoff * 2).min(MAX_BACKOFF),
+        // CW-5: park on the window's futex from a blocking thread (a turn
+        // may run on a worker of the caller's runtime, which must not
+        // sleep), woken by the signal itself. The park holds its own
+        // handle to the window, so a wait dropped meanwhile frees nothing
+        // under it; the bound grows while nothing arrives.
+        let t = park;
+        park = (park * 2).min(MAX_BACKOFF);
+        let l = Arc::clone(local);
+        let parked =
+            tokio::task::spawn_blocking(move || l.mem.park(t, || l.settled(src, value))).await;
+        if parked.is_err() {
+            // No blocking pool (the runtime is shutting down): a timer.
+            tokio::time::sleep(t).await;
         }
     }
 }
@@ -908,7 +961,7 @@ async fn receive(local: Arc<Local>, src: usize, mut rx: OwnedReadHalf) {
                 if let Some(c) = local.mem.counter(src) {
                     c.fetch_add(v, Ordering::Release);
                 }
-                local.notify.notify_waiters();
+                local.mem.wake();
             }
             TAG_CLOSE => break CLOSED,
             other => {
@@ -920,7 +973,7 @@ async fn receive(local: Arc<Local>, src: usize, mut rx: OwnedReadHalf) {
     if let Some(s) = local.sources.get(src) {
         s.store(end, Ordering::Release);
     }
-    local.notify.notify_waiters();
+    local.mem.wake();
 }
 
 #[cfg(test)]
