@@ -966,3 +966,63 @@ async fn data_sent_with_rejected_headers_is_dropped_and_the_links_stay_aligned()
     })
     .await;
 }
+
+/// all_to_all_single chooses to fuse per rank, from its own send and
+/// receive sizes (FU-1 of the cpu backend's fused ops): when one large pair makes some ranks choose the
+/// unfused algorithm, every rank runs it (the others' data is dropped), and
+/// when all choose it the op completes from the headers alone. Results and
+/// the links stay right either way.
+#[tokio::test]
+async fn all_to_all_single_fuses_only_when_every_rank_chose_it() {
+    bounded(async {
+        let mut w = world(3).await;
+        // Elements rank i sends rank j; 4097 f32 is just above the 16 KiB
+        // a fused op may carry per peer.
+        let cases: [fn(usize, usize) -> usize; 3] = [
+            |i, j| if (i, j) == (0, 1) { 4097 } else { 3 + i + j },
+            |i, j| 1 + (i * 3 + j) % 4,
+            |i, j| if i == j { 0 } else { 2 * i + j },
+        ];
+        for (seq, sz) in cases.into_iter().enumerate() {
+            let seq = seq as u64;
+            let val = move |i: usize, j: usize, k: usize| (i * 1_000_000 + j * 10_000 + k) as f32;
+            let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+                let c = ctx(r, 3, OpKind::AllToAllSingle, seq);
+                let send: Vec<usize> = (0..3).map(|j| sz(r, j)).collect();
+                let recv: Vec<usize> = (0..3).map(|j| sz(j, r)).collect();
+                let input: Vec<f32> = (0..3)
+                    .flat_map(|j| (0..sz(r, j)).map(move |k| val(r, j, k)))
+                    .collect();
+                let mut data = OpData::AllToAll {
+                    input: Tensor::from_slice(&input),
+                    output: Tensor::full(-1.0f32, recv.iter().sum()),
+                    send_counts: send,
+                    recv_counts: recv,
+                };
+                let out = (0..3)
+                    .filter(|&p| p != r)
+                    .map(|p| (p, seq, vec![]))
+                    .collect();
+                b.exchange_headers_with_data(&c, out, &data)
+                    .await
+                    .expect("headers");
+                b.execute(&c, &mut data).await.expect("execute");
+                match data {
+                    OpData::AllToAll { output, .. } => output.to_vec::<f32>(),
+                    _ => unreachable!(),
+                }
+            }))
+            .await;
+            for (r, got) in res.into_iter().enumerate() {
+                let want: Vec<f32> = (0..3)
+                    .flat_map(|j| (0..sz(j, r)).map(move |k| val(j, r, k)))
+                    .collect();
+                assert_eq!(got, want, "case {seq}, rank {r}");
+            }
+        }
+        for b in &mut w {
+            b.finalize().await;
+        }
+    })
+    .await;
+}

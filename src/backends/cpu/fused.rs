@@ -14,7 +14,7 @@
 //! | bytes | field |
 //! |-------|-------|
 //! | 0..4  | header length `h` (`u32`, little endian) |
-//! | 4..8  | data length `d` (`u32`, little endian) |
+//! | 4..8  | data length `d` (bits 0..31 of a `u32`, little endian); bit 31: this rank sent its fused plan's data |
 //! | 8..8+h | the encoded `OpHeader` |
 //! | to a multiple of 8 | zero padding |
 //! | `d` bytes | this rank's data for the receiving peer (empty when not fused) |
@@ -31,7 +31,13 @@
 //!   agree (kind, dtype, count, root, split sizes, point-to-point lists)
 //!   and the world size. Ranks whose headers pass the check always make the
 //!   same choice and expect exactly what their peers sent; a rank whose
-//!   header differs is caught by the check whatever it chose.
+//!   header differs is caught by the check whatever it chose. The one
+//!   exception is all_to_all_single, whose sizes agree only pair by pair:
+//!   each rank chooses from its own send and receive sizes and says so in
+//!   every Header frame (the flag bit), and the op runs fused only when
+//!   every rank chose it ([`all_chose`]); every rank sees every rank's
+//!   frame, so all decide alike, and otherwise all run the unfused
+//!   algorithm and drop the data.
 //! - FU-2: every rank sends exactly one Header frame to each peer of an op,
 //!   fused or not, so the links stay aligned after a non-fatal mismatch.
 //!   A received frame is bounded before it is buffered (the Header frame
@@ -106,7 +112,7 @@ fn block(bytes: &[u8], r: Range<usize>) -> Option<&[u8]> {
 }
 
 /// The fused plan of `data` on `rank` of `size`, or `None` when the op runs
-/// unfused (too large, all_to_all, barrier). See FU-1.
+/// unfused (too large, list-form all_to_all, barrier). See FU-1.
 pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> {
     if rank >= size || size < 2 {
         return None;
@@ -244,17 +250,61 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                 }
             }
         }
-        OpData::AllToAll { .. } | OpData::Barrier => return None,
+        // The single-tensor form (the list form's receive sizes are only
+        // known from the peers' headers, so it arrives here without them).
+        OpData::AllToAll {
+            input,
+            send_counts,
+            recv_counts,
+            ..
+        } => {
+            if send_counts.len() != size || recv_counts.len() != size {
+                return None;
+            }
+            let es = input.dtype().size();
+            let peer_max = peers()
+                .flat_map(|p| [send_counts[p], recv_counts[p]])
+                .max()
+                .unwrap_or(0);
+            if !fits(peer_max.saturating_mul(es), size) {
+                return None;
+            }
+            let offs = super::schedule::offsets(send_counts);
+            for p in peers() {
+                send[p] = Some(vec![block(
+                    input.as_bytes(),
+                    offs[p] * es..offs[p + 1] * es,
+                )?]);
+                recv[p] = Some(recv_counts[p] * es);
+            }
+        }
+        OpData::Barrier => return None,
     }
     Some(Plan { send, recv })
 }
+
+/// Whether an op whose plan is per rank (all_to_all_single, FU-1) runs
+/// fused: this rank chose it and so did every peer that sent a frame.
+pub(super) fn all_chose(data: &OpData, mine: bool, peers: impl IntoIterator<Item = bool>) -> bool {
+    !per_rank_choice(data) || (mine && peers.into_iter().all(|f| f))
+}
+
+/// Whether `data`'s fused choice is made by each rank alone (FU-1).
+pub(super) fn per_rank_choice(data: &OpData) -> bool {
+    matches!(data, OpData::AllToAll { .. })
+}
+
+/// Bit 31 of a Header frame's data length field: the sender ran its fused
+/// plan (FU-1).
+const FLAG_FUSED: u32 = 1 << 31;
 
 fn pad8(n: usize) -> Option<usize> {
     n.checked_add(7).map(|v| v / 8 * 8)
 }
 
 /// Encode the Header frame payload for one peer into `out` (replacing its
-/// contents): prefix, `header`, padding, then `data` concatenated.
+/// contents): prefix, `header`, padding, then `data` concatenated;
+/// `fused`: whether this rank runs the op's fused plan.
 ///
 /// # Errors
 /// When the header or the data do not fit their `u32` length fields.
@@ -262,9 +312,13 @@ pub(super) fn encode_frame(
     out: &mut Vec<u8>,
     header: &[u8],
     data: &[&[u8]],
+    fused: bool,
 ) -> std::result::Result<(), String> {
     let d: usize = data.iter().map(|s| s.len()).sum();
-    let (Ok(h32), Ok(d32)) = (u32::try_from(header.len()), u32::try_from(d)) else {
+    let (Ok(h32), Some(d32)) = (
+        u32::try_from(header.len()),
+        u32::try_from(d).ok().filter(|d| d & FLAG_FUSED == 0),
+    ) else {
         return Err(format!(
             "a {}-byte header with {d} data bytes does not fit a frame",
             header.len()
@@ -274,7 +328,8 @@ pub(super) fn encode_frame(
     out.clear();
     out.reserve(start + d);
     out.extend_from_slice(&h32.to_le_bytes());
-    out.extend_from_slice(&d32.to_le_bytes());
+    let flag = if fused { FLAG_FUSED } else { 0 };
+    out.extend_from_slice(&(d32 | flag).to_le_bytes());
     out.extend_from_slice(header);
     out.resize(start, 0);
     for s in data {
@@ -283,21 +338,34 @@ pub(super) fn encode_frame(
     Ok(())
 }
 
+/// A received Header frame, split (FU-2).
+#[derive(Debug, Clone)]
+pub(super) struct Split {
+    /// The encoded header's bytes in the frame.
+    pub(super) header: Range<usize>,
+    /// The data part's bytes in the frame.
+    pub(super) data: Range<usize>,
+    /// The sender ran its fused plan.
+    pub(super) fused: bool,
+}
+
 /// Split a received Header frame payload into the byte ranges of its
-/// header and its data (FU-2).
+/// header and its data, and the sender's fused flag (FU-2).
 ///
 /// # Errors
 /// A description of what is malformed: a short frame, lengths that do not
 /// add up to the frame's, or a data part above [`FUSE_PEER_MAX`].
-pub(super) fn split_frame(
-    frame: &[u8],
-) -> std::result::Result<(Range<usize>, Range<usize>), String> {
-    let field = |at: usize| -> Option<usize> {
+pub(super) fn split_frame(frame: &[u8]) -> std::result::Result<Split, String> {
+    let field = |at: usize| -> Option<u32> {
         let b: [u8; 4] = frame.get(at..at + 4)?.try_into().ok()?;
-        usize::try_from(u32::from_le_bytes(b)).ok()
+        Some(u32::from_le_bytes(b))
     };
     let (Some(h), Some(d)) = (field(0), field(4)) else {
         return Err(format!("a {}-byte header frame is too short", frame.len()));
+    };
+    let fused = d & FLAG_FUSED != 0;
+    let (Ok(h), Ok(d)) = (usize::try_from(h), usize::try_from(d & !FLAG_FUSED)) else {
+        return Err("header frame lengths overflow".into());
     };
     if d > FUSE_PEER_MAX {
         return Err(format!(
@@ -306,7 +374,11 @@ pub(super) fn split_frame(
     }
     let start = pad8(h).and_then(|p| p.checked_add(PREFIX));
     match start.and_then(|s| s.checked_add(d).map(|e| (s, e))) {
-        Some((s, e)) if e == frame.len() => Ok((PREFIX..PREFIX + h, s..e)),
+        Some((s, e)) if e == frame.len() => Ok(Split {
+            header: PREFIX..PREFIX + h,
+            data: s..e,
+            fused,
+        }),
         _ => Err(format!(
             "a {}-byte header frame announces a {h}-byte header and {d} data bytes",
             frame.len()
@@ -422,6 +494,32 @@ pub(super) fn apply(
                 dst.copy_from_slice(src);
             }
         }
+        OpData::AllToAll {
+            input,
+            output,
+            send_counts,
+            recv_counts,
+        } => {
+            let es = input.dtype().size();
+            let (so, ro) = (
+                super::schedule::offsets(send_counts),
+                super::schedule::offsets(recv_counts),
+            );
+            let own = so
+                .get(rank + 1)
+                .and_then(|&e| input.as_bytes().get(so[rank] * es..e * es))
+                .ok_or_else(|| bad("all_to_all input shorter than its split sizes"))?;
+            let out = output.as_bytes_mut();
+            for (k, src) in got.iter().enumerate() {
+                let src = if k == rank { own } else { src };
+                let dst = ro
+                    .get(k + 1)
+                    .and_then(|&e| out.get_mut(ro[k] * es..e * es))
+                    .filter(|d| d.len() == src.len())
+                    .ok_or_else(|| bad("all_to_all block of the wrong length"))?;
+                dst.copy_from_slice(src);
+            }
+        }
         OpData::Broadcast { buf, root } => {
             if rank != *root {
                 let src = got.get(*root).ok_or_else(|| bad("root out of range"))?;
@@ -465,9 +563,7 @@ pub(super) fn apply(
                 }
             }
         }
-        OpData::P2P { .. } | OpData::AllToAll { .. } | OpData::Barrier => {
-            return Err(bad("not a fused collective"))
-        }
+        OpData::P2P { .. } | OpData::Barrier => return Err(bad("not a fused collective")),
     }
     Ok(())
 }
@@ -495,7 +591,7 @@ mod tests {
             fused[r] = true;
             for (to, f) in frames[r].iter_mut().enumerate().filter(|(to, _)| *to != r) {
                 let empty = Vec::new();
-                encode_frame(f, &header, p.send[to].as_ref().unwrap_or(&empty)).unwrap();
+                encode_frame(f, &header, p.send[to].as_ref().unwrap_or(&empty), true).unwrap();
             }
         }
         // FU-1: agreeing ranks all decide alike.
@@ -511,7 +607,12 @@ mod tests {
                         return &[][..];
                     }
                     let f = &frames[from][r];
-                    let (h, data) = split_frame(f).unwrap();
+                    let Split {
+                        header: h,
+                        data,
+                        fused,
+                    } = split_frame(f).unwrap();
+                    assert!(fused);
                     assert_eq!(&f[h], &header[..]);
                     // FU-5: what arrives is what the receiver's own plan expects.
                     assert_eq!(Some(data.len()), expect[from], "{from} -> {r}");
@@ -563,6 +664,36 @@ mod tests {
         )
         .is_none());
         assert!(plan(0, 2, &OpData::Barrier).is_none());
+        // The list all_to_all arrives without its receive sizes.
+        let list = OpData::AllToAll {
+            input: Tensor::zeros(DType::U8, 4),
+            output: Tensor::zeros(DType::U8, 0),
+            send_counts: vec![2, 2],
+            recv_counts: vec![],
+        };
+        assert!(plan(0, 2, &list).is_none());
+        // all_to_all_single chooses per rank: one large direction is enough
+        // to make this rank not fuse.
+        let single = |to_peer: usize| OpData::AllToAll {
+            input: Tensor::zeros(DType::U8, 1 + to_peer),
+            output: Tensor::zeros(DType::U8, 2),
+            send_counts: vec![1, to_peer],
+            recv_counts: vec![1, 1],
+        };
+        assert!(plan(0, 2, &single(FUSE_PEER_MAX)).is_some());
+        assert!(plan(0, 2, &single(FUSE_PEER_MAX + 1)).is_none());
+        assert!(per_rank_choice(&single(1)));
+        assert!(all_chose(&single(1), true, [true, true]));
+        assert!(!all_chose(&single(1), true, [true, false]));
+        assert!(!all_chose(&single(1), false, [true]));
+        let ar = OpData::AllReduce {
+            buf: Tensor::zeros(DType::U8, 4),
+            op: ReduceOp::Sum,
+        };
+        assert!(
+            all_chose(&ar, true, [false]),
+            "other ops decide from agreed fields"
+        );
         assert!(plan(0, 1, &OpData::Barrier).is_none());
         // 64 ranks x 16 KiB is above the total bound.
         let at_peer_max = Tensor::zeros(DType::U8, FUSE_PEER_MAX);
@@ -602,11 +733,16 @@ mod tests {
     #[test]
     fn frame_rejects_data_above_the_limit_and_lengths_that_do_not_add_up() {
         let mut f = Vec::new();
-        encode_frame(&mut f, b"abc", &[b"0123", b"45"]).unwrap();
+        encode_frame(&mut f, b"abc", &[b"0123", b"45"], false).unwrap();
         assert_eq!(f.len(), PREFIX + 8 + 6);
-        let (h, d) = split_frame(&f).unwrap();
-        assert_eq!(&f[h], b"abc");
-        assert_eq!(&f[d], b"012345");
+        let sp = split_frame(&f).unwrap();
+        assert_eq!(&f[sp.header], b"abc");
+        assert_eq!(&f[sp.data], b"012345");
+        assert!(!sp.fused);
+        encode_frame(&mut f, b"abc", &[b"0123"], true).unwrap();
+        let sp = split_frame(&f).unwrap();
+        assert!(sp.fused);
+        assert_eq!(&f[sp.data], b"0123");
         assert!(split_frame(&f[..f.len() - 1]).is_err());
         assert!(split_frame(&[1, 0, 0]).is_err());
         let mut huge = vec![0u8; 8];
@@ -617,14 +753,16 @@ mod tests {
     proptest! {
         #[test]
         fn frame_round_trips(h in proptest::collection::vec(any::<u8>(), 0..300),
-                             parts in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..4)) {
+                             parts in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..4),
+                             fused in any::<bool>()) {
             let slices: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
             let mut f = Vec::new();
-            encode_frame(&mut f, &h, &slices).unwrap();
-            let (hr, dr) = split_frame(&f).unwrap();
-            prop_assert_eq!(&f[hr], &h[..]);
-            prop_assert_eq!(f[dr.clone()].to_vec(), parts.concat());
-            prop_assert_eq!(dr.start % 8, 0);
+            encode_frame(&mut f, &h, &slices, fused).unwrap();
+            let sp = split_frame(&f).unwrap();
+            prop_assert_eq!(&f[sp.header.clone()], &h[..]);
+            prop_assert_eq!(f[sp.data.clone()].to_vec(), parts.concat());
+            prop_assert_eq!(sp.data.start % 8, 0);
+            prop_assert_eq!(sp.fused, fused);
         }
 
         #[test]
@@ -667,6 +805,21 @@ mod tests {
             // gather
             let out = run((0..n).map(|r| OpData::Gather { input: ints(&vec_of(r, c)), output: if r == root { Tensor::zeros(DType::I32, n * c) } else { ints(&[]) }, root }).collect()).unwrap();
             if let OpData::Gather { output, .. } = &out[root] { prop_assert_eq!(output.to_vec::<i32>(), (0..n).flat_map(|r| vec_of(r, c)).collect::<Vec<_>>()); }
+            // all_to_all_single with variable split sizes: rank i sends
+            // sizes(i, j) elements to rank j (a matrix from `counts`).
+            let sz = |i: usize, j: usize| counts[(i * 7 + j * 3) % n] % 9;
+            let datas = (0..n).map(|r| {
+                let send: Vec<usize> = (0..n).map(|j| sz(r, j)).collect();
+                let recv: Vec<usize> = (0..n).map(|j| sz(j, r)).collect();
+                OpData::AllToAll { input: ints(&vec_of(r, send.iter().sum())), output: Tensor::zeros(DType::I32, recv.iter().sum()), send_counts: send, recv_counts: recv }
+            }).collect();
+            let out = run(datas).unwrap();
+            for (r, d) in out.into_iter().enumerate() {
+                if let OpData::AllToAll { output, .. } = d {
+                    let want: Vec<i32> = (0..n).flat_map(|j| { let off: usize = (0..r).map(|k| sz(j, k)).sum(); vec_of(j, off + sz(j, r))[off..].to_vec() }).collect();
+                    prop_assert_eq!(output.to_vec::<i32>(), want);
+                }
+            }
         }
 
         /// FU-1 for point-to-point: what one end sends with its header is

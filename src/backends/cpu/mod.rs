@@ -135,8 +135,8 @@ struct Carried {
     /// plan of the op); otherwise it expects none from its peers.
     with_data: bool,
     /// Per received frame (`in_frames[i]`): the peer, the frame's seq and
-    /// the byte range of its data part.
-    peers: Vec<(usize, u64, Range<usize>)>,
+    /// the frame split into header, data part and the sender's fused flag.
+    peers: Vec<(usize, u64, fused::Split)>,
 }
 
 /// What `execute` still has to do after the carried data was used.
@@ -557,7 +557,7 @@ impl CpuBackend {
                 .and_then(|p| p.send.get(*peer))
                 .and_then(Option::as_ref)
                 .map_or(&[][..], |v| &v[..]);
-            fused::encode_frame(&mut self.out_frames[i], header, parts)
+            fused::encode_frame(&mut self.out_frames[i], header, parts, plan.is_some())
                 .map_err(|w| Error::Internal(format!("header frame for rank {peer}: {w}")))?;
         }
         // FU-2: the largest header frame plus the largest data part.
@@ -594,14 +594,14 @@ impl CpuBackend {
         let mut received = Vec::with_capacity(k);
         let mut peers = Vec::with_capacity(k);
         for ((peer, seq, _), frame) in outgoing.iter().zip(&self.in_frames) {
-            let (h, d) = fused::split_frame(frame).map_err(|w| {
+            let sp = fused::split_frame(frame).map_err(|w| {
                 ctx.peer_failed(
                     vec![*peer],
                     format!("rank {peer} sent a malformed header frame: {w}"),
                 )
             })?;
-            received.push((*peer, frame[h].to_vec()));
-            peers.push((*peer, *seq, d));
+            received.push((*peer, frame[sp.header.clone()].to_vec()));
+            peers.push((*peer, *seq, sp));
         }
         let carried = Carried {
             kind: ctx.kind,
@@ -621,6 +621,16 @@ impl CpuBackend {
     /// [FU-5]: self::fused#invariants
     fn use_carried(&mut self, ctx: &OpCtx, c: &Carried, data: &mut OpData) -> Result<AfterCarried> {
         let (rank, size) = (self.rank, self.size);
+        // FU-1: an op chosen per rank runs fused only if every rank chose it;
+        // otherwise every rank drops the data and runs the algorithm.
+        let peer_flags = c
+            .peers
+            .iter()
+            .filter(|(p, _, _)| *p != rank)
+            .map(|(_, _, sp)| sp.fused);
+        if !fused::all_chose(data, c.with_data, peer_flags) {
+            return Ok(AfterCarried::Unfused);
+        }
         let (recv, sent): (Option<Vec<Option<usize>>>, Vec<bool>) =
             match c.with_data.then(|| fused::plan(rank, size, data)).flatten() {
                 Some(p) => (Some(p.recv), p.send.iter().map(Option::is_some).collect()),
@@ -628,10 +638,11 @@ impl CpuBackend {
             };
         let mut got: Vec<&[u8]> = vec![&[]; size];
         let mut fused_recv = vec![false; size];
-        for ((peer, _, d), frame) in c.peers.iter().zip(&self.in_frames) {
+        for ((peer, _, sp), frame) in c.peers.iter().zip(&self.in_frames) {
             if *peer == rank || *peer >= size {
                 continue;
             }
+            let d = &sp.data;
             let want = recv.as_ref().and_then(|r| r[*peer]);
             if d.len() != want.unwrap_or(0) {
                 return Err(ctx.mismatch(format!(
