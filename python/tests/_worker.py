@@ -309,6 +309,22 @@ def split(comm):
         sub.all_reduce(t, ReduceOp.SUM)
         assert (t == sum(evens)).all(), t
         sub.finalize()
+    # TorchComms' form: each group passes its own list (contiguous halves),
+    # so both children form in one call.
+    half = size // 2
+    mine = list(range(0, half)) if rank < half else list(range(half, size))
+    sub = comm.split(mine, "halves")
+    assert sub.get_size() == len(mine) and sub.get_rank() == mine.index(rank), sub
+    t = np.full(4, rank, dtype=np.int64)
+    sub.all_reduce(t, ReduceOp.SUM)
+    assert (t == sum(mine)).all(), t
+    sub.finalize()
+    # A non-empty list without the caller is refused on that rank.
+    try:
+        comm.split([r for r in range(size) if r != rank], "bad")
+        raise AssertionError("a list without the caller was accepted")
+    except (chorus.ChorusError, ValueError):
+        pass
     # The parent still works.
     t = np.ones(3, dtype=np.float32)
     comm.all_reduce(t, ReduceOp.SUM)
