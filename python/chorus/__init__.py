@@ -299,7 +299,8 @@ class Comm:
     """A communicator (TorchComms' ``TorchComm``).
 
     Every op takes ``async_op`` (default ``False``: block until done) and
-    the keywords ``hints`` (accepted and ignored: Chorus has no hints) and
+    the keywords ``hints`` (accepted and ignored: the package does not pass
+    hints to Chorus yet) and
     ``timeout`` (a ``timedelta`` or seconds; this op only). Every op returns
     a :class:`Work`, already completed when ``async_op`` is false.
     """
