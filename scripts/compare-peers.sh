@@ -11,7 +11,7 @@
 # prints the ratio table, and draws $OUT/busbw.png (needs matplotlib, which
 # the peers venv installs). Not run in CI: it installs packages and takes
 # minutes. Environment: PEERS_DIR (venvs, default target/peers), OUT
-# (default target/peers/run-<date>), MAXBYTES, FACTOR, RANKS, OPS, BUDGET,
+# (default target/peers/run-<date>), MINBYTES, MAXBYTES, FACTOR, RANKS, OPS, BUDGET,
 # ITERS, WARMUP, SYSTEMS, ROUNDS (repeat the whole interleaved sweep this
 # many times; the report takes each point's median over rounds, which
 # evens out a host whose speed drifts from minute to minute).
@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 
 PEERS_DIR=${PEERS_DIR:-target/peers}
 OUT=${OUT:-$PEERS_DIR/run-$(date -u +%Y%m%dT%H%M%S)}
+MINBYTES=${MINBYTES:-8}
 MAXBYTES=${MAXBYTES:-128M}
 FACTOR=${FACTOR:-4}
 RANKS=${RANKS:-"2 4"}
@@ -75,7 +76,7 @@ BENCH=scripts/peer_bench.py
 cat "$OUT/env.txt" >&2
 RES=$OUT/results.jsonl
 : > "$RES"
-common=(-b 8 -e "$MAXBYTES" -f "$FACTOR" -w "$WARMUP" -i "$ITERS")
+common=(-b "$MINBYTES" -e "$MAXBYTES" -f "$FACTOR" -w "$WARMUP" -i "$ITERS")
 for round in $(seq "$ROUNDS"); do
 for n in $RANKS; do
   for op in $OPS; do

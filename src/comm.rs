@@ -1524,37 +1524,109 @@ impl Comm {
         output_split_sizes: &[usize],
     ) -> Work<Tensor> {
         self.submit(to_tensor, || {
-            self.check_counts("all_to_all_single", input_split_sizes, input.len())?;
-            if output_split_sizes.len() != self.size() {
+            self.all_to_all_v_request(input, input_split_sizes, output_split_sizes, None)
+        })
+    }
+
+    /// [`Comm::all_to_all_single`] into a caller-provided `output` of the
+    /// input's length and dtype, so that a loop reuses its buffers instead
+    /// of allocating (and page-faulting in) a new output for every op.
+    /// Returns `(output, input)`, the input unchanged.
+    ///
+    /// ```
+    /// # use chorus::{new_comm, CommOptions, Device, Tensor};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-a2a-into", CommOptions::single())?;
+    /// let (mut input, mut output) = (Tensor::full(7u8, 4), Tensor::zeros(chorus::DType::U8, 4));
+    /// for _ in 0..3 {
+    ///     (output, input) = comm.all_to_all_single_into(input, output)?;
+    ///     assert_eq!(output.to_vec::<u8>(), vec![7; 4]);
+    /// }
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Comm::all_to_all_single`], plus [`Error::InvalidArgument`] if
+    /// `output` has the wrong length or dtype.
+    pub fn all_to_all_single_into(
+        &self,
+        input: Tensor,
+        output: Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        self.blocking("all_to_all_single_into", || {
+            self.all_to_all_single_into_async(input, output)
+        })
+    }
+
+    /// Async form of [`Comm::all_to_all_single_into`].
+    pub fn all_to_all_single_into_async(
+        &self,
+        input: Tensor,
+        output: Tensor,
+    ) -> Work<(Tensor, Tensor)> {
+        self.submit(to_pair, || {
+            if input.len() % self.size() != 0 {
                 return Err(self.invalid(
                     "all_to_all_single",
                     format!(
-                        "{} output split sizes given for {} ranks",
-                        output_split_sizes.len(),
+                        "input has {} elements, not divisible by {} ranks",
+                        input.len(),
                         self.size()
                     ),
                 ));
             }
-            let mut counts = input_split_sizes.to_vec();
-            counts.extend_from_slice(output_split_sizes);
-            let total = self.checked_total("all_to_all_single", output_split_sizes)?;
-            let dev = self.placement("all_to_all_single", &[&input])?;
-            let output = self.output_on("all_to_all_single", input.dtype(), total, dev)?;
-            Ok(Request::collective(
-                OpKind::AllToAllSingle,
-                None,
-                input.dtype(),
-                None,
-                input.len(),
-                counts,
-                OpData::AllToAll {
-                    input,
-                    output,
-                    send_counts: input_split_sizes.to_vec(),
-                    recv_counts: output_split_sizes.to_vec(),
-                },
-            ))
+            let counts = vec![input.len() / self.size(); self.size()];
+            let mut req = self.all_to_all_v_request(input, &counts, &counts, Some(output))?;
+            req.return_input = true;
+            Ok(req)
         })
+    }
+
+    fn all_to_all_v_request(
+        &self,
+        input: Tensor,
+        input_split_sizes: &[usize],
+        output_split_sizes: &[usize],
+        output: Option<Tensor>,
+    ) -> Result<Request> {
+        self.check_counts("all_to_all_single", input_split_sizes, input.len())?;
+        if output_split_sizes.len() != self.size() {
+            return Err(self.invalid(
+                "all_to_all_single",
+                format!(
+                    "{} output split sizes given for {} ranks",
+                    output_split_sizes.len(),
+                    self.size()
+                ),
+            ));
+        }
+        let mut counts = input_split_sizes.to_vec();
+        counts.extend_from_slice(output_split_sizes);
+        let total = self.checked_total("all_to_all_single", output_split_sizes)?;
+        let output = match output {
+            Some(o) => {
+                self.placement("all_to_all_single", &[&input, &o])?;
+                self.check_output("all_to_all_single", &o, input.dtype(), total)?;
+                o
+            }
+            None => {
+                let dev = self.placement("all_to_all_single", &[&input])?;
+                self.output_on("all_to_all_single", input.dtype(), total, dev)?
+            }
+        };
+        Ok(Request::collective(
+            OpKind::AllToAllSingle,
+            None,
+            input.dtype(),
+            None,
+            input.len(),
+            counts,
+            OpData::AllToAll {
+                input,
+                output,
+                send_counts: input_split_sizes.to_vec(),
+                recv_counts: output_split_sizes.to_vec(),
+            },
+        ))
     }
 
     /// [`Comm::all_to_all_v_single`] for 2-D data, with TorchComms' split

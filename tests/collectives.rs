@@ -725,6 +725,63 @@ fn all_gather_in_place_fills_every_block_and_mixes_with_other_forms() {
 }
 
 #[test]
+fn all_to_all_single_into_reuses_the_output_and_mixes_with_the_allocating_form() {
+    for n in [2, 3] {
+        run_ranks(n, &format!("a2a-into-{n}"), move |comm| {
+            let r = comm.rank();
+            // Block `j` of rank `p`'s input is `p * 1000 + j * 100 + i`.
+            let block = |p: usize, j: usize, i: usize| (p * 1000 + j * 100 + i) as f32;
+            let mk = |count: usize| {
+                let v: Vec<f32> = (0..n)
+                    .flat_map(|j| (0..count).map(move |i| block(r, j, i)))
+                    .collect();
+                Tensor::from_vec(v)
+            };
+            let want = |count: usize| -> Vec<f32> {
+                (0..n)
+                    .flat_map(|p| (0..count).map(move |i| block(p, r, i)))
+                    .collect()
+            };
+            // 0 elements, a fused small op, the unfused schedule; the same
+            // buffers go round again, sync and async.
+            for count in [0usize, 3, 70_000] {
+                let (mut input, mut output) = (mk(count), Tensor::full(-1.0f32, n * count));
+                for step in 0..2 {
+                    (output, input) = if step == 0 {
+                        comm.all_to_all_single_into(input, output).unwrap()
+                    } else {
+                        comm.all_to_all_single_into_async(input, output)
+                            .wait()
+                            .unwrap()
+                    };
+                    assert_eq!(output.to_vec::<f32>(), want(count), "count {count}");
+                    assert_eq!(input.to_vec::<f32>(), mk(count).to_vec::<f32>());
+                }
+            }
+            // Rank 0 reuses a buffer, the others allocate: one op.
+            let got = if r == 0 {
+                comm.all_to_all_single_into(mk(5), Tensor::zeros(DType::F32, n * 5))
+                    .unwrap()
+                    .0
+            } else {
+                comm.all_to_all_single(mk(5)).unwrap()
+            };
+            assert_eq!(got.to_vec::<f32>(), want(5));
+            // A wrong output is refused before anything moves, on its rank.
+            let e = comm
+                .all_to_all_single_into(mk(2), Tensor::zeros(DType::F32, n * 2 + 1))
+                .unwrap_err();
+            assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+            let e = comm
+                .all_to_all_single_into(mk(2), Tensor::zeros(DType::I32, n * 2))
+                .unwrap_err();
+            assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+            comm.barrier().unwrap();
+        });
+    }
+}
+
+#[test]
 fn blocking_ops_work_inside_a_callers_multi_thread_runtime() {
     // On a worker of a multi-thread runtime a blocking op waits inside
     // block_in_place (the runtime keeps running its other tasks), and still

@@ -708,6 +708,9 @@ fn finish(
                 Completion::Tensors(vec![])
             }
         }
+        OpData::AllToAll { output, input, .. } if req.return_input => {
+            Completion::Tensors(vec![output, input])
+        }
         OpData::AllToAll {
             output,
             recv_counts,

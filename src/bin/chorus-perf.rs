@@ -39,8 +39,8 @@
 //! the in-place columns reuse the same buffers op after op. all_gather's
 //! in-place column is a true in-place all_gather (`all_gather_in_place`:
 //! this rank's block already sits in the output, as in nccl-tests);
-//! reduce_scatter's goes through `reduce_scatter_into`, which takes the
-//! output buffer too. gather, scatter and all_to_all consume what they are given, so their
+//! reduce_scatter's and all_to_all_single's go through `reduce_scatter_into`
+//! and `all_to_all_single_into`, which take the output buffer too. gather, scatter and all_to_all consume what they are given, so their
 //! in-place columns hand them a copy made outside the timed region. The
 //! out-of-place columns time an op on a fresh copy of its arguments (the copy
 //! included) with a fresh output, which is what a caller who keeps the input
@@ -645,6 +645,13 @@ async fn issue(comm: &Comm, op: Op, api: Api, call: Call) -> chorus::Result<Back
             api,
             comm.all_to_all_single / all_to_all_single_async(t)
         )),
+        (Op::AllToAllSingle, Call::Two(i, o)) => {
+            let (o, i) = go!(
+                api,
+                comm.all_to_all_single_into / all_to_all_single_into_async(i, o)
+            );
+            Back::Two(o, i)
+        }
         (Op::SendRecv, Call::One(t)) => Back::One(match comm.rank() {
             0 => go!(api, comm.send / send_async(t, 1)),
             1 => go!(api, comm.recv / recv_async(t, 0)),
@@ -750,7 +757,7 @@ impl Buffers {
             }
             Op::AllToAllSingle => (
                 fill(count, &|i| pair(n, rank, i / per, i % per)),
-                empty(),
+                fill(count, &|_| 0.0),
                 vec![],
             ),
             Op::PingPong => (
@@ -822,6 +829,10 @@ impl Buffers {
                 take(&mut self.a),
                 (self.rank == 0).then(|| dup_list(&self.list)),
             ),
+            Op::AllToAllSingle if !fresh => {
+                let a = take(&mut self.a);
+                Call::Two(a, take(&mut self.b))
+            }
             Op::AllToAll if fresh => Call::List(dup_list(&self.list)),
             Op::AllToAll => Call::List(std::mem::take(&mut self.list)),
             Op::AllReduce | Op::Reduce | Op::Broadcast | Op::AllToAllSingle | Op::SendRecv => {
@@ -898,6 +909,7 @@ async fn check(
                     .all(|(s, t)| is(t, per, &|i| pair(n, s, rank, i)))
         }
         (Op::AllToAllSingle, Back::One(t)) => is(t, count, &|i| pair(n, i / per, rank, i % per)),
+        (Op::AllToAllSingle, Back::Two(t, _)) => is(t, count, &|i| pair(n, i / per, rank, i % per)),
         (Op::SendRecv, Back::One(t)) if rank == 1 => is(t, count, &|i| val(0, i)),
         (Op::SendRecv, Back::One(_)) => true,
         (Op::PingPong, Back::Two(_, r)) if rank < 2 => is(r, count, &|i| val(1 - rank, i)),
