@@ -1340,6 +1340,81 @@ impl Comm {
         })
     }
 
+    /// [`Comm::scatter`] with the root's inputs as one tensor: `input` on
+    /// `root` holds `size()` blocks of `output`'s length and dtype, block
+    /// `r` going to rank `r`. Nothing is allocated or concatenated, so a
+    /// loop reuses its buffers. Returns `(output, input)`; `input` is not
+    /// read on other ranks (pass an empty tensor) and comes back as given.
+    /// Ranks may mix this form with [`Comm::scatter`] in one op.
+    ///
+    /// ```
+    /// # use chorus::{new_comm, CommOptions, Device, Tensor};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-scatter-into", CommOptions::single())?;
+    /// let (out, _input) =
+    ///     comm.scatter_single_into(Tensor::from_vec(vec![1i32, 2]), Tensor::zeros(chorus::DType::I32, 2), 0)?;
+    /// assert_eq!(out.to_vec::<i32>(), vec![1, 2]);
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Comm::scatter`]; on `root`, [`Error::InvalidArgument`] if
+    /// `input` is not `size()` blocks of `output`'s length and dtype.
+    pub fn scatter_single_into(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        root: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        self.blocking("scatter_single_into", || {
+            self.scatter_single_into_async(input, output, root)
+        })
+    }
+
+    /// Async form of [`Comm::scatter_single_into`].
+    pub fn scatter_single_into_async(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        root: usize,
+    ) -> Work<(Tensor, Tensor)> {
+        self.submit(to_pair, || {
+            let op = "scatter";
+            self.check_root(op, root)?;
+            let is_root = self.rank() == root;
+            let dev = if is_root {
+                self.placement(op, &[&output, &input])?
+            } else {
+                self.placement(op, &[&output])?
+            };
+            let (input, keep) = if is_root {
+                let total = output
+                    .len()
+                    .checked_mul(self.size())
+                    .ok_or_else(|| self.invalid(op, "the scattered input would overflow usize"))?;
+                self.check_output(op, &input, output.dtype(), total)?;
+                (input, None)
+            } else {
+                (self.output_on(op, output.dtype(), 0, dev)?, Some(input))
+            };
+            let mut req = Request::collective(
+                OpKind::Scatter,
+                None,
+                output.dtype(),
+                Some(root),
+                output.len(),
+                vec![],
+                OpData::Scatter {
+                    input,
+                    output,
+                    root,
+                },
+            );
+            req.return_input = true;
+            req.keep = keep;
+            Ok(req)
+        })
+    }
+
     // ---------------------------------------------------------------- gather
 
     /// Gather every rank's `input` (all the same length) onto `root`, which
@@ -1382,6 +1457,81 @@ impl Comm {
         self.submit(to_tensor, || {
             let mut req = self.gather_request("gather_single", input, root)?;
             req.whole = true;
+            Ok(req)
+        })
+    }
+
+    /// [`Comm::gather_single`] into a caller-provided `output` on `root`
+    /// (`size()` × `input.len()` elements, the input's dtype), so that a
+    /// loop reuses its buffers instead of allocating a new output for every
+    /// op. Returns `(output, input)`; `output` is not touched on other ranks
+    /// (pass an empty tensor) and comes back as given. Ranks may mix this
+    /// form with [`Comm::gather`] and [`Comm::gather_single`].
+    ///
+    /// ```
+    /// # use chorus::{new_comm, CommOptions, Device, Tensor};
+    /// let comm = new_comm("cpu", Device::Cpu, "doc-gather-into", CommOptions::single())?;
+    /// let (all, _input) =
+    ///     comm.gather_single_into(Tensor::from_vec(vec![5i32, 6]), Tensor::zeros(chorus::DType::I32, 2), 0)?;
+    /// assert_eq!(all.to_vec::<i32>(), vec![5, 6]);
+    /// # Ok::<(), chorus::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Comm::gather`]; on `root`, [`Error::InvalidArgument`] if
+    /// `output` has the wrong length or dtype.
+    pub fn gather_single_into(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        root: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        self.blocking("gather_single_into", || {
+            self.gather_single_into_async(input, output, root)
+        })
+    }
+
+    /// Async form of [`Comm::gather_single_into`].
+    pub fn gather_single_into_async(
+        &self,
+        input: Tensor,
+        output: Tensor,
+        root: usize,
+    ) -> Work<(Tensor, Tensor)> {
+        self.submit(to_pair, || {
+            let op = "gather_single";
+            self.check_root(op, root)?;
+            let is_root = self.rank() == root;
+            let dev = if is_root {
+                self.placement(op, &[&input, &output])?
+            } else {
+                self.placement(op, &[&input])?
+            };
+            let (output, keep) = if is_root {
+                let total = input
+                    .len()
+                    .checked_mul(self.size())
+                    .ok_or_else(|| self.invalid(op, "the gathered output would overflow usize"))?;
+                self.check_output(op, &output, input.dtype(), total)?;
+                (output, None)
+            } else {
+                (self.output_on(op, input.dtype(), 0, dev)?, Some(output))
+            };
+            let mut req = Request::collective(
+                OpKind::Gather,
+                None,
+                input.dtype(),
+                Some(root),
+                input.len(),
+                vec![],
+                OpData::Gather {
+                    input,
+                    output,
+                    root,
+                },
+            );
+            req.return_input = true;
+            req.keep = keep;
             Ok(req)
         })
     }

@@ -782,6 +782,100 @@ fn all_to_all_single_into_reuses_the_output_and_mixes_with_the_allocating_form()
 }
 
 #[test]
+fn gather_and_scatter_single_into_reuse_buffers_and_mix_with_the_list_forms() {
+    for n in [2, 3] {
+        run_ranks(n, &format!("gs-into-{n}"), move |comm| {
+            let r = comm.rank();
+            let root = n - 1;
+            let val = |p: usize, i: usize| (p * 100 + i) as i32;
+            let mine = |count: usize| Tensor::from_vec((0..count).map(|i| val(r, i)).collect());
+            let all = |count: usize| -> Vec<i32> {
+                (0..n)
+                    .flat_map(|p| (0..count).map(move |i| val(p, i)))
+                    .collect()
+            };
+            // 0 elements, a fused small op, the unfused schedule; the same
+            // buffers go round twice.
+            for count in [0usize, 3, 70_000] {
+                let mut out = if r == root {
+                    Tensor::full(-1i32, n * count)
+                } else {
+                    Tensor::full(9i32, 2) // not used off the root: comes back as is
+                };
+                let mut input = mine(count);
+                for _ in 0..2 {
+                    (out, input) = comm.gather_single_into(input, out, root).unwrap();
+                    if r == root {
+                        assert_eq!(out.to_vec::<i32>(), all(count), "gather {count}");
+                    } else {
+                        assert_eq!(out.to_vec::<i32>(), vec![9, 9]);
+                    }
+                    assert_eq!(input.to_vec::<i32>(), mine(count).to_vec::<i32>());
+                }
+                // Scatter the gathered blocks back out from the root.
+                let mut src = if r == root {
+                    Tensor::from_vec(all(count))
+                } else {
+                    Tensor::zeros(DType::I32, 0)
+                };
+                let mut got = Tensor::full(-1i32, count);
+                for _ in 0..2 {
+                    (got, src) = comm
+                        .scatter_single_into_async(src, got, root)
+                        .wait()
+                        .unwrap();
+                    assert_eq!(
+                        got.to_vec::<i32>(),
+                        mine(count).to_vec::<i32>(),
+                        "scatter {count}"
+                    );
+                }
+                assert_eq!(src.len(), if r == root { n * count } else { 0 });
+            }
+            // The root uses the _into forms, the others the list forms.
+            let count = 4;
+            if r == root {
+                let (out, _) = comm
+                    .gather_single_into(mine(count), Tensor::zeros(DType::I32, n * count), root)
+                    .unwrap();
+                assert_eq!(out.to_vec::<i32>(), all(count));
+                let (got, _) = comm
+                    .scatter_single_into(
+                        Tensor::from_vec(all(count)),
+                        Tensor::zeros(DType::I32, count),
+                        root,
+                    )
+                    .unwrap();
+                assert_eq!(got.to_vec::<i32>(), mine(count).to_vec::<i32>());
+            } else {
+                assert!(comm.gather(mine(count), root).unwrap().is_empty());
+                let got = comm
+                    .scatter(Tensor::zeros(DType::I32, count), None, root)
+                    .unwrap();
+                assert_eq!(got.to_vec::<i32>(), mine(count).to_vec::<i32>());
+            }
+            // A root buffer of the wrong size is refused on the root before
+            // anything is sent, so only the root calls here.
+            if r == root {
+                let e = comm
+                    .gather_single_into(mine(2), Tensor::zeros(DType::I32, n * 2 + 1), root)
+                    .unwrap_err();
+                assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+                let e = comm
+                    .scatter_single_into(
+                        Tensor::zeros(DType::I32, 3),
+                        Tensor::zeros(DType::I32, 2),
+                        root,
+                    )
+                    .unwrap_err();
+                assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+            }
+            comm.barrier().unwrap();
+        });
+    }
+}
+
+#[test]
 fn blocking_ops_work_inside_a_callers_multi_thread_runtime() {
     // On a worker of a multi-thread runtime a blocking op waits inside
     // block_in_place (the runtime keeps running its other tasks), and still

@@ -689,6 +689,32 @@ fn finish(
         OpData::AllGather { output, input, .. } if req.return_input => {
             Completion::Tensors(vec![output, input])
         }
+        // The `_into` forms give back what the caller passed: off the root,
+        // the buffer the op did not use is in `keep`.
+        OpData::Gather {
+            output,
+            input,
+            root,
+        } if req.return_input => {
+            let output = if ctx.rank == root {
+                output
+            } else {
+                req.keep.take().unwrap_or(output)
+            };
+            Completion::Tensors(vec![output, input])
+        }
+        OpData::Scatter {
+            output,
+            input,
+            root,
+        } if req.return_input => {
+            let input = if ctx.rank == root {
+                input
+            } else {
+                req.keep.take().unwrap_or(input)
+            };
+            Completion::Tensors(vec![output, input])
+        }
         OpData::AllGather { output, .. }
         | OpData::Broadcast { buf: output, .. }
         | OpData::Scatter { output, .. } => Completion::Tensor(output),

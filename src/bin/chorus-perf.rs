@@ -39,9 +39,11 @@
 //! the in-place columns reuse the same buffers op after op. all_gather's
 //! in-place column is a true in-place all_gather (`all_gather_in_place`:
 //! this rank's block already sits in the output, as in nccl-tests);
-//! reduce_scatter's and all_to_all_single's go through `reduce_scatter_into`
-//! and `all_to_all_single_into`, which take the output buffer too. gather, scatter and all_to_all consume what they are given, so their
-//! in-place columns hand them a copy made outside the timed region. The
+//! reduce_scatter's, all_to_all_single's, gather's and scatter's go
+//! through `reduce_scatter_into`, `all_to_all_single_into`,
+//! `gather_single_into` and `scatter_single_into`, which take every buffer.
+//! The list all_to_all consumes what it is given, so its in-place column
+//! hands it a copy made outside the timed region. The
 //! out-of-place columns time an op on a fresh copy of its arguments (the copy
 //! included) with a fresh output, which is what a caller who keeps the input
 //! and uses the allocating forms pays.
@@ -635,6 +637,22 @@ async fn issue(comm: &Comm, op: Op, api: Api, call: Call) -> chorus::Result<Back
             Back::Two(o, i)
         }
         (Op::Gather, Call::One(t)) => Back::List(go!(api, comm.gather / gather_async(t, 0))),
+        (Op::Gather, Call::Two(i, o)) => {
+            let (o, i) = go!(
+                api,
+                comm.gather_single_into / gather_single_into_async(i, o, 0)
+            );
+            Back::Two(o, i)
+        }
+        // Call::Two(output, input); Back::Two(input, output), so that
+        // `keep` puts each back where `call` took it from.
+        (Op::Scatter, Call::Two(o, i)) => {
+            let (o, i) = go!(
+                api,
+                comm.scatter_single_into / scatter_single_into_async(i, o, 0)
+            );
+            Back::Two(i, o)
+        }
         (Op::Scatter, Call::Scatter(out, inputs)) => {
             Back::One(go!(api, comm.scatter / scatter_async(out, inputs, 0)))
         }
@@ -742,14 +760,29 @@ impl Buffers {
                 vec![],
             ),
             Op::ReduceScatter => (fill(count, &|i| val(rank, i)), fill(per, &|_| 0.0), vec![]),
-            Op::Gather => (fill(per, &|i| val(rank, i)), empty(), vec![]),
+            // b: the root's gathered output (for gather_single_into).
+            Op::Gather => (
+                fill(per, &|i| val(rank, i)),
+                if rank == 0 {
+                    fill(count, &|_| 0.0)
+                } else {
+                    empty()
+                },
+                vec![],
+            ),
+            // b: the root's inputs as one tensor (for scatter_single_into).
             Op::Scatter => {
                 let inputs = if rank == 0 {
                     (0..n).map(|d| fill(per, &|i| pair(n, 0, d, i))).collect()
                 } else {
                     vec![]
                 };
-                (fill(per, &|_| 0.0), empty(), inputs)
+                let whole = if rank == 0 {
+                    fill(count, &|i| pair(n, 0, i / per, i % per))
+                } else {
+                    empty()
+                };
+                (fill(per, &|_| 0.0), whole, inputs)
             }
             Op::AllToAll => {
                 let inputs = (0..n).map(|d| fill(per, &|i| pair(n, rank, d, i)));
@@ -823,6 +856,11 @@ impl Buffers {
                 let a = take(&mut self.a);
                 Call::Two(a, take(&mut self.b))
             }
+            // The in-place columns reuse the buffers through the _into forms.
+            Op::Gather | Op::Scatter if !fresh => {
+                let a = take(&mut self.a);
+                Call::Two(a, take(&mut self.b))
+            }
             // gather consumes its input, scatter its inputs, all_to_all its list.
             Op::Gather => Call::One(Buffers::dup(dev, &self.a)),
             Op::Scatter => Call::Scatter(
@@ -844,7 +882,7 @@ impl Buffers {
     /// Take the buffers back from an op that [`Buffers::call`] fed them to.
     fn keep(&mut self, back: Back) {
         match (self.op, back) {
-            (Op::Gather, _) => {}
+            (Op::Gather, Back::List(_)) => {}
             (Op::AllToAll, Back::List(v)) => self.list = v,
             (Op::PingPong, Back::Two(s, r)) => (self.a, self.b) = (s, r),
             (_, Back::Two(o, i)) => (self.b, self.a) = (o, i),
@@ -901,6 +939,9 @@ async fn check(
                     .all(|(r, t)| is(t, per, &|i| val(r, i)))
         }
         (Op::Gather, Back::List(v)) => v.is_empty(),
+        (Op::Gather, Back::Two(o, _)) if rank == 0 => is(o, count, &|i| val(i / per, i % per)),
+        (Op::Gather, Back::Two(..)) => true,
+        (Op::Scatter, Back::Two(_, t)) => is(t, per, &|i| pair(n, 0, rank, i)),
         (Op::Scatter, Back::One(t)) => is(t, per, &|i| pair(n, 0, rank, i)),
         (Op::AllToAll, Back::List(v)) => {
             v.len() == n
