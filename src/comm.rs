@@ -1391,7 +1391,19 @@ impl Comm {
                     .len()
                     .checked_mul(self.size())
                     .ok_or_else(|| self.invalid(op, "the scattered input would overflow usize"))?;
-                self.check_output(op, &input, output.dtype(), total)?;
+                if input.dtype() != output.dtype() || input.len() != total {
+                    return Err(self.invalid(
+                        op,
+                        format!(
+                            "the root's input is {} x {}, but this op needs {total} x {} \
+                             ({} blocks of the output's length)",
+                            input.len(),
+                            input.dtype(),
+                            output.dtype(),
+                            self.size()
+                        ),
+                    ));
+                }
                 (input, None)
             } else {
                 (self.output_on(op, output.dtype(), 0, dev)?, Some(input))

@@ -82,11 +82,13 @@ const SPIN: u32 = 200;
 /// [SX-4]: self#invariants
 const CMA_MIN: usize = 256 << 10;
 /// Smallest payload sent as an address in a step whose receives only copy
-/// (all_gather's ring, all_reduce's second phase, p2p). There the ring's
-/// copy-in and the peer's copy-out overlap, and measured on 2 ranks
-/// (docs/performance.md) the address path was slower at every all_gather
-/// size up to 8 MiB (4 MiB per rank) and no faster on average above it.
-const CMA_MIN_COPY: usize = 8 << 20;
+/// (all_gather's ring, all_reduce's second phase, p2p): never. There the
+/// ring's copy-in and the peer's copy-out overlap. Measured on 2 ranks
+/// (docs/performance.md), the address path was slower at every all_gather
+/// size up to 8 MiB (4 MiB per rank) on one host, and on another at every
+/// size from 16 to 128 MiB, 2 and 4 ranks (e.g. 16 MiB 14 against 22 GB/s
+/// busbw through the rings).
+const CMA_MIN_COPY: usize = usize::MAX;
 /// Bytes read per `process_vm_readv` into a reduction's scratch buffer
 /// (fits in cache, so the reduction reads it back from there).
 const CMA_REDUCE_STEP: usize = 256 << 10;
