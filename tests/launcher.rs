@@ -470,6 +470,11 @@ fn example_kv_transfer_passes_on_2_and_3_ranks() {
 }
 
 #[test]
+fn example_window_signal_latency_passes_on_2_and_3_ranks() {
+    run_example_on("window_signal_latency", &[2, 3]);
+}
+
+#[test]
 fn example_hierarchical_all_reduce_passes_on_1_2_and_4_ranks() {
     run_example_on("hierarchical_all_reduce", &[1, 2, 4]);
 }

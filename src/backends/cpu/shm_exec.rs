@@ -32,19 +32,16 @@
 //!   `PeerFailed`, a readable one carries the peer's Abort frame (nothing
 //!   else travels on the TCP link of a shared-memory peer) and becomes
 //!   `PeerFailed` with the peer's reason.
-//! - SX-4: in a step that both sends and receives, a payload of at least
-//!   [`CMA_MIN`] bytes (steps that reduce what they receive) or
-//!   [`CMA_MIN_COPY`] (steps that only copy) to a peer that can read this
-//!   process's memory (SH-5)
-//!   travels as its address (prefix flag byte 2 = 1, 8 address bytes); the
-//!   receiver copies or reduces it straight from the sender's buffer with
-//!   `process_vm_readv`, then acks, and the send completes only after the
-//!   ack, so the buffer is never changed while it is read. One copy instead
-//!   of two (into the ring, out of it), which pays where both CPUs are busy
-//!   anyway (ring exchanges of all_gather, reduce_scatter, all_reduce). A
-//!   send-only step keeps the ring: there the sender's copy-in runs on an
-//!   otherwise idle CPU, in parallel with the reader, and 2-rank broadcast
-//!   measured 5-6 GB/s through single copy against 6-17 through the ring.
+//! - SX-4: in a step that both sends and receives and reduces what it
+//!   receives, a payload of at least [`CMA_MIN`] bytes to a peer that can
+//!   read this process's memory (SH-5) travels as its address (prefix flag
+//!   byte 2 = 1, 8 address bytes); the receiver reduces it straight from
+//!   the sender's buffer with `process_vm_readv`, then acks, and the send
+//!   completes only after the ack, so the buffer is never changed while it
+//!   is read. Steps that only copy keep the rings ([`CMA_MIN_COPY`]): there
+//!   the ring's copy-in and the peer's copy-out overlap on two CPUs, and
+//!   the address path measured slower (2-rank broadcast 5-6 GB/s against
+//!   6-17 through the ring; all_gather 14 against 22 GB/s at 16 MiB).
 //! - SX-5: when this communicator has more ranks on this host than the
 //!   process has CPUs, a waiting rank yields its CPU a few times
 //!   (`sched_yield`) before it sleeps: a peer that holds data this rank
