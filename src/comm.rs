@@ -1379,35 +1379,7 @@ impl Comm {
     ) -> Work<(Tensor, Tensor)> {
         self.submit(to_pair, || {
             let op = "scatter";
-            self.check_root(op, root)?;
-            let is_root = self.rank() == root;
-            let dev = if is_root {
-                self.placement(op, &[&output, &input])?
-            } else {
-                self.placement(op, &[&output])?
-            };
-            let (input, keep) = if is_root {
-                let total = output
-                    .len()
-                    .checked_mul(self.size())
-                    .ok_or_else(|| self.invalid(op, "the scattered input would overflow usize"))?;
-                if input.dtype() != output.dtype() || input.len() != total {
-                    return Err(self.invalid(
-                        op,
-                        format!(
-                            "the root's input is {} x {}, but this op needs {total} x {} \
-                             ({} blocks of the output's length)",
-                            input.len(),
-                            input.dtype(),
-                            output.dtype(),
-                            self.size()
-                        ),
-                    ));
-                }
-                (input, None)
-            } else {
-                (self.output_on(op, output.dtype(), 0, dev)?, Some(input))
-            };
+            let (input, keep) = self.root_whole(op, root, &output, input, "input")?;
             let mut req = Request::collective(
                 OpKind::Scatter,
                 None,
@@ -1512,23 +1484,7 @@ impl Comm {
     ) -> Work<(Tensor, Tensor)> {
         self.submit(to_pair, || {
             let op = "gather_single";
-            self.check_root(op, root)?;
-            let is_root = self.rank() == root;
-            let dev = if is_root {
-                self.placement(op, &[&input, &output])?
-            } else {
-                self.placement(op, &[&input])?
-            };
-            let (output, keep) = if is_root {
-                let total = input
-                    .len()
-                    .checked_mul(self.size())
-                    .ok_or_else(|| self.invalid(op, "the gathered output would overflow usize"))?;
-                self.check_output(op, &output, input.dtype(), total)?;
-                (output, None)
-            } else {
-                (self.output_on(op, input.dtype(), 0, dev)?, Some(output))
-            };
+            let (output, keep) = self.root_whole(op, root, &input, output, "output")?;
             let mut req = Request::collective(
                 OpKind::Gather,
                 None,
@@ -1546,6 +1502,44 @@ impl Comm {
             req.keep = keep;
             Ok(req)
         })
+    }
+
+    /// The root's whole buffer of a rooted `_into` op (scatter's input,
+    /// gather's output): on `root`, `whole` checked to be `size()` blocks of
+    /// `each`'s length and dtype and used by the op; elsewhere an empty
+    /// tensor for the op, and `whole` kept to be handed back untouched.
+    fn root_whole(
+        &self,
+        op: &'static str,
+        root: usize,
+        each: &Tensor,
+        whole: Tensor,
+        what: &str,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.check_root(op, root)?;
+        if self.rank() != root {
+            let dev = self.placement(op, &[each])?;
+            return Ok((self.output_on(op, each.dtype(), 0, dev)?, Some(whole)));
+        }
+        self.placement(op, &[each, &whole])?;
+        let total = each
+            .len()
+            .checked_mul(self.size())
+            .ok_or_else(|| self.invalid(op, format!("the root's {what} would overflow usize")))?;
+        if whole.dtype() != each.dtype() || whole.len() != total {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "the root's {what} is {} x {}, but this op needs {total} x {} ({} blocks of {} elements)",
+                    whole.len(),
+                    whole.dtype(),
+                    each.dtype(),
+                    self.size(),
+                    each.len()
+                ),
+            ));
+        }
+        Ok((whole, None))
     }
 
     fn gather_request(&self, op: &'static str, input: Tensor, root: usize) -> Result<Request> {
