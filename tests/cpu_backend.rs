@@ -57,6 +57,19 @@ async fn world(size: usize) -> Vec<CpuBackend> {
     all.into_iter().map(|b| b.expect("connect")).collect()
 }
 
+/// One op as a turn runs it: an (empty) header to every other rank, with
+/// the op's data when it is fused, then `execute`.
+async fn turn(b: &mut CpuBackend, c: &OpCtx, data: &mut OpData) {
+    let out = (0..c.size)
+        .filter(|&p| p != c.rank)
+        .map(|p| (p, c.seq, vec![]))
+        .collect();
+    b.exchange_headers_with_data(c, out, data)
+        .await
+        .expect("headers");
+    b.execute(c, data).await.expect("execute");
+}
+
 fn ctx(rank: usize, size: usize, kind: OpKind, seq: u64) -> OpCtx {
     OpCtx {
         comm: "test".into(),
@@ -943,14 +956,7 @@ async fn data_sent_with_rejected_headers_is_dropped_and_the_links_stay_aligned()
                         buf: Tensor::full((r + 1) as f32, n),
                         op: ReduceOp::Sum,
                     };
-                    let out = (0..3)
-                        .filter(|&p| p != r)
-                        .map(|p| (p, seq, vec![]))
-                        .collect();
-                    b.exchange_headers_with_data(&c, out, &data)
-                        .await
-                        .expect("headers");
-                    b.execute(&c, &mut data).await.expect("execute");
+                    turn(b, &c, &mut data).await;
                     match data {
                         OpData::AllReduce { buf, .. } => buf.to_vec::<f32>(),
                         _ => unreachable!(),
@@ -1002,14 +1008,7 @@ async fn all_to_all_single_fuses_only_when_every_rank_chose_it() {
                     send_counts: send,
                     recv_counts: recv,
                 };
-                let out = (0..3)
-                    .filter(|&p| p != r)
-                    .map(|p| (p, seq, vec![]))
-                    .collect();
-                b.exchange_headers_with_data(&c, out, &data)
-                    .await
-                    .expect("headers");
-                b.execute(&c, &mut data).await.expect("execute");
+                turn(b, &c, &mut data).await;
                 match data {
                     OpData::AllToAll { output, .. } => output.to_vec::<f32>(),
                     _ => unreachable!(),
