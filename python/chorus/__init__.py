@@ -23,14 +23,16 @@ Rank, size and the rendezvous come from the environment, as set by
 (plus ``CHORUS_SECRET``).
 """
 
+import array
 import datetime
 import enum
+import inspect
 import os
 import sys
 
 from . import _chorus
 from ._errors import *  # noqa: F401,F403
-from ._errors import ConfigError, __all__ as _error_names
+from ._errors import ConfigError, MismatchError, __all__ as _error_names
 
 __all__ = [
     "new_comm",
@@ -42,6 +44,17 @@ __all__ = [
     "P2POp",
     "P2POpType",
     "BatchSendRecv",
+    "CommOptions",
+    "OpName",
+    "PreHookArgs",
+    "PostHookArgs",
+    "AbortHookArgs",
+    "RemovableHandle",
+    "AllGatherPHandle",
+    "Window",
+    "TorchCommWindow",
+    "TorchCommWindowAttr",
+    "TorchCommWinAccessType",
     "DTYPES",
 ] + list(_error_names)
 
@@ -71,6 +84,17 @@ DTYPES = {
     "bool": _BOOL,
 }
 """The element types Chorus reduces and moves, by name."""
+
+_ITEMSIZE = {_F16: 2, _BF16: 2, _F32: 4, _F64: 8, _I8: 1, _U8: 1, _I32: 4, _I64: 8,
+             _U32: 4, _U64: 8, _BOOL: 1}
+
+
+def _itemsize(code):
+    return _ITEMSIZE[code]
+
+
+def _dtype_name(code):
+    return next(name for name, c in DTYPES.items() if c == code)
 
 # struct-module format letter -> (signed int / unsigned int / float) kind.
 _INT_FORMATS = set("bhilq")
@@ -189,8 +213,8 @@ class RedOpType(enum.Enum):
 class ReduceOp:
     """A reduction: ``ReduceOp.SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ``AVG``,
     ``BAND``, ``BOR``, ``BXOR``, or ``ReduceOp.PREMUL_SUM(factor)`` (each rank
-    scales its input by its own scalar ``factor``, then the results are
-    summed)."""
+    scales its input by its own ``factor``, a scalar or a one-element
+    array or tensor, then the results are summed)."""
 
     __slots__ = ("_type", "_factor")
 
@@ -205,13 +229,20 @@ class ReduceOp:
     @staticmethod
     def PREMUL_SUM(factor):  # noqa: N802 (TorchComms' name)
         if not isinstance(factor, (int, float)):
-            # A 0-d array or tensor holding the scalar.
-            try:
-                factor = float(factor)
-            except TypeError:
+            # A one-element array or tensor holding this rank's factor, as
+            # TorchComms passes it (NCCL reads it from a one-element buffer).
+            # torch: numel(); NumPy: the size attribute.
+            n = factor.numel() if hasattr(factor, "numel") else getattr(factor, "size", 1)
+            if n != 1:
                 raise TypeError(
-                    "PREMUL_SUM takes a scalar factor; a tensor of factors is not supported"
-                ) from None
+                    f"PREMUL_SUM takes this rank's factor: a scalar or a one-element "
+                    f"tensor, got {n} elements"
+                )
+            try:
+                factor = factor.item() if hasattr(factor, "item") else float(factor)
+            except (TypeError, ValueError):
+                raise TypeError("PREMUL_SUM takes a scalar or a one-element tensor") from None
+            factor = float(factor)
         return ReduceOp(RedOpType.PREMUL_SUM, factor)
 
     def __eq__(self, other):
@@ -282,7 +313,9 @@ class BatchSendRecv:
         for p in self.ops:
             view, code = _buffer(p.tensor)
             ops.append((p.type is P2POpType.SEND, view, code, p.peer))
-        work = self._comm._c.batch_p2p(ops, _seconds(timeout))
+        if options is not None and hints is None:
+            hints = getattr(options, "hints", None)
+        work = self._comm._on(hints).batch_p2p(ops, _seconds(timeout))
         return _finish(work, async_op)
 
 
@@ -292,6 +325,249 @@ def _finish(work, async_op):
     return work
 
 
+# ------------------------------------------------------------------ options
+
+
+class CommOptions:
+    """A communicator's options, as :meth:`Comm.get_options` returns them
+    (TorchComms' ``CommOptions``; the fields Chorus does not use keep
+    TorchComms' defaults)."""
+
+    def __init__(self, timeout=None, hints=None):
+        self.abort_process_on_timeout_or_error = False
+        self.timeout = timeout if timeout is not None else datetime.timedelta(minutes=10)
+        self.high_priority_stream = False
+        self.store = None
+        self.enable_reconfigure = True
+        self.hints = dict(hints or {})
+
+    def __repr__(self):
+        return f"CommOptions(timeout={self.timeout!r}, hints={self.hints!r})"
+
+
+# ------------------------------------------------------------------ hooks
+
+
+class OpName(str, enum.Enum):
+    """The name of an op, as hooks see it (TorchComms' ``OpName``). A
+    ``str``: ``name == "all_reduce"`` works. Chorus reports an op by its
+    Chorus kind, so ``all_gather_single`` and ``all_gather_v`` arrive as
+    ``all_gather``, ``reduce_scatter_*`` as ``reduce_scatter``; batched
+    point-to-point is ``batch_p2p`` and window ops ``window_put``, ... A name
+    not listed here arrives as a plain ``str``."""
+
+    send = "send"
+    recv = "recv"
+    batch_p2p = "batch_p2p"
+    broadcast = "broadcast"
+    all_reduce = "all_reduce"
+    reduce = "reduce"
+    all_gather = "all_gather"
+    reduce_scatter = "reduce_scatter"
+    all_to_all_single = "all_to_all_single"
+    all_to_all = "all_to_all"
+    barrier = "barrier"
+    scatter = "scatter"
+    gather = "gather"
+    new_window = "new_window"
+    free_window = "free_window"
+    window_put = "window_put"
+    window_signal = "window_signal"
+    window_wait_signal = "window_wait_signal"
+    window_read = "window_read"
+
+
+def _op_name(name):
+    try:
+        return OpName(name)
+    except ValueError:
+        return name
+
+
+class _HookArgs:
+    __slots__ = ("_d",)
+
+    def __init__(self, d):
+        self._d = d
+
+    def __getattr__(self, key):
+        try:
+            return self._d[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._d!r})"
+
+
+class PreHookArgs(_HookArgs):
+    """What a pre hook sees: ``op_id``, ``op``, ``comm`` (its name),
+    ``rank``, ``dtype`` (a name), ``count`` and ``bytes`` (this rank's),
+    ``root`` (rooted ops, else ``None``), ``peers`` (point-to-point),
+    ``tag`` (the ``"chorus.tag"`` hint) and ``hints``. Unlike TorchComms'
+    args it carries no tensors: the hook runs on another thread while the
+    op may be using them."""
+
+
+class PostHookArgs(_HookArgs):
+    """What a post hook sees: ``op_id``, ``op``, ``comm``, ``rank``,
+    ``seq`` (its sequence number, ``None`` if it never ran), ``duration``
+    and ``run_duration`` (seconds from issue / from the start of its turn to
+    completion), and ``error`` (the exception its work raises, or
+    ``None``)."""
+
+
+class AbortHookArgs(_HookArgs):
+    """What an abort hook taking an argument sees: ``comm``, ``rank``,
+    ``epoch`` and ``cause`` (the exception the outstanding ops fail with)."""
+
+
+RemovableHandle = _chorus.RemovableHandle
+"""A registered hook: ``remove()`` unregisters it. Dropping the handle
+leaves the hook registered."""
+
+
+# ------------------------------------------------------------------ persistent
+
+
+class AllGatherPHandle:
+    """A persistent all-gather (:meth:`Comm.all_gather_p_init`): dtype,
+    count and output fixed once; each exec gathers into the same output,
+    writing it in place."""
+
+    def __init__(self, comm, output, oview, code, count):
+        self._comm = comm
+        self._output = output
+        self._oview = oview
+        self._code = code
+        self.count = count
+
+    def _exec(self, comm, input, async_op, hints, timeout):  # noqa: A002
+        if self._oview is None:
+            raise ValueError("this persistent all_gather was freed")
+        if comm.get_name() != self._comm.get_name():
+            raise ValueError("the handle belongs to another communicator")
+        iview, code = _buffer(input)
+        if code != self._code or len(iview) != self.count * _itemsize(code):
+            raise ValueError(
+                f"all_gather_p_exec takes {self.count} x {_dtype_name(self._code)} per rank "
+                f"(fixed at init), got {len(iview) // _itemsize(code)} x {_dtype_name(code)}"
+            )
+        work = self._comm._on(hints).all_gather_single(self._oview, iview, code, _seconds(timeout))
+        return _finish(work, async_op)
+
+    def _free(self):
+        self._oview = None
+        self._output = None
+
+
+# ------------------------------------------------------------------ windows
+
+
+class TorchCommWinAccessType(enum.Enum):
+    """How a peer's window is reached: mapped into this process
+    (``UNIFIED``: this rank's own, or a same-host peer's shared memory), or
+    over the network (``SEPARATE``)."""
+
+    WIN_ACCESS_TYPE_UNIFIED = 0
+    WIN_ACCESS_TYPE_SEPARATE = 1
+
+
+class TorchCommWindowAttr:
+    """A peer's window as this rank sees it: ``access_type`` and ``size``
+    (bytes, Chorus only)."""
+
+    def __init__(self, access_type, size):
+        self.access_type = access_type
+        self.size = size
+
+    def __repr__(self):
+        return f"TorchCommWindowAttr({self.access_type.name}, size={self.size})"
+
+
+class Window:
+    """A one-sided window (TorchComms' ``TorchCommWindow``), from
+    :meth:`Comm.new_window`.
+
+    ``put`` writes into a peer's window without the peer posting a
+    receive; ``signal(dst)`` tells ``dst`` that every earlier put to it has
+    landed; ``wait_signal(src)`` waits for the next signal from ``src``
+    (each pair counts its signals). Read this rank's window with
+    ``get_tensor()`` or ``read()`` once a ``wait_signal`` returned.
+    """
+
+    def __init__(self, comm, native, tensor, code):
+        self._comm = comm
+        self._w = native
+        self._tensor = tensor
+        self._code = code
+        self._waits = {}
+
+    @property
+    def dtype(self):
+        return _dtype_name(self._code)
+
+    def get_size(self):
+        """This rank's window size in bytes."""
+        return self._w.get_size()
+
+    def sizes(self):
+        """Chorus only: every rank's window size in bytes."""
+        return self._w.sizes()
+
+    def get_attr(self, peer_rank):
+        unified, size = self._w.get_attr(peer_rank)
+        kind = (
+            TorchCommWinAccessType.WIN_ACCESS_TYPE_UNIFIED
+            if unified
+            else TorchCommWinAccessType.WIN_ACCESS_TYPE_SEPARATE
+        )
+        return TorchCommWindowAttr(kind, size)
+
+    def put(self, tensor, dst_rank, target_offset_nelems, async_op=False, hints=None, timeout=None):
+        """Write ``tensor`` into ``dst_rank``'s window at element offset
+        ``target_offset_nelems`` (elements of ``tensor``'s dtype)."""
+        view, code = _buffer(tensor)
+        offset = int(target_offset_nelems) * _itemsize(code)
+        return _finish(self._w.put(view, code, dst_rank, offset, _seconds(timeout)), async_op)
+
+    def signal(self, dst_rank, async_op=False, hints=None, timeout=None):
+        """Signal ``dst_rank``: delivered after every earlier put to it."""
+        return _finish(self._w.signal(dst_rank, 1, _seconds(timeout)), async_op)
+
+    def wait_signal(self, peer_rank, async_op=False, hints=None, timeout=None):
+        """Wait for the next signal from ``peer_rank`` (the k-th call waits
+        for its k-th signal); the puts it issued before it are then in this
+        rank's window."""
+        self._waits[peer_rank] = want = self._waits.get(peer_rank, 0) + 1
+        return _finish(self._w.wait_signal(peer_rank, want, _seconds(timeout)), async_op)
+
+    def read(self, out, offset_bytes=0, timeout=None):
+        """Chorus only: copy this rank's window from ``offset_bytes`` into
+        ``out`` (any writable buffer); returns ``out``."""
+        view, _ = _buffer(out)
+        self._w.read(view, int(offset_bytes), _seconds(timeout)).wait()
+        return out
+
+    def get_tensor(self):
+        """The tensor given to ``new_window``, refreshed with this rank's
+        window contents (a copy), or ``None`` for a window made by size."""
+        if self._tensor is None:
+            return None
+        return self.read(self._tensor)
+
+    def free(self):
+        """Free the window on every rank (collective); finalize and abort
+        free it too."""
+        self._w.free()
+
+    def __repr__(self):
+        return repr(self._w)
+
+
+TorchCommWindow = Window
+
+
 # ------------------------------------------------------------------ communicator
 
 
@@ -299,14 +575,22 @@ class Comm:
     """A communicator (TorchComms' ``TorchComm``).
 
     Every op takes ``async_op`` (default ``False``: block until done) and
-    the keywords ``hints`` (accepted and ignored: the package does not pass
-    hints to Chorus yet) and
-    ``timeout`` (a ``timedelta`` or seconds; this op only). Every op returns
-    a :class:`Work`, already completed when ``async_op`` is false.
+    the keywords ``hints`` (a ``dict`` of strings, over the communicator's
+    own: hooks and the flight recorder see them, known keys such as
+    ``"chorus.tag"`` and ``"chorus.record"`` are checked, others are kept
+    and ignored) and ``timeout`` (a ``timedelta`` or seconds; this op only).
+    Every op returns a :class:`Work`, already completed when ``async_op`` is
+    false.
     """
 
     def __init__(self, native):
         self._c = native
+
+    def _on(self, hints):
+        """The native communicator, carrying ``hints`` for one op."""
+        if not hints:
+            return self._c
+        return self._c.with_hints({str(k): str(v) for k, v in dict(hints).items()})
 
     # -------------------------------------------------------------- identity
 
@@ -337,6 +621,73 @@ class Comm:
         """The epoch (Chorus only: 0, then +1 per ``reconfigure``)."""
         return self._c.get_epoch()
 
+    def get_backend_version(self):
+        """The vendor library's version where there is one (``"nccl
+        2.21.5"``), else the backend's name and Chorus's version."""
+        return self._c.get_backend_version()
+
+    def set_timeout(self, timeout):
+        """Set the default timeout (``timedelta`` or seconds) of the ops
+        issued from now on; ops already issued keep theirs."""
+        self._c.set_timeout(_seconds(timeout))
+
+    def get_options(self):
+        """The options this communicator was created with (a
+        :class:`CommOptions`), with its current timeout and hints."""
+        return CommOptions(timeout=self.get_timeout(), hints=self._c.get_hints())
+
+    # -------------------------------------------------------------- observing
+
+    def register_pre_hook(self, callback):
+        """Call ``callback(op_name, op_id, args)`` for every op issued on
+        this communicator from now on: ``op_name`` an :class:`OpName` (a
+        ``str``), ``op_id`` a process-wide increasing id, ``args`` a
+        :class:`PreHookArgs`. Hooks run on Chorus's hook thread, in order,
+        never inside the op; an exception in one goes to
+        ``sys.unraisablehook``. Returns a :class:`RemovableHandle`."""
+
+        def hook(d):
+            callback(_op_name(d["op"]), d["op_id"], PreHookArgs(d))
+
+        return self._c.register_pre_hook(hook)
+
+    def register_post_hook(self, callback):
+        """Call ``callback(op_id, args)`` for every op when it completes
+        (``args`` a :class:`PostHookArgs`: duration, error, ...)."""
+
+        def hook(d):
+            callback(d["op_id"], PostHookArgs(d))
+
+        return self._c.register_post_hook(hook)
+
+    def register_abort_hook(self, callback):
+        """Call ``callback()`` once when this communicator is aborted (by a
+        failure or by ``abort()``), before its outstanding ops are failed;
+        ``callback(args)`` with an :class:`AbortHookArgs` (the cause) if it
+        takes one argument. The abort waits for it at most 2 s."""
+        try:
+            inspect.signature(callback).bind(None)
+            with_args = True
+        except (TypeError, ValueError):
+            with_args = False
+
+        def hook(d):
+            if with_args:
+                callback(AbortHookArgs(d))
+            else:
+                callback()
+
+        return self._c.register_abort_hook(hook)
+
+    def flight_record(self):
+        """Chorus only: the last ops of this communicator (2000 by default),
+        oldest first, as dicts: ``id``, ``op_id``, ``seq``, ``op``,
+        ``dtype``, ``count``, ``bytes``, ``root``, ``peers``, ``tag``,
+        ``state`` (``"queued"``, ``"started"``, ``"completed"``,
+        ``"failed"``), ``error`` and the ``issued_us`` / ``started_us`` /
+        ``completed_us`` timestamps (microseconds since the Unix epoch)."""
+        return self._c.flight_record()
+
     def __repr__(self):
         return repr(self._c)
 
@@ -364,7 +715,7 @@ class Comm:
     def split(self, ranks, name, hints=None, timeout=None):
         """A communicator of ``ranks`` (every rank passes the same list), or
         ``None`` on ranks not in it."""
-        child = self._c.split(list(ranks), name, _seconds(timeout))
+        child = self._on(hints).split(list(ranks), name, _seconds(timeout))
         return Comm(child) if child is not None else None
 
     def reconfigure(self, timeout=None, min_size=None, wait_joiners=0):
@@ -383,16 +734,16 @@ class Comm:
     def all_reduce(self, tensor, op, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
         o, f = _op(op)
-        return _finish(self._c.all_reduce(view, code, o, f, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).all_reduce(view, code, o, f, _seconds(timeout)), async_op)
 
     def reduce(self, tensor, root, op, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
         o, f = _op(op)
-        return _finish(self._c.reduce(view, code, root, o, f, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).reduce(view, code, root, o, f, _seconds(timeout)), async_op)
 
     def broadcast(self, tensor, root, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
-        return _finish(self._c.broadcast(view, code, root, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).broadcast(view, code, root, _seconds(timeout)), async_op)
 
     def all_gather(self, tensor_list, tensor, async_op=False, hints=None, timeout=None):
         """Every rank's ``tensor`` into ``tensor_list`` (one per rank)."""
@@ -405,14 +756,14 @@ class Comm:
         view, code = _buffer(tensor)
         outs, ocode = _buffers(tensor_list)
         code = _same(code, ocode, "tensor_list")
-        return _finish(self._c.all_gather_v(outs, view, code, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).all_gather_v(outs, view, code, _seconds(timeout)), async_op)
 
     def all_gather_single(self, output, input, async_op=False, hints=None, timeout=None):  # noqa: A002
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
         return _finish(
-            self._c.all_gather_single(oview, iview, code, _seconds(timeout)), async_op
+            self._on(hints).all_gather_single(oview, iview, code, _seconds(timeout)), async_op
         )
 
     def reduce_scatter(self, output, input_list, op, async_op=False, hints=None, timeout=None):
@@ -426,7 +777,7 @@ class Comm:
         code = _same(code, icode, "input_list")
         o, f = _op(op)
         return _finish(
-            self._c.reduce_scatter_v(oview, ins, code, o, f, _seconds(timeout)), async_op
+            self._on(hints).reduce_scatter_v(oview, ins, code, o, f, _seconds(timeout)), async_op
         )
 
     def reduce_scatter_single(self, output, input, op, async_op=False, hints=None, timeout=None):  # noqa: A002
@@ -435,7 +786,7 @@ class Comm:
         code = _same(code, ocode, "output")
         o, f = _op(op)
         return _finish(
-            self._c.reduce_scatter_single(oview, iview, code, o, f, _seconds(timeout)),
+            self._on(hints).reduce_scatter_single(oview, iview, code, o, f, _seconds(timeout)),
             async_op,
         )
 
@@ -444,7 +795,7 @@ class Comm:
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
         return _finish(
-            self._c.all_to_all_single(oview, iview, code, _seconds(timeout)), async_op
+            self._on(hints).all_to_all_single(oview, iview, code, _seconds(timeout)), async_op
         )
 
     def all_to_all_v_single(
@@ -463,7 +814,7 @@ class Comm:
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
         return _finish(
-            self._c.all_to_all_v_single(
+            self._on(hints).all_to_all_v_single(
                 oview,
                 iview,
                 list(output_split_sizes),
@@ -480,10 +831,10 @@ class Comm:
         code = _same(code, ocode, "output_tensor_list")
         if code is None:
             raise ValueError("all_to_all needs one tensor per rank")
-        return _finish(self._c.all_to_all(outs, ins, code, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).all_to_all(outs, ins, code, _seconds(timeout)), async_op)
 
     def barrier(self, async_op=False, hints=None, timeout=None):
-        return _finish(self._c.barrier(_seconds(timeout)), async_op)
+        return _finish(self._on(hints).barrier(_seconds(timeout)), async_op)
 
     def scatter(self, output_tensor, input_tensor_list, root, async_op=False, hints=None, timeout=None):
         """``input_tensor_list`` is read on ``root`` only (others may pass
@@ -493,7 +844,7 @@ class Comm:
         if self.get_rank() == root:
             ins, icode = _buffers(input_tensor_list or [])
             code = _same(code, icode, "input_tensor_list")
-        return _finish(self._c.scatter(oview, ins, root, code, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).scatter(oview, ins, root, code, _seconds(timeout)), async_op)
 
     def gather(self, output_tensor_list, input_tensor, root, async_op=False, hints=None, timeout=None):
         """``output_tensor_list`` is filled on ``root`` only."""
@@ -502,28 +853,88 @@ class Comm:
         if self.get_rank() == root:
             outs, ocode = _buffers(output_tensor_list)
             code = _same(code, ocode, "output_tensor_list")
-        return _finish(self._c.gather(outs, iview, root, code, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).gather(outs, iview, root, code, _seconds(timeout)), async_op)
 
     def gather_single(self, output, input, root, async_op=False, hints=None, timeout=None):  # noqa: A002
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
         return _finish(
-            self._c.gather_single(oview, iview, root, code, _seconds(timeout)), async_op
+            self._on(hints).gather_single(oview, iview, root, code, _seconds(timeout)), async_op
         )
 
     # -------------------------------------------------------------- p2p
 
     def send(self, tensor, dst, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
-        return _finish(self._c.send(view, dst, code, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).send(view, dst, code, _seconds(timeout)), async_op)
 
     def recv(self, tensor, src, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
-        return _finish(self._c.recv(view, src, code, _seconds(timeout)), async_op)
+        return _finish(self._on(hints).recv(view, src, code, _seconds(timeout)), async_op)
 
     def batch_op_create(self):
         return BatchSendRecv(self)
+
+    # -------------------------------------------------------------- persistent
+
+    def all_gather_p_init(self, output, hints=None, timeout=None):
+        """Set up a persistent all-gather into ``output`` (``size`` blocks of
+        the per-rank count): the ranks agree on dtype and count once here
+        (``MismatchError`` if they differ), and every
+        :meth:`all_gather_p_exec` gathers into the same ``output``.
+        Collective."""
+        oview, code = _buffer(output)
+        size = self.get_size()
+        per_rank, rest = divmod(len(oview) // _itemsize(code), size)
+        if rest:
+            raise ValueError(f"the output's length is not a multiple of the {size} ranks")
+        mine = array.array("q", [code, per_rank])
+        rows = array.array("q", bytes(8 * 2 * size))
+        self._on(hints).all_gather_single(
+            memoryview(rows).cast("B"), memoryview(mine).cast("B"), _I64, _seconds(timeout)
+        ).wait()
+        for r in range(size):
+            if rows[2 * r : 2 * r + 2] != mine:
+                raise MismatchError(
+                    f"all_gather_p_init on {self.get_name()!r}: rank {r} set up a persistent "
+                    f"all_gather of another dtype or count than this rank's {per_rank} x "
+                    f"{_dtype_name(code)}",
+                    failed_ranks=[],
+                    fatal=False,
+                )
+        return AllGatherPHandle(self, output, oview, code, per_rank)
+
+    def all_gather_p_exec(self, handle, input, async_op=False, hints=None, timeout=None):  # noqa: A002
+        """Gather every rank's ``input`` into the handle's output."""
+        return handle._exec(self, input, async_op, hints, timeout)
+
+    def all_gather_p_free(self, handle):
+        """Release a persistent all-gather (local: no communication)."""
+        handle._free()
+
+    # -------------------------------------------------------------- windows
+
+    def new_window(self, tensor=None, *, size=None, timeout=None):
+        """A one-sided :class:`Window` (collective; ranks may pass different
+        sizes). With ``tensor``, this rank's window has its size and dtype
+        and starts with its contents, and :meth:`Window.get_tensor` copies
+        the window back into it; else ``size`` bytes (zeroed)."""
+        if tensor is not None and size is not None:
+            raise ValueError("pass tensor or size, not both")
+        code = _U8
+        if tensor is not None:
+            view, code = _buffer(tensor)
+            size = len(view)
+        elif size is None:
+            raise ValueError("new_window needs a tensor or size= (bytes)")
+        win = Window(self, self._c.new_window(int(size), _seconds(timeout)), tensor, code)
+        if tensor is not None and size:
+            win._w.put(view, code, self.get_rank(), 0, _seconds(timeout)).wait()
+        # Every rank's initial contents are in place before any rank can
+        # put into a peer's window.
+        self._c.barrier(_seconds(timeout)).wait()
+        return win
 
 
 # TorchComms' class name.
@@ -569,9 +980,12 @@ def new_comm(
     rank 0 hosting Chorus's QUIC store, or ``CHORUS_STORE_ADDR``), or the
     ``"host:port"`` of a running ``chorus-rendezvous``. A ``torch.distributed``
     store is not accepted. ``abort_process_on_timeout_or_error``,
-    ``high_priority_stream``, ``enable_reconfigure`` and ``hints`` are
-    accepted for compatibility and have no effect (every Chorus communicator
-    can be reconfigured, and none aborts the process).
+    ``hints``: a ``dict`` of strings carried by every op of the
+    communicator (see :class:`Comm`); a malformed value of a known key is
+    ``InvalidArgumentError``. ``high_priority_stream`` and
+    ``enable_reconfigure`` are accepted for compatibility and have no effect
+    (every Chorus communicator can be reconfigured, and none aborts the
+    process).
 
     Chorus only (keywords): ``connect_timeout`` (bootstrap, 120 s),
     ``secret`` (else ``CHORUS_SECRET``), ``rank`` and ``size`` (else the
@@ -606,6 +1020,7 @@ def new_comm(
         secret=secret,
         rank=rank,
         size=size,
+        hints={str(k): str(v) for k, v in dict(hints or {}).items()},
     )
     return Comm(native)
 

@@ -23,12 +23,23 @@
 //! - Objects without the buffer protocol but with `__dlpack__` arrive as
 //!   `memoryview`s of a `dlpack::DlpackView`, which owns the DLPack tensor
 //!   (see the `dlpack` module); from then on they are buffers like any other.
+//!
+//! Hooks: a Python hook is a Chorus hook that takes the GIL on Chorus's
+//! hook thread and calls the callable with a dict of the event; the Python
+//! half turns that into TorchComms' call. Windows: `PyWindow` is the Rust
+//! `Window` with byte offsets and explicit signal values; the Python half
+//! counts signals per peer as TorchComms does.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chorus::{CommOptions, DType, Device, P2POp, ReconfigureOptions, ReduceOp, Rendezvous, Tensor};
+use std::collections::BTreeMap;
+
+use chorus::{
+    AbortHookArgs, CommOptions, DType, Device, FlightEntry, P2POp, PostHookArgs, PreHookArgs,
+    ReconfigureOptions, ReduceOp, RemovableHandle, Rendezvous, Tensor, WindowAccess,
+};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -570,6 +581,76 @@ impl PyComm {
         Ok(d)
     }
 
+    /// This communicator with `hints` over its own (a new handle on the
+    /// same communicator, as Rust's `Comm::with_hints`).
+    fn with_hints(&self, py: Python<'_>, hints: BTreeMap<String, String>) -> PyResult<PyComm> {
+        self.comm
+            .with_hints(hints)
+            .map(|comm| PyComm { comm })
+            .map_err(|e| chorus_err(py, e))
+    }
+
+    /// Every hint of this handle.
+    fn get_hints(&self) -> BTreeMap<String, String> {
+        self.comm.hints().clone()
+    }
+
+    /// Set the default op timeout (seconds) in place.
+    fn set_timeout(&self, seconds: f64) -> PyResult<()> {
+        self.comm.set_timeout(duration(seconds)?);
+        Ok(())
+    }
+
+    fn get_backend_version(&self) -> String {
+        self.comm.backend_version().to_string()
+    }
+
+    /// The flight recorder's entries, oldest first, as dicts (the fields of
+    /// Rust's `FlightEntry`; timestamps in microseconds since the epoch).
+    fn flight_record<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.comm
+            .flight_record()
+            .iter()
+            .map(|e| flight_entry(py, e))
+            .collect()
+    }
+
+    /// Call `hook(dict)` on Chorus's hook thread, with the GIL, for every
+    /// op issued from now on (see `chorus.Comm.register_pre_hook`).
+    fn register_pre_hook(&self, hook: Py<PyAny>) -> PyHandle {
+        let h = self.comm.register_pre_hook(move |a: &PreHookArgs| {
+            call_hook(&hook, |py| pre_args(py, a));
+        });
+        PyHandle::new(h)
+    }
+
+    /// Call `hook(dict)` for every op when it completes.
+    fn register_post_hook(&self, hook: Py<PyAny>) -> PyHandle {
+        let h = self.comm.register_post_hook(move |a: &PostHookArgs| {
+            call_hook(&hook, |py| post_args(py, a));
+        });
+        PyHandle::new(h)
+    }
+
+    /// Call `hook(dict)` once when the communicator is aborted, before its
+    /// outstanding ops are failed.
+    fn register_abort_hook(&self, hook: Py<PyAny>) -> PyHandle {
+        let h = self.comm.register_abort_hook(move |a: &AbortHookArgs| {
+            call_hook(&hook, |py| abort_args(py, a));
+        });
+        PyHandle::new(h)
+    }
+
+    /// A one-sided window of `size` bytes on this rank (collective).
+    #[pyo3(signature = (size, timeout=None))]
+    fn new_window(&self, py: Python<'_>, size: usize, timeout: Option<f64>) -> PyResult<PyWindow> {
+        drain_releases(py);
+        let comm = self.with(timeout)?;
+        py.detach(move || comm.new_window(size))
+            .map(|win| PyWindow { win })
+            .map_err(|e| chorus_err(py, e))
+    }
+
     #[pyo3(signature = (ranks, name, timeout=None))]
     fn split(
         &self,
@@ -1039,6 +1120,241 @@ impl PyComm {
     }
 }
 
+// ------------------------------------------------------------------ hooks
+
+/// A registered hook (TorchComms' `RemovableHandle`). Unlike the Rust
+/// handle, dropping the Python object leaves the hook registered (as
+/// `torch.utils.hooks.RemovableHandle` does); only `remove()` removes it.
+#[pyclass(name = "RemovableHandle", module = "chorus._chorus")]
+struct PyHandle {
+    handle: Mutex<Option<RemovableHandle>>,
+}
+
+impl PyHandle {
+    fn new(h: RemovableHandle) -> PyHandle {
+        PyHandle {
+            handle: Mutex::new(Some(h)),
+        }
+    }
+}
+
+impl Drop for PyHandle {
+    fn drop(&mut self) {
+        let slot = self.handle.get_mut().unwrap_or_else(|e| e.into_inner());
+        // Keep the hook: forget the Rust handle (a weak reference) instead
+        // of dropping it, which would unregister the hook.
+        std::mem::forget(slot.take());
+    }
+}
+
+#[pymethods]
+impl PyHandle {
+    /// Unregister the hook: it is not called again (a call already running
+    /// finishes). Calling it again does nothing.
+    fn remove(&self) {
+        drop(self.handle.lock().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
+/// Run a Python hook on the hook thread: take the GIL, build its argument,
+/// call it; an exception goes to `sys.unraisablehook`, as for any Python
+/// callback that has no caller to raise into.
+fn call_hook(hook: &Py<PyAny>, args: impl FnOnce(Python<'_>) -> PyResult<Bound<'_, PyDict>>) {
+    Python::attach(|py| {
+        let r = args(py).and_then(|a| hook.call1(py, (a,)));
+        if let Err(e) = r {
+            e.write_unraisable(py, Some(hook.bind(py)));
+        }
+    });
+}
+
+fn pre_args<'py>(py: Python<'py>, a: &PreHookArgs) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("op_id", a.op_id)?;
+    d.set_item("op", a.op)?;
+    d.set_item("comm", &a.comm)?;
+    d.set_item("rank", a.rank)?;
+    d.set_item("dtype", a.dtype.to_string())?;
+    d.set_item("count", a.count)?;
+    d.set_item("bytes", a.bytes)?;
+    d.set_item("root", a.root)?;
+    d.set_item("peers", &a.peers)?;
+    d.set_item("tag", &a.tag)?;
+    d.set_item("hints", &*a.hints)?;
+    Ok(d)
+}
+
+fn post_args<'py>(py: Python<'py>, a: &PostHookArgs) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("op_id", a.op_id)?;
+    d.set_item("op", a.op)?;
+    d.set_item("comm", &a.comm)?;
+    d.set_item("rank", a.rank)?;
+    d.set_item("seq", a.seq)?;
+    d.set_item("duration", a.duration.as_secs_f64())?;
+    d.set_item("run_duration", a.run_duration.map(|t| t.as_secs_f64()))?;
+    let error = match &a.result {
+        Ok(()) => None,
+        Err(e) => Some(chorus_err(py, e.clone()).into_value(py)),
+    };
+    d.set_item("error", error)?;
+    Ok(d)
+}
+
+fn abort_args<'py>(py: Python<'py>, a: &AbortHookArgs) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("comm", &a.comm)?;
+    d.set_item("rank", a.rank)?;
+    d.set_item("epoch", a.epoch)?;
+    d.set_item("cause", chorus_err(py, a.cause.clone()).into_value(py))?;
+    Ok(d)
+}
+
+fn flight_entry<'py>(py: Python<'py>, e: &FlightEntry) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("id", e.id)?;
+    d.set_item("op_id", e.op_id)?;
+    d.set_item("seq", e.seq)?;
+    d.set_item("op", e.op)?;
+    d.set_item("dtype", e.dtype.to_string())?;
+    d.set_item("count", e.count)?;
+    d.set_item("bytes", e.bytes)?;
+    d.set_item("root", e.root)?;
+    d.set_item("peers", &e.peers)?;
+    d.set_item("tag", &e.tag)?;
+    let state = match e.state {
+        chorus::FlightState::Queued => "queued",
+        chorus::FlightState::Started => "started",
+        chorus::FlightState::Completed => "completed",
+        chorus::FlightState::Failed => "failed",
+    };
+    d.set_item("state", state)?;
+    d.set_item("error", &e.error)?;
+    d.set_item("issued_us", e.issued_us)?;
+    d.set_item("started_us", e.started_us)?;
+    d.set_item("completed_us", e.completed_us)?;
+    Ok(d)
+}
+
+// ------------------------------------------------------------------ windows
+
+/// A one-sided window (low-level form of `chorus.Window`): byte offsets,
+/// explicit signal values.
+#[pyclass(name = "Window", module = "chorus._chorus")]
+struct PyWindow {
+    win: chorus::Window,
+}
+
+impl PyWindow {
+    fn with(&self, timeout: Option<f64>) -> PyResult<chorus::Window> {
+        Ok(match timeout {
+            Some(s) => self.win.with_timeout(duration(s)?),
+            None => self.win.clone(),
+        })
+    }
+}
+
+#[pymethods]
+impl PyWindow {
+    /// This rank's window size in bytes.
+    fn get_size(&self) -> usize {
+        self.win.size()
+    }
+
+    /// Every rank's window size in bytes.
+    fn sizes(&self) -> Vec<usize> {
+        self.win.sizes().to_vec()
+    }
+
+    /// `(unified, size)` of `peer`'s window: whether it is mapped into this
+    /// process, and its size in bytes.
+    fn get_attr(&self, py: Python<'_>, peer: usize) -> PyResult<(bool, usize)> {
+        let a = self.win.get_attr(peer).map_err(|e| chorus_err(py, e))?;
+        Ok((a.access_type == WindowAccess::Unified, a.size))
+    }
+
+    /// Put `data`'s bytes into `dst`'s window at byte `offset`.
+    #[pyo3(signature = (data, dtype, dst, offset, timeout=None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        dtype: u8,
+        dst: usize,
+        offset: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        drain_releases(py);
+        let data = Buf::get(data, dtype)?.tensor();
+        let win = self.with(timeout)?;
+        let work = py.detach(|| win.put_async(data, dst, offset));
+        Ok(PyWork::new(work, |_| Ok(())))
+    }
+
+    /// Add `value` to this rank's signal counter in `dst`'s window.
+    #[pyo3(signature = (dst, value, timeout=None))]
+    fn signal(
+        &self,
+        py: Python<'_>,
+        dst: usize,
+        value: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        drain_releases(py);
+        let win = self.with(timeout)?;
+        let work = py.detach(|| win.signal_async(dst, value));
+        Ok(PyWork::new(work, |()| Ok(())))
+    }
+
+    /// Wait until `src`'s signal counter in this window reaches `value`.
+    #[pyo3(signature = (src, value, timeout=None))]
+    fn wait_signal(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        value: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        drain_releases(py);
+        let win = self.with(timeout)?;
+        let work = py.detach(|| win.wait_signal_async(src, value));
+        Ok(PyWork::new(work, |()| Ok(())))
+    }
+
+    /// Copy this rank's window bytes from `offset` into `out`.
+    #[pyo3(signature = (out, offset, timeout=None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        out: &Bound<'_, PyAny>,
+        offset: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<PyWork> {
+        drain_releases(py);
+        let buf = Buf::get(out, DType::U8.code())?;
+        if buf.readonly {
+            return Err(PyValueError::new_err("the output buffer is read-only"));
+        }
+        let dest = buf.dest();
+        let win = self.with(timeout)?;
+        let work = py.detach(|| win.read_async(offset, buf.len_bytes));
+        Ok(PyWork::new(work, move |bytes: Vec<u8>| {
+            dest.fill(&Tensor::from_slice(&bytes))
+        }))
+    }
+
+    /// Free the window on every rank (collective).
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        drain_releases(py);
+        let win = self.win.clone();
+        py.detach(move || win.free()).map_err(|e| chorus_err(py, e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Window(id={}, sizes={:?})", self.win.id(), self.win.sizes())
+    }
+}
+
 /// Options from `new_comm`'s / `join_comm`'s keywords.
 fn options(
     timeout: Option<f64>,
@@ -1047,8 +1363,12 @@ fn options(
     secret: Option<String>,
     rank: Option<usize>,
     size: Option<usize>,
+    hints: Option<BTreeMap<String, String>>,
 ) -> PyResult<CommOptions> {
-    let mut opts = CommOptions::default();
+    let mut opts = CommOptions {
+        hints: hints.unwrap_or_default(),
+        ..CommOptions::default()
+    };
     if let Some(t) = timeout {
         opts.timeout = duration(t)?;
     }
@@ -1078,7 +1398,7 @@ fn options(
 /// Create a communicator (blocking, without the GIL, until every rank has
 /// joined or `connect_timeout` passed).
 #[pyfunction]
-#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None))]
+#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None, hints=None))]
 #[allow(clippy::too_many_arguments)]
 fn new_comm(
     py: Python<'_>,
@@ -1091,10 +1411,11 @@ fn new_comm(
     secret: Option<String>,
     rank: Option<usize>,
     size: Option<usize>,
+    hints: Option<BTreeMap<String, String>>,
 ) -> PyResult<PyComm> {
     drain_releases(py);
     let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
-    let opts = options(timeout, connect_timeout, store, secret, rank, size)?;
+    let opts = options(timeout, connect_timeout, store, secret, rank, size, hints)?;
     py.detach(move || chorus::new_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))
@@ -1117,7 +1438,7 @@ fn join_comm(
 ) -> PyResult<PyComm> {
     drain_releases(py);
     let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
-    let opts = options(timeout, connect_timeout, store, secret, None, None)?;
+    let opts = options(timeout, connect_timeout, store, secret, None, None, None)?;
     py.detach(move || chorus::join_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))
@@ -1143,6 +1464,8 @@ fn _copy_stats() -> (u64, u64) {
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
+    m.add_class::<PyHandle>()?;
+    m.add_class::<PyWindow>()?;
     m.add_function(wrap_pyfunction!(new_comm, m)?)?;
     m.add_function(wrap_pyfunction!(join_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;

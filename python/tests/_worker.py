@@ -517,6 +517,128 @@ def torch_tensors(comm):
         pass
 
 
+class Collector:
+    """Hook events, gathered on the hook thread; `wait_for(n)` blocks (with
+    a deadline) until `n` have arrived."""
+
+    def __init__(self):
+        self.items = []
+        self.cond = threading.Condition()
+
+    def add(self, item):
+        with self.cond:
+            self.items.append(item)
+            self.cond.notify_all()
+
+    def wait_for(self, n, timeout=30):
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(self.items) >= n, timeout)
+        assert ok, f"{len(self.items)} of {n} hook calls arrived"
+        return list(self.items)
+
+
+def hooks(comm):
+    rank = comm.get_rank()
+    pre, post = Collector(), Collector()
+    hp = comm.register_pre_hook(lambda name, op_id, a: pre.add((name, op_id, a)))
+    # No handle kept: dropping it leaves the hook registered.
+    comm.register_post_hook(lambda op_id, a: post.add((op_id, a)))
+    t = np.ones(16, dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM, hints={"chorus.tag": "grads", "site": "x"})
+    comm.broadcast(np.zeros(4, dtype=np.int32), 1)
+    try:
+        comm.all_reduce(np.ones(4 + rank, dtype=np.float32), ReduceOp.SUM)
+        raise AssertionError("no mismatch")
+    except chorus.MismatchError:
+        pass
+    b = comm.batch_op_create()
+    peer = 1 - rank
+    b.send(np.full(2, rank, dtype=np.int64), peer)
+    got = np.zeros(2, dtype=np.int64)
+    b.recv(got, peer)
+    b.issue(hints={"chorus.tag": "ring"})
+    assert (got == peer).all(), got
+    seen = pre.wait_for(4)
+    done = post.wait_for(4)
+    names = [n for n, _, _ in seen]
+    assert names == ["all_reduce", "broadcast", "all_reduce", "batch_p2p"], names
+    assert names[0] is chorus.OpName.all_reduce
+    first = seen[0][2]
+    assert (first.tag, first.hints["site"], first.count, first.bytes, first.dtype) == (
+        "grads", "x", 16, 64, "float32"), first
+    assert first.comm == comm.get_name() and first.rank == rank
+    assert seen[1][2].root == 1 and seen[3][2].tag == "ring"
+    assert set(seen[3][2].peers) == {peer}, seen[3][2]
+    # Post hooks see the same ids, each op once, with its outcome.
+    assert [i for i, _ in done] == [i for _, i, _ in seen], (done, seen)
+    assert [a.error is None for _, a in done] == [True, True, False, True], done
+    assert isinstance(done[2][1].error, chorus.MismatchError), done[2]
+    assert all(a.duration >= 0 for _, a in done)
+    # The flight recorder holds the same ops, the failure included.
+    rec = comm.flight_record()
+    assert [e["op_id"] for e in rec] == [i for _, i, _ in seen], rec
+    assert [e["state"] for e in rec] == ["completed", "completed", "failed", "completed"], rec
+    assert rec[0]["tag"] == "grads" and "ismatch" in rec[2]["error"], rec
+    # Removed: not called for later ops (the post hook still is).
+    hp.remove()
+    comm.barrier()
+    post.wait_for(5)
+    assert len(pre.items) == 4, pre.items
+
+
+def persistent(comm):
+    rank, size = comm.get_rank(), comm.get_size()
+    out = np.zeros(3 * size, dtype=np.int32)
+    h = comm.all_gather_p_init(out)
+    for step in range(3):
+        w = comm.all_gather_p_exec(h, np.full(3, rank * 10 + step, dtype=np.int32), async_op=True)
+        w.wait()
+        want = np.repeat(np.arange(size, dtype=np.int32) * 10 + step, 3)
+        assert (out == want).all(), (step, out)
+    try:
+        comm.all_gather_p_exec(h, np.zeros(4, dtype=np.int32))
+        raise AssertionError("a wrong count was accepted")
+    except ValueError:
+        pass
+    comm.all_gather_p_free(h)
+    # Ranks that disagree on the count learn it at init, on every rank.
+    try:
+        comm.all_gather_p_init(np.zeros((2 + rank) * size, dtype=np.float32))
+        raise AssertionError("no mismatch")
+    except chorus.MismatchError as e:
+        assert not e.fatal
+
+
+def window(comm):
+    rank, size = comm.get_rank(), comm.get_size()
+    peer = (rank + 1) % size
+    src = (rank - 1) % size
+    # This rank's window is its tensor: size, dtype and first contents.
+    mine = np.full(8, -1, dtype=np.float32)
+    win = comm.new_window(mine)
+    assert win.get_size() == 32 and win.dtype == "float32"
+    attr = win.get_attr(peer)
+    assert attr.access_type is chorus.TorchCommWinAccessType.WIN_ACCESS_TYPE_UNIFIED, attr
+    for step in range(3):
+        kv = np.full(4, rank * 100 + step, dtype=np.float32)
+        w = win.put(kv, peer, 2, async_op=True)
+        w.wait()
+        win.signal(peer)
+        win.wait_signal(src)
+        got = win.get_tensor()
+        assert got is mine
+        want = np.array([-1, -1] + [src * 100 + step] * 4 + [-1, -1], dtype=np.float32)
+        assert (mine == want).all(), (step, mine)
+        comm.barrier()  # the peer read its window before the next put
+    # Bad ranges are refused before anything moves.
+    try:
+        win.put(np.zeros(4, dtype=np.float32), peer, 6)
+        raise AssertionError("a put past the window's end was accepted")
+    except chorus.InvalidArgumentError:
+        pass
+    win.free()
+
+
 SCENARIOS = {
     "grid": grid,
     "buffers": buffers,
@@ -530,6 +652,9 @@ SCENARIOS = {
     "gil": gil,
     "torch": torch_tensors,
     "dlpack": dlpack,
+    "hooks": hooks,
+    "persistent": persistent,
+    "window": window,
 }
 
 

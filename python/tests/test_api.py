@@ -33,6 +33,8 @@ def test_reduce_op_names_and_premul_sum():
     p = ReduceOp.PREMUL_SUM(0.5)
     assert p.type is chorus.RedOpType.PREMUL_SUM and p == ReduceOp.PREMUL_SUM(0.5)
     assert ReduceOp.PREMUL_SUM(np.float32(2.0)) == ReduceOp.PREMUL_SUM(2.0)
+    # This rank's factor in a one-element tensor, as TorchComms passes it.
+    assert ReduceOp.PREMUL_SUM(np.array([0.25], dtype=np.float32)) == ReduceOp.PREMUL_SUM(0.25)
     with pytest.raises(TypeError):
         ReduceOp.PREMUL_SUM(np.ones(3))
     assert {repr(o) for o in (ReduceOp.AVG, p)} == {"ReduceOp.AVG", "ReduceOp.PREMUL_SUM(0.5)"}
@@ -142,3 +144,75 @@ def test_bool_arrays_reduce_logically_and_refuse_avg(comm):
     assert b.tolist() == [False, False]
     with pytest.raises(chorus.UnsupportedOpError):
         comm.all_reduce(a, ReduceOp.AVG)
+
+
+def test_hints_options_timeout_and_backend_version():
+    c = chorus.new_comm("cpu", "cpu", "api-hints", rank=0, size=1, hints={"chorus.tag": "base", "x": 1})
+    try:
+        opts = c.get_options()
+        assert opts.hints == {"chorus.tag": "base", "x": "1"}, opts
+        assert opts.timeout == datetime.timedelta(minutes=10)
+        c.set_timeout(datetime.timedelta(seconds=7))
+        assert c.get_timeout() == c.get_options().timeout == datetime.timedelta(seconds=7)
+        assert "chorus" in c.get_backend_version()
+        # A malformed value of a known hint is refused, per op and per communicator.
+        with pytest.raises(chorus.InvalidArgumentError):
+            c.barrier(hints={"chorus.record": "maybe"})
+        with pytest.raises(chorus.InvalidArgumentError):
+            chorus.new_comm("cpu", "cpu", "api-bad", rank=0, size=1, hints={"chorus.record": "maybe"})
+        # chorus.record=false keeps an op out of the flight recorder.
+        c.barrier(hints={"chorus.record": "false"})
+        c.barrier(hints={"chorus.tag": "mine"})
+        assert [e["tag"] for e in c.flight_record()] == ["mine"], c.flight_record()
+    finally:
+        c.finalize()
+
+
+def test_abort_hook_is_called_once_with_or_without_the_cause():
+    import threading
+
+    c = chorus.new_comm("cpu", "cpu", "api-abort-hook", rank=0, size=1)
+    plain, cause = threading.Event(), []
+    done = threading.Event()
+    c.register_abort_hook(plain.set)
+    c.register_abort_hook(lambda a: (cause.append(a), done.set()))
+    removed = c.register_abort_hook(lambda: cause.append("removed hook ran"))
+    removed.remove()
+    c.abort("bye")
+    assert plain.wait(10) and done.wait(10)
+    assert len(cause) == 1 and isinstance(cause[0].cause, chorus.AbortedError), cause
+    assert "bye" in str(cause[0].cause) and cause[0].comm == "api-abort-hook"
+
+
+def test_a_raising_hook_goes_to_unraisablehook_and_the_op_succeeds(comm, monkeypatch):
+    import sys
+    import threading
+
+    got, ran = [], threading.Event()
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: (got.append(u.exc_value), ran.set()))
+
+    def bad(name, op_id, args):
+        raise RuntimeError("hook bug")
+
+    comm.register_pre_hook(bad)
+    t = np.ones(4, dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM)
+    assert ran.wait(10) and isinstance(got[0], RuntimeError), got
+    assert (t == 1).all()
+
+
+def test_window_of_one_rank_and_bad_arguments(comm):
+    win = comm.new_window(size=16)
+    assert win.get_tensor() is None and win.sizes() == [16]
+    win.put(np.arange(2, dtype=np.int32), 0, 1)
+    win.signal(0)
+    win.wait_signal(0)
+    out = win.read(np.zeros(4, dtype=np.int32))
+    assert list(out) == [0, 0, 1, 0], out
+    with pytest.raises(chorus.InvalidArgumentError):
+        win.put(np.zeros(2, dtype=np.int32), 1, 0)  # no rank 1
+    with pytest.raises(ValueError):
+        comm.new_window()
+    win.free()
+    with pytest.raises(chorus.InvalidArgumentError):
+        win.signal(0)

@@ -55,3 +55,15 @@ def test_a_blocked_op_releases_the_gil(ranks):
 def test_torch_cpu_tensors_in_place(ranks):
     pytest.importorskip("torch")
     ranks(2, "torch").assert_ok("torch")
+
+
+def test_hooks_and_flight_recorder_see_every_op_with_its_hints_and_outcome(ranks):
+    ranks(2, "hooks").assert_ok("hooks")
+
+
+def test_persistent_all_gather_reuses_its_output_and_checks_agreement(ranks):
+    ranks(3, "persistent").assert_ok("persistent")
+
+
+def test_window_put_signal_wait_signal_ring(ranks):
+    ranks(3, "window").assert_ok("window")
