@@ -9,6 +9,9 @@
 #
 # Needs CPython >= 3.11 (PYTHON=..., default python3) and a Rust toolchain.
 # Extra arguments go to pytest, e.g. ./scripts/python-test.sh -k grid
+# CHORUS_PY_TORCH=1 also installs torch from PyPI (several GB, with its CUDA
+# libraries) so that the torch tests run, e.g. the real torchrun launch:
+#   CHORUS_PY_VENV=target/torch-venv CHORUS_PY_TORCH=1 ./scripts/python-test.sh -k torch
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +27,9 @@ fi
 venv=$(cd "$venv" && pwd)
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "maturin>=1.9,<2" numpy pytest
+if [ "${CHORUS_PY_TORCH:-0}" = 1 ]; then
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch
+fi
 
 export CARGO_TARGET_DIR="$PWD/target"
 (cd python && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \

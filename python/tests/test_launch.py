@@ -1,6 +1,7 @@
 """The launcher (python -m chorus.run), the example, torchrun conventions."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -121,3 +122,55 @@ def test_quic_store_shares_master_port_with_a_tcp_store():
             conn.close()
     finally:
         tcp_store.close()
+
+
+def test_under_torchrun_with_gloo_on_the_same_master_port(tmp_path):
+    """A real torchrun launch: its agent hosts torch's TCPStore on TCP
+    MASTER_PORT, every worker joins a gloo process group through it and a
+    Chorus communicator through Chorus's QUIC store on UDP MASTER_PORT, and
+    the two give the same all_reduce."""
+    pytest.importorskip("torch.distributed")
+    script = tmp_path / "both.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            import numpy as np
+            import torch
+            import torch.distributed as dist
+            import chorus
+
+            dist.init_process_group("gloo")
+            t0 = time.perf_counter()
+            comm = chorus.new_comm("cpu", "cpu", "beside-torch", connect_timeout=60)
+            boot = time.perf_counter() - t0
+            rank = comm.get_rank()
+            assert rank == dist.get_rank() and comm.get_size() == dist.get_world_size()
+            x = torch.arange(8, dtype=torch.float32) * (rank + 1)
+            y = x.clone()
+            dist.all_reduce(x)
+            comm.all_reduce(y, chorus.ReduceOp.SUM)
+            assert torch.equal(x, y), (x, y)
+            dist.barrier()
+            comm.finalize()
+            dist.destroy_process_group()
+            print(f"OK rank {rank} port {os.environ['MASTER_PORT']} chorus bootstrap {boot * 1e3:.1f} ms")
+            """
+        )
+    )
+    env = dict(os.environ, CHORUS_SECRET=os.urandom(16).hex())
+    port = free_port()
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    # The ranks' lines may interleave on the shared stdout.
+    ok = re.findall(r"OK rank (\d) port (\d+) chorus bootstrap ([\d.]+) ms", res.stdout)
+    assert sorted(r for r, _, _ in ok) == ["0", "1"], res.stdout
+    assert all(p == str(port) for _, p, _ in ok), res.stdout
+    print(ok)
