@@ -1,7 +1,8 @@
 //! `CHORUS_CHECKSUM=1`: every frame and ring message carries a CRC32C.
 //!
 //! - With checksums on, every op still gives exact results, over
-//!   shared-memory rings (with and without single copy) and over TCP.
+//!   shared-memory rings (with and without single copy) and over TCP, and
+//!   so do window puts (checked over TCP, copied directly in shared memory).
 //! - Bytes scribbled into a shared-memory ring while ops run (as another
 //!   process of the same user could, through `/proc/<pid>/mem`) are found:
 //!   no op returns corrupted data as a success, and some rank reports
@@ -59,6 +60,28 @@ fn exact_results(phase: &'static str, size: usize) {
         comm.finalize().expect("finalize");
     });
     assert_eq!(results.len(), size);
+}
+
+/// Window puts (over TCP when `CHORUS_SHM=0`, where they carry a CRC32C)
+/// land exactly: every rank puts a pattern into the next rank's window.
+fn exact_window_puts(phase: &'static str, size: usize) {
+    let len = (1 << 20) + 13;
+    run_ranks(size, &format!("crc-win-{phase}-{size}"), move |comm| {
+        let (rank, n) = (comm.rank(), comm.size());
+        let win = comm.new_window(len).expect("new_window");
+        let pattern = |r: usize| -> Vec<u8> { (0..len).map(|i| (i * 7 + r) as u8).collect() };
+        win.put_bytes(&pattern(rank), (rank + 1) % n, 0)
+            .expect("put");
+        win.signal((rank + 1) % n, 1).expect("signal");
+        let src = (rank + n - 1) % n;
+        win.wait_signal(src, 1).expect("wait_signal");
+        assert!(
+            win.read(0, len).expect("read") == pattern(src),
+            "{phase}: rank {rank}'s window holds other bytes than rank {src} put"
+        );
+        win.free().expect("free");
+        comm.finalize().expect("finalize");
+    });
 }
 
 /// The data areas of every chorus ring mapped in this process:
@@ -136,7 +159,9 @@ fn checksums_keep_results_exact_and_catch_scribbled_rings() {
     std::env::set_var("CHORUS_SHM", "0");
     exact_results("tcp", 2);
     exact_results("tcp", 3);
+    exact_window_puts("tcp", 3);
     std::env::remove_var("CHORUS_SHM");
+    exact_window_puts("shm", 2);
 
     // Scribbling: rings only (no single copy, whose bytes never sit in the
     // ring), 64 KiB all-reduces until an error or the deadline.

@@ -21,7 +21,9 @@
 //! `wait_signal` on it fails with `PeerFailed`.
 //!
 //! Frames on a window connection: `1 | offset u64 | len u64 | len bytes`
-//! (put), `2 | value u64` (signal), `3` (close, sent at finalize); integers
+//! (put), `4 | offset u64 | len u64 | crc u32 | len bytes` (put with the
+//! CRC32C of its bytes, sent instead of `1` under `CHORUS_CHECKSUM=1`),
+//! `2 | value u64` (signal), `3` (close, sent at finalize); integers
 //! little-endian.
 //!
 //! # Invariants
@@ -45,6 +47,15 @@
 //!   by a wake of the target window's futex word, so a waiter parked on it
 //!   (from a blocking thread, never a runtime worker) is woken at once;
 //!   each park is also bounded by [`MAX_BACKOFF`].
+//! - CW-6: with `CHORUS_CHECKSUM=1`, every put sent over a window
+//!   connection carries the CRC32C of its bytes, and the receiver checks
+//!   any CRC it is sent (setting or not). A put whose bytes fail it, or a
+//!   put without one at a receiver with the setting on, ends the
+//!   connection: every later `wait_signal` on that source fails
+//!   (`Corrupted`, or a fatal `Mismatch` for the missing checksum), so no
+//!   signal after the bad put is ever seen. Puts into a mapped window
+//!   (this rank's own, or a same-host peer's) are one copy into the
+//!   target's memory, with nothing in between to check.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -73,10 +84,15 @@ const MAGIC: u64 = u64::from_le_bytes(*b"CHWINDW1");
 const TAG_PUT: u8 = 1;
 const TAG_SIGNAL: u8 = 2;
 const TAG_CLOSE: u8 = 3;
+const TAG_PUT_CRC: u8 = 4;
 /// Source states, per source rank.
 const LIVE: u8 = 0;
 const CLOSED: u8 = 1;
 const FAILED: u8 = 2;
+/// A put from the source failed its CRC32C (CW-6).
+const CORRUPT: u8 = 3;
+/// A put from the source came without a CRC32C, which this rank requires.
+const UNCHECKED: u8 = 4;
 /// How long finalize waits for each close frame.
 const CLOSE_BOUND: Duration = Duration::from_secs(1);
 /// How long an accepted window connection may take for its handshake.
@@ -320,8 +336,11 @@ impl WinMem {
 #[derive(Debug)]
 struct Local {
     mem: WinMem,
-    /// Per source rank: `LIVE`, `CLOSED` or `FAILED`.
+    /// Per source rank: `LIVE`, `CLOSED`, `FAILED`, `CORRUPT` or
+    /// `UNCHECKED`.
     sources: Vec<AtomicU8>,
+    /// Require a CRC32C on every put received (CW-6).
+    checksum: bool,
 }
 
 impl Local {
@@ -354,6 +373,8 @@ struct CpuWindow {
     targets: Vec<Target>,
     /// Write halves of the window connections, by rank.
     tx: Vec<Option<OwnedWriteHalf>>,
+    /// Send a CRC32C with every put over a connection (CW-6).
+    checksum: bool,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -378,6 +399,8 @@ pub(super) struct Windows {
     secret: Arc<[u8]>,
     key_prefix: String,
     bind_ip: std::net::IpAddr,
+    /// `CHORUS_CHECKSUM` (CW-6).
+    checksum: bool,
     /// By window id; `None` once freed.
     list: Vec<Option<CpuWindow>>,
 }
@@ -389,6 +412,7 @@ impl Windows {
             secret: init.secret.clone(),
             key_prefix: init.key_prefix.clone(),
             bind_ip: init.bind_ip,
+            checksum: super::link::checksum_from_env(),
             list: Vec::new(),
         }
     }
@@ -683,6 +707,7 @@ impl CpuBackend {
         let local = Arc::new(Local {
             mem: local,
             sources: (0..n).map(|_| AtomicU8::new(LIVE)).collect(),
+            checksum: self.windows.checksum,
         });
         let mut tx: Vec<Option<OwnedWriteHalf>> = (0..n).map(|_| None).collect();
         let mut tasks = Vec::new();
@@ -706,6 +731,7 @@ impl CpuBackend {
             local,
             targets,
             tx,
+            checksum: self.windows.checksum,
             tasks,
         }));
         tracing::debug!(comm = %ctx.comm, rank = me, id, size, "window created");
@@ -821,10 +847,13 @@ async fn put(
         w.tx.get_mut(dst)
             .and_then(Option::as_mut)
             .ok_or_else(|| ctx.peer_failed(vec![dst], "no window connection"))?;
-    let mut head = Vec::with_capacity(17 + bytes.len().min(CHUNK));
-    head.push(TAG_PUT);
+    let mut head = Vec::with_capacity(21 + bytes.len().min(CHUNK));
+    head.push(if w.checksum { TAG_PUT_CRC } else { TAG_PUT });
     head.extend_from_slice(&(offset as u64).to_le_bytes());
     head.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    if w.checksum {
+        head.extend_from_slice(&crc32c::crc32c(bytes).to_le_bytes());
+    }
     let sent = if bytes.len() <= CHUNK {
         head.extend_from_slice(bytes);
         tx.write_all(&head).await
@@ -896,6 +925,21 @@ async fn wait_signal(ctx: &OpCtx, local: &Arc<Local>, src: usize, value: u64) ->
                 ),
                 ))
             }
+            Some(CORRUPT) => {
+                return Err(ctx.corrupted(
+                    src,
+                    format!(
+                        "a window put from rank {src} failed its CRC32C before its signal \
+                         reached {value}; the window's bytes from that put are not valid"
+                    ),
+                ))
+            }
+            Some(UNCHECKED) => {
+                return Err(ctx.mismatch(format!(
+                    "rank {src} sent a window put without a checksum, but this rank has \
+                     CHORUS_CHECKSUM on: set it alike on every rank"
+                )))
+            }
             _ => {}
         }
         if spins < 64 {
@@ -928,10 +972,25 @@ async fn receive(local: Arc<Local>, src: usize, mut rx: OwnedReadHalf) {
             break FAILED;
         };
         match tag {
-            TAG_PUT => {
+            TAG_PUT | TAG_PUT_CRC => {
                 let (Ok(offset), Ok(len)) = (rx.read_u64_le().await, rx.read_u64_le().await) else {
                     break FAILED;
                 };
+                let sent = if tag == TAG_PUT_CRC {
+                    match rx.read_u32_le().await {
+                        Ok(c) => Some(c),
+                        Err(_) => break FAILED,
+                    }
+                } else {
+                    None
+                };
+                if sent.is_none() && local.checksum {
+                    tracing::error!(
+                        src,
+                        "window put without a checksum (CHORUS_CHECKSUM differs)"
+                    );
+                    break UNCHECKED;
+                }
                 let (Ok(offset), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
                     break FAILED;
                 };
@@ -941,17 +1000,32 @@ async fn receive(local: Arc<Local>, src: usize, mut rx: OwnedReadHalf) {
                 }
                 let mut done = 0;
                 let mut ok = true;
+                let mut crc = 0u32;
                 while done < len {
                     let k = (len - done).min(CHUNK);
                     if rx.read_exact(&mut buf[..k]).await.is_err() {
                         ok = false;
                         break;
                     }
+                    if sent.is_some() {
+                        crc = crc32c::crc32c_append(crc, &buf[..k]);
+                    }
                     local.mem.write(offset + done, &buf[..k]);
                     done += k;
                 }
                 if !ok {
                     break FAILED;
+                }
+                if let Some(want) = sent.filter(|&want| want != crc) {
+                    tracing::error!(
+                        src,
+                        offset,
+                        len,
+                        got = crc,
+                        want,
+                        "window put failed its CRC32C"
+                    );
+                    break CORRUPT;
                 }
             }
             TAG_SIGNAL => {
@@ -1017,6 +1091,63 @@ mod tests {
             .expect("counter")
             .fetch_add(u64::MAX, Ordering::Release);
         assert_eq!(m.read(0, 10), Some(vec![0, 0, 0, 0, 0, 0, 1, 2, 3, 4]));
+    }
+
+    /// Feed `frame` (then a close) to a receiver task over a loopback TCP
+    /// pair; the source's end state and the window's 8 bytes.
+    async fn receive_frame(checksum: bool, frame: Vec<u8>) -> (u8, Vec<u8>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let mut client = TcpStream::connect(addr).await.expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        let (rx, _keep) = server.into_split();
+        let n = 2;
+        let local = Arc::new(Local {
+            mem: WinMem::init(Mapping::anonymous(data_offset(n) + 8).expect("map"), n, 8),
+            sources: (0..n).map(|_| AtomicU8::new(LIVE)).collect(),
+            checksum,
+        });
+        let task = tokio::spawn(receive(local.clone(), 1, rx));
+        client.write_all(&frame).await.expect("frame");
+        // The receiver may already have hung up on a bad frame.
+        let _ = client.write_all(&[TAG_CLOSE]).await;
+        task.await.expect("receiver");
+        let state = local.sources[1].load(Ordering::Acquire);
+        (state, local.mem.read(0, 8).expect("read"))
+    }
+
+    fn put_frame(offset: u64, bytes: &[u8], crc: Option<u32>) -> Vec<u8> {
+        let mut f = vec![if crc.is_some() { TAG_PUT_CRC } else { TAG_PUT }];
+        f.extend_from_slice(&offset.to_le_bytes());
+        f.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        if let Some(c) = crc {
+            f.extend_from_slice(&c.to_le_bytes());
+        }
+        f.extend_from_slice(bytes);
+        f
+    }
+
+    #[tokio::test]
+    async fn cw_6_a_put_failing_its_crc_or_missing_one_ends_the_source() {
+        let bytes = [1u8, 2, 3, 4];
+        let good = Some(crc32c::crc32c(&bytes));
+        let landed = vec![0, 0, 1, 2, 3, 4, 0, 0];
+        // A put with its CRC lands, whatever this rank's setting.
+        for checksum in [true, false] {
+            let got = receive_frame(checksum, put_frame(2, &bytes, good)).await;
+            assert_eq!(got, (CLOSED, landed.clone()), "checksum {checksum}");
+        }
+        // A wrong CRC is found with the setting off too.
+        for checksum in [true, false] {
+            let bad = good.map(|c| c ^ 1);
+            let (state, _) = receive_frame(checksum, put_frame(2, &bytes, bad)).await;
+            assert_eq!(state, CORRUPT, "checksum {checksum}");
+        }
+        // No CRC: refused where one is required, taken where it is not.
+        let (state, mem) = receive_frame(true, put_frame(2, &bytes, None)).await;
+        assert_eq!((state, mem), (UNCHECKED, vec![0; 8]));
+        let got = receive_frame(false, put_frame(2, &bytes, None)).await;
+        assert_eq!(got, (CLOSED, landed));
     }
 
     #[test]
