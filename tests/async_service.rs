@@ -384,3 +384,46 @@ async fn bootstrap_wait_never_blocks_a_multi_thread_worker() {
     late_peer_keeps_ticker_running(false).await;
     late_peer_keeps_ticker_running(true).await;
 }
+
+/// On a worker of the caller's runtime, an op on an idle communicator gets
+/// a first poll inside the async call itself: one that can finish at once
+/// (here, a world of one) is complete before it is awaited, with no task in
+/// between; one that cannot continues as a task, and runs even when its
+/// `Work` is dropped unawaited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_op_that_can_finish_at_once_is_done_before_it_is_awaited() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let one = new_comm_async("cpu", Device::Cpu, "first-poll-1", opts(&store, 0, 1, true))
+        .await
+        .expect("new_comm");
+    for _ in 0..100 {
+        let w = one.all_reduce_async(Tensor::full(2.0f32, 4), ReduceOp::Sum);
+        assert!(
+            w.is_completed(),
+            "the turn did not finish in the first poll"
+        );
+        assert_eq!(w.await.expect("all_reduce").to_vec::<f32>(), vec![2.0; 4]);
+    }
+    one.finalize_async().await.expect("finalize");
+
+    // Two ranks: whichever way each first poll goes (a peer may not have
+    // called yet), rank 0's dropped op still runs, in order, on both.
+    let got = ranks(2, "first-poll-2", true, |comm| async move {
+        for step in 0..50 {
+            let w = comm.all_reduce_async(Tensor::full(1.0f32, 4), ReduceOp::Sum);
+            if comm.rank() == 0 {
+                drop(w);
+            } else {
+                assert_eq!(w.await.expect("all_reduce").to_vec::<f32>(), vec![2.0; 4]);
+            }
+            let b = comm.broadcast_async(Tensor::full(step as u8, 1), 0).await;
+            assert_eq!(b.expect("broadcast").to_vec::<u8>(), vec![step as u8]);
+        }
+        comm.all_reduce_async(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+            .await
+            .expect("all_reduce")
+            .to_vec::<f32>()
+    })
+    .await;
+    assert_eq!(got, vec![vec![2.0f32; 4]; 2]);
+}
