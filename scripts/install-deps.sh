@@ -5,11 +5,14 @@
 #   gloo : libgloo-dev (headers + libgloo.so), g++ (the C++ shim, built by the cc crate)
 #   mpi  : libopenmpi-dev openmpi-bin (rsmpi + mpirun), libclang-dev (bindgen in rsmpi)
 #   nccl, rccl : nothing at build time (cudarc/our RCCL layer load libraries at run time)
-#   etcd : protobuf-compiler (protoc, for etcd-client's build), etcd-server (the
-#          tests start their own etcd on loopback; the packaged service is not used)
+#   etcd : protobuf-compiler (protoc, for etcd-client's build), libprotobuf-dev
+#          (google/protobuf/*.proto, which etcd's protos import; only a
+#          Recommends of protobuf-compiler, so --no-install-recommends skips it),
+#          etcd-server (the tests start their own etcd on loopback; the
+#          packaged service is not used)
 set -euo pipefail
 
-pkgs=(libgloo-dev g++ libopenmpi-dev openmpi-bin libclang-dev pkg-config protobuf-compiler etcd-server)
+pkgs=(libgloo-dev g++ libopenmpi-dev openmpi-bin libclang-dev pkg-config protobuf-compiler libprotobuf-dev etcd-server)
 missing=()
 for p in "${pkgs[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
