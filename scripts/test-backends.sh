@@ -13,7 +13,8 @@
 #   7. nccl and rccl on the fake vendor libraries (tests/fakes/xccl.rs, a
 #      cdylib): tests/xccl_fake.rs, then the shared suite and the subgroup
 #      tests with CHORUS_TEST_BACKEND=nccl/rccl and CHORUS_LIB_DIRS pointing
-#      at the fake (bitwise reductions skipped: NCCL has none).
+#      at the fake (bitwise reductions skipped: NCCL has none); the window
+#      cases once more with the fake reporting NCCL 2.29.
 # Set CHORUS_SKIP_CLIPPY=1 to skip step 1 (local runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -95,5 +96,10 @@ for b in nccl rccl; do
   CHORUS_TEST_BACKEND=$b CHORUS_LIB_DIRS=$fake_dir timeout 600 "$coll" --skip every_dtype_and_op
   CHORUS_TEST_BACKEND=$b CHORUS_LIB_DIRS=$fake_dir timeout 300 "$subg"
 done
+step "one-sided windows on the fake NCCL 2.29 (shared suite's window test, gpu.rs)"
+CHORUS_TEST_BACKEND=nccl FAKE_XCCL_VERSION=22907 CHORUS_LIB_DIRS=$fake_dir \
+  timeout 300 "$coll" new_window
+FAKE_XCCL_VERSION=22907 CHORUS_LIB_DIRS=$fake_dir \
+  timeout 300 cargo test --features "$features" --test gpu gpu_windows -- --nocapture
 
 step "done"

@@ -84,8 +84,9 @@
 //! signal counters ([`Window::signal`], [`Window::wait_signal`]) that are
 //! counted only after the puts before them landed. The `cpu` backend maps
 //! same-host peers' windows (shared memory) and reaches other hosts over
-//! TCP; other backends refuse windows with [`Error::UnsupportedOp`]
-//! (`docs/windows.md`).
+//! TCP; `nccl` (with NCCL 2.29 or later) registers them with NCCL and moves
+//! the bytes with its one-sided puts and signals; other backends refuse
+//! windows with [`Error::UnsupportedOp`] (`docs/windows.md`).
 //!
 //! ## Observing ops
 //!

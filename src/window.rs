@@ -120,7 +120,8 @@ impl Comm {
     ///
     /// # Errors
     /// [`Error::UnsupportedOp`] on a backend without windows (every
-    /// backend but `cpu` today), before any I/O; [`Error::Mismatch`] if the
+    /// backend but `cpu`, and `nccl` with NCCL 2.29 or later), before any
+    /// I/O; [`Error::Mismatch`] if the
     /// ranks are out of step; the communicator's failures otherwise.
     pub fn new_window(&self, size_bytes: usize) -> Result<Window> {
         let info = self.blocking("new_window", || self.new_window_work(size_bytes))?;

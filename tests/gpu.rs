@@ -169,6 +169,56 @@ fn gpu_split_children_reduce_their_own_members() {
     }
 }
 
+/// One-sided windows on a real NCCL (2.29 or later): every rank puts into
+/// the next rank's window, signals it, waits for the previous rank and
+/// reads what it wrote. An older library refuses windows on every rank
+/// (printed, not a failure).
+#[test]
+fn gpu_windows_ring_put_signal_wait_read() {
+    for flavor in flavors() {
+        let Some(n) = world(flavor) else { continue };
+        run_ranks_on(
+            flavor.name(),
+            n,
+            "gpu-win",
+            |_, o| o,
+            move |comm| {
+                let r = comm.rank();
+                let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                let win = match comm.new_window(1 << 20) {
+                    Ok(w) => w,
+                    Err(Error::UnsupportedOp { op, .. }) => {
+                        eprintln!(
+                            "SKIP windows on {}: {op} ({})",
+                            comm.backend(),
+                            comm.backend_version()
+                        );
+                        comm.finalize().unwrap();
+                        return;
+                    }
+                    Err(e) => panic!("rank {r}: {e}"),
+                };
+                for round in 0..4u64 {
+                    let bytes: Vec<u8> = (0..(1usize << 20))
+                        .map(|i| (i as u64 * 7 + r as u64 + round) as u8)
+                        .collect();
+                    win.put_bytes(&bytes, next, 0).unwrap();
+                    win.signal(next, 1).unwrap();
+                    win.wait_signal(prev, round + 1).unwrap();
+                    let got = win.read(0, 1 << 20).unwrap();
+                    let want: Vec<u8> = (0..(1usize << 20))
+                        .map(|i| (i as u64 * 7 + prev as u64 + round) as u8)
+                        .collect();
+                    assert!(got == want, "rank {r} round {round}: window bytes differ");
+                    comm.barrier().unwrap();
+                }
+                win.free().unwrap();
+                comm.finalize().unwrap();
+            },
+        );
+    }
+}
+
 /// Bus bandwidth of all-reduce, f32, 1 MiB .. 256 MiB (staged through the
 /// host, so this measures the whole current data path, not NCCL alone).
 #[test]

@@ -42,6 +42,7 @@ struct Counters {
     live_events: u64,
     freed_in_use: u64,
     in_use_allocs: u64,
+    live_windows: u64,
 }
 
 struct Fake {
@@ -113,6 +114,16 @@ impl Fake {
                 .lib
                 .get::<unsafe extern "C" fn(c_int, c_uint, c_int)>(b"fake_xccl_fail_call\0")
                 .expect("fake_xccl_fail_call"))(device, skip, code)
+        }
+    }
+
+    fn set_version(&self, v: c_int) {
+        // SAFETY: control symbol.
+        unsafe {
+            (self
+                .lib
+                .get::<unsafe extern "C" fn(c_int)>(b"fake_xccl_set_version\0")
+                .expect("fake_xccl_set_version"))(v)
         }
     }
 
@@ -1308,4 +1319,187 @@ fn device_memory_of_an_op_in_flight_is_freed_only_after_the_abort() {
             f.counters()
         );
     }
+}
+
+/// NCCL 2.29's one-sided API, as the fake models it.
+const ONE_SIDED: c_int = 22907;
+
+/// A byte pattern of `len` bytes that names its writer and round.
+fn pattern(from: usize, round: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (from * 31 + round * 7 + i) as u8)
+        .collect()
+}
+
+/// Windows on nccl (NCCL >= 2.29): every rank puts a pattern into the next
+/// rank's window (ranks' windows differ in size), signals it, waits for the
+/// previous rank's signal and reads what it wrote; signals add up; free is
+/// collective; nothing stays registered or allocated.
+#[test]
+fn nccl_windows_put_signal_wait_read_world_2_to_3() {
+    let (_g, f) = setup();
+    if !cfg!(feature = "nccl") {
+        return;
+    }
+    f.set_version(ONE_SIDED);
+    for n in [2usize, 3] {
+        let before = f.counters();
+        run_ranks_on(
+            "nccl",
+            n,
+            "xf-win",
+            |_, o| o,
+            move |comm| {
+                let (r, n) = (comm.rank(), comm.size());
+                let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                // Rank r's window is 1000 + 100 r bytes.
+                let win = comm.new_window(1000 + 100 * r).unwrap();
+                assert_eq!(
+                    win.sizes(),
+                    (0..n).map(|p| 1000 + 100 * p).collect::<Vec<_>>()
+                );
+                let attr = win.get_attr(next).unwrap();
+                assert_eq!(attr.size, 1000 + 100 * next);
+                assert_eq!(attr.access_type, chorus::WindowAccess::Separate);
+                assert_eq!(
+                    win.get_attr(r).unwrap().access_type,
+                    chorus::WindowAccess::Unified
+                );
+                for round in 0..3usize {
+                    // Two puts, then one signal that covers both.
+                    let a = pattern(r, round, 300);
+                    let b = pattern(r + 10, round, 200);
+                    win.put_bytes(&a, next, 0).unwrap();
+                    win.put_bytes(&b, next, 700 + 100 * next).unwrap();
+                    win.signal(next, 2).unwrap();
+                    win.wait_signal(prev, 2 * (round as u64 + 1)).unwrap();
+                    assert_eq!(
+                        win.read(0, 300).unwrap(),
+                        pattern(prev, round, 300),
+                        "rank {r} round {round}"
+                    );
+                    assert_eq!(
+                        win.read(700 + 100 * r, 200).unwrap(),
+                        pattern(prev + 10, round, 200),
+                        "rank {r} round {round}"
+                    );
+                    // Everyone has read before the next round overwrites.
+                    comm.barrier().unwrap();
+                }
+                // A put into this rank's own window, and its own signal.
+                win.put_bytes(&[9, 8, 7], r, 5).unwrap();
+                win.signal(r, 4).unwrap();
+                win.wait_signal(r, 4).unwrap();
+                assert_eq!(win.read(5, 3).unwrap(), vec![9, 8, 7]);
+                let e = win
+                    .wait_signal(r, 5)
+                    .expect_err("no later op could reach it");
+                assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+                // Out of range is refused above the backend.
+                let e = win
+                    .put_bytes(&[0; 8], next, 1000 + 100 * next - 4)
+                    .expect_err("too far");
+                assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+                // A second window works alongside; the first is freed.
+                let w2 = comm.new_window(64).unwrap();
+                win.clone().free().unwrap();
+                w2.put_bytes(&[r as u8 + 1; 4], next, 60).unwrap();
+                w2.signal(next, 1).unwrap();
+                w2.wait_signal(prev, 1).unwrap();
+                assert_eq!(w2.read(60, 4).unwrap(), vec![prev as u8 + 1; 4]);
+                let e = win.signal(next, 1).expect_err("freed");
+                assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+                // w2 is released by finalize.
+                comm.finalize().unwrap();
+            },
+        );
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let c = f.counters();
+                (c.live_allocs, c.live_windows, c.live_comms)
+                    == (before.live_allocs, 0, before.live_comms)
+            }),
+            "leaked: {:?} (before {before:?})",
+            f.counters()
+        );
+        let c = f.counters();
+        assert_eq!(
+            (c.freed_in_use, c.bad_pointer),
+            (before.freed_in_use, before.bad_pointer),
+            "{c:?}"
+        );
+    }
+}
+
+/// A library older than 2.29 has no one-sided API: `new_window` is
+/// `UnsupportedOp` on every rank before any I/O, and the communicator
+/// goes on working.
+#[test]
+fn nccl_windows_before_2_29_are_unsupported_on_every_rank() {
+    let (_g, f) = setup();
+    for flavor in flavors() {
+        let before = f.counters();
+        run_ranks_on(
+            flavor.name(),
+            2,
+            "xf-win-old",
+            |_, o| o,
+            |comm| {
+                let e = comm
+                    .new_window(128)
+                    .expect_err("no windows before NCCL 2.29");
+                assert!(matches!(e, Error::UnsupportedOp { .. }), "{e:?}");
+                let s = comm
+                    .all_reduce(Tensor::full(1i32, 4), ReduceOp::Sum)
+                    .unwrap();
+                assert_eq!(s.to_vec::<i32>(), vec![2; 4]);
+                comm.finalize().unwrap();
+            },
+        );
+        assert_eq!(f.counters().live_windows, before.live_windows);
+    }
+}
+
+/// A rank that waits for a signal from a peer that aborts fails with an
+/// error instead of hanging, and its window memory is released.
+#[test]
+fn nccl_window_wait_for_a_dead_peer_fails_and_frees_the_window() {
+    let (_g, f) = setup();
+    if !cfg!(feature = "nccl") {
+        return;
+    }
+    f.set_version(ONE_SIDED);
+    let before = f.counters();
+    let waiting = Signal::default();
+    run_ranks_on(
+        "nccl",
+        2,
+        "xf-win-dead",
+        |_, o| o,
+        move |comm| {
+            let win = comm.new_window(256).unwrap();
+            if comm.rank() == 1 {
+                assert!(waiting.wait(Duration::from_secs(40)));
+                comm.abort();
+                return;
+            }
+            let w = win.wait_signal_async(1, 1);
+            waiting.raise();
+            let e = w.wait().expect_err("the signaller is gone");
+            assert!(
+                matches!(e, Error::PeerFailed { .. } | Error::Aborted { .. }),
+                "{e:?}"
+            );
+            assert!(eventually(Duration::from_secs(20), || !comm.is_active()));
+        },
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let c = f.counters();
+            (c.live_allocs, c.live_windows, c.live_comms)
+                == (before.live_allocs, 0, before.live_comms)
+        }),
+        "leaked after the peer died: {:?} (before {before:?})",
+        f.counters()
+    );
 }

@@ -40,6 +40,18 @@
 //!   `cudaStreamWaitEvent` makes a stream's later work wait until the
 //!   event's work ran on the other stream (a stream thread blocks), so an
 //!   op that forgot to wait for its input's stream reads stale data;
+//! - one-sided windows (NCCL 2.29's host API): `ncclMemAlloc`/`ncclMemFree`
+//!   (4096-aligned device memory that `cudaFree` refuses),
+//!   `ncclCommWindowRegister` (collective: ranks pair by registration order,
+//!   and a non-blocking communicator is in progress meanwhile) and
+//!   `ncclCommWindowDeregister`; `ncclPutSignal` writes into the peer's
+//!   registered buffer from the sender's stream and then counts one signal
+//!   operation for (sender, receiver, signal index, context);
+//!   `ncclWaitSignal` blocks the receiver's stream until that many more
+//!   operations arrived than it consumed (a dead sender is
+//!   `ncclRemoteError`); the version `ncclGetVersion` reports is settable
+//!   (`fake_xccl_set_version`, or `FAKE_XCCL_VERSION` in the environment;
+//!   2.26.3 by default), so a test can model a library older than 2.29;
 //! - error injection and leak counters, through the `fake_xccl_*` symbols.
 //!
 //! Ranks of one test process meet through in-process state keyed by the
@@ -99,6 +111,8 @@ struct Counters {
     events_created: AtomicU64,
     events_destroyed: AtomicU64,
     freed_in_use: AtomicU64,
+    windows_registered: AtomicU64,
+    windows_released: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -119,6 +133,8 @@ static COUNTERS: Counters = Counters {
     events_created: AtomicU64::new(0),
     events_destroyed: AtomicU64::new(0),
     freed_in_use: AtomicU64::new(0),
+    windows_registered: AtomicU64::new(0),
+    windows_released: AtomicU64::new(0),
 };
 
 /// `trafficClass` as the last `ncclCommInitRankConfig`/`ncclCommSplit` saw
@@ -141,6 +157,27 @@ static HUNG: LazyLock<Mutex<HashSet<c_int>>> = LazyLock::new(|| Mutex::new(HashS
 /// Injection: (device, calls to let through, code) for the next NCCL op call.
 static FAIL: LazyLock<Mutex<Option<(c_int, u32, c_int)>>> = LazyLock::new(|| Mutex::new(None));
 static LAST_ERROR: LazyLock<Mutex<CString>> = LazyLock::new(|| Mutex::new(CString::default()));
+/// What `ncclGetVersion` reports when set (`fake_xccl_set_version`);
+/// negative: `FAKE_XCCL_VERSION` from the environment, else 2.26.3.
+static VERSION: AtomicI32 = AtomicI32::new(-1);
+
+fn version() -> c_int {
+    match VERSION.load(SeqCst) {
+        v if v >= 0 => v,
+        _ => std::env::var("FAKE_XCCL_VERSION")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(22603),
+    }
+}
+/// Allocations made by `ncclMemAlloc` (start addresses).
+static NCCL_MEM: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
+/// Registered windows by handle.
+static WINS: LazyLock<Mutex<HashMap<usize, Win>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+/// Next window handle.
+static NEXT_WIN: AtomicU64 = AtomicU64::new(0x5700_0000);
+/// `NCCL_WIN_REQUIRED_ALIGNMENT`.
+const WIN_ALIGN: usize = 4096;
 
 thread_local! {
     static DEVICE: Cell<c_int> = const { Cell::new(0) };
@@ -325,6 +362,10 @@ unsafe fn rt_malloc(p: *mut *mut c_void, size: usize) -> RtError {
 unsafe fn rt_free(p: *mut c_void) -> RtError {
     if p.is_null() {
         return SUCCESS;
+    }
+    if lock(&NCCL_MEM).contains(&(p as usize)) {
+        set_last_error(format!("cudaFree of {p:p}, which ncclMemAlloc allocated"));
+        return RT_INVALID_VALUE;
     }
     if lock(&IN_USE).contains_key(&(p as usize)) {
         // Real CUDA would synchronise the device first (and hang behind a
@@ -636,6 +677,21 @@ struct CliqueState {
     splits: HashMap<u64, SplitSlot>,
     finalized: HashSet<usize>,
     dead: HashSet<usize>,
+    /// Window registrations by order: each rank's (buffer, bytes), `None`
+    /// before it registered and after it deregistered.
+    wins: HashMap<u64, Vec<Option<(usize, usize)>>>,
+    /// The next registration number of each rank.
+    win_next: HashMap<usize, u64>,
+    /// Signal operations delivered: (from, to, signal index, context).
+    signals: HashMap<(usize, usize, c_int, c_int), u64>,
+    /// Signal operations the receiver consumed, keyed alike.
+    consumed: HashMap<(usize, usize, c_int, c_int), u64>,
+}
+
+/// A registered window: its communicator and registration number.
+struct Win {
+    comm: Arc<Comm>,
+    seq: u64,
 }
 
 struct Clique {
@@ -1346,7 +1402,7 @@ pub unsafe extern "C" fn ncclGetVersion(v: *mut c_int) -> NcclResult {
     if v.is_null() {
         return NCCL_INVALID_ARGUMENT;
     }
-    *v = 22603;
+    *v = version();
     SUCCESS
 }
 
@@ -1499,6 +1555,7 @@ pub extern "C" fn ncclCommAbort(c: *mut c_void) -> NcclResult {
     };
     COUNTERS.aborts.fetch_add(1, SeqCst);
     comm.aborted.store(true, SeqCst);
+    drop_windows_of(&comm);
     let cl = &comm.clique;
     lock(&cl.m).dead.insert(comm.rank);
     cl.cv.notify_all();
@@ -1567,6 +1624,7 @@ pub extern "C" fn ncclCommDestroy(c: *mut c_void) -> NcclResult {
     } else if comm.state.load(SeqCst) == NCCL_IN_PROGRESS {
         return NCCL_INVALID_USAGE;
     }
+    drop_windows_of(&comm);
     free_comm(c);
     SUCCESS
 }
@@ -2046,6 +2104,9 @@ pub struct FakeCounters {
     pub freed_in_use: u64,
     /// Allocations queued NCCL work still uses.
     pub in_use_allocs: u64,
+    /// Windows registered and not yet deregistered (nor released by an
+    /// abort or destroy of their communicator).
+    pub live_windows: u64,
 }
 
 #[no_mangle]
@@ -2073,6 +2134,7 @@ pub unsafe extern "C" fn fake_xccl_counters(out: *mut FakeCounters) {
         live_events: c.events_created.load(SeqCst) - c.events_destroyed.load(SeqCst),
         freed_in_use: c.freed_in_use.load(SeqCst),
         in_use_allocs: lock(&IN_USE).len() as u64,
+        live_windows: c.windows_registered.load(SeqCst) - c.windows_released.load(SeqCst),
     };
 }
 
@@ -2145,6 +2207,7 @@ pub extern "C" fn fake_xccl_stream_gate(stream: *mut c_void, close: c_int) -> c_
 /// Forget the cliques of finished tests (their communicators are gone).
 #[no_mangle]
 pub extern "C" fn fake_xccl_reset() {
+    VERSION.store(-1, SeqCst);
     lock(&HUNG).clear();
     *lock(&FAIL) = None;
     let live: HashSet<usize> = lock(&COMMS)
@@ -2153,4 +2216,466 @@ pub extern "C" fn fake_xccl_reset() {
         .collect();
     lock(&CLIQUES).retain(|_, c| live.contains(&(Arc::as_ptr(c) as usize)));
     let _ = (NCCL_SYSTEM_ERROR, NCCL_INTERNAL_ERROR);
+}
+
+/// Make `ncclGetVersion` report `version` (until `fake_xccl_reset`).
+#[no_mangle]
+pub extern "C" fn fake_xccl_set_version(version: c_int) {
+    VERSION.store(version, SeqCst);
+}
+
+// ------------------------------------------------------ one-sided windows
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclMemAlloc(p: *mut *mut c_void, size: usize) -> NcclResult {
+    if p.is_null() {
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let size = size.max(1).next_multiple_of(WIN_ALIGN);
+    let layout = std::alloc::Layout::from_size_align(size, WIN_ALIGN).expect("layout");
+    let mem = std::alloc::alloc_zeroed(layout);
+    if mem.is_null() {
+        return NCCL_SYSTEM_ERROR;
+    }
+    lock(&ALLOCS).insert(mem as usize, (DEVICE.with(Cell::get), size));
+    lock(&NCCL_MEM).insert(mem as usize);
+    COUNTERS.mallocs.fetch_add(1, SeqCst);
+    *p = mem.cast();
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclMemFree(p: *mut c_void) -> NcclResult {
+    if p.is_null() {
+        return SUCCESS;
+    }
+    if !lock(&NCCL_MEM).remove(&(p as usize)) {
+        set_last_error(format!(
+            "ncclMemFree of {p:p}, which ncclMemAlloc did not allocate"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    if lock(&IN_USE).contains_key(&(p as usize)) {
+        COUNTERS.freed_in_use.fetch_add(1, SeqCst);
+    }
+    let Some((_, size)) = lock(&ALLOCS).remove(&(p as usize)) else {
+        return NCCL_INVALID_ARGUMENT;
+    };
+    let registered = lock(&WINS).values().any(|w| {
+        lock(&w.comm.clique.m)
+            .wins
+            .get(&w.seq)
+            .and_then(|b| b[w.comm.rank])
+            .is_some_and(|(b, _)| b == p as usize)
+    });
+    if registered {
+        // NCCL would keep using the memory: a bug in the caller.
+        COUNTERS.freed_in_use.fetch_add(1, SeqCst);
+    }
+    std::alloc::dealloc(
+        p.cast(),
+        std::alloc::Layout::from_size_align(size, WIN_ALIGN).expect("layout"),
+    );
+    COUNTERS.frees.fetch_add(1, SeqCst);
+    SUCCESS
+}
+
+/// Forget every window of `comm` (its abort or destroy released them).
+fn drop_windows_of(comm: &Arc<Comm>) {
+    let mine: Vec<u64> = {
+        let mut w = lock(&WINS);
+        let keys: Vec<usize> = w
+            .iter()
+            .filter(|(_, w)| Arc::ptr_eq(&w.comm, comm))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.iter()
+            .filter_map(|k| w.remove(k))
+            .map(|w| w.seq)
+            .collect()
+    };
+    if mine.is_empty() {
+        return;
+    }
+    let cl = &comm.clique;
+    let mut st = lock(&cl.m);
+    for seq in mine {
+        if let Some(b) = st.wins.get_mut(&seq) {
+            b[comm.rank] = None;
+        }
+        COUNTERS.windows_released.fetch_add(1, SeqCst);
+    }
+    drop(st);
+    cl.cv.notify_all();
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommWindowRegister(
+    c: *mut c_void,
+    buff: *mut c_void,
+    size: usize,
+    win: *mut *mut c_void,
+    flags: c_int,
+) -> NcclResult {
+    let comm = match usable(c, "ncclCommWindowRegister") {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    if win.is_null() || flags & !0x07 != 0 {
+        set_last_error(format!(
+            "ncclCommWindowRegister: bad arguments (flags {flags:#x})"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let p = buff as usize;
+    if p % WIN_ALIGN != 0 || !lock(&NCCL_MEM).contains(&p) {
+        set_last_error(format!(
+            "ncclCommWindowRegister: {buff:p} is not an ncclMemAlloc buffer aligned to {WIN_ALIGN}"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    match device_of(p, size) {
+        Some(d) if d == comm.device => {}
+        other => {
+            COUNTERS.bad_pointer.fetch_add(1, SeqCst);
+            set_last_error(format!(
+                "ncclCommWindowRegister: {size} bytes at {p:#x} are on device {other:?}, the \
+                 communicator on device {}",
+                comm.device
+            ));
+            return NCCL_INVALID_ARGUMENT;
+        }
+    }
+    let cl = comm.clique.clone();
+    let seq = {
+        let mut st = lock(&cl.m);
+        let next = st.win_next.entry(comm.rank).or_insert(0);
+        let seq = *next;
+        *next += 1;
+        st.wins.entry(seq).or_insert_with(|| vec![None; cl.nranks])[comm.rank] = Some((p, size));
+        seq
+    };
+    cl.cv.notify_all();
+    let handle = NEXT_WIN.fetch_add(1, SeqCst) as usize;
+    lock(&WINS).insert(
+        handle,
+        Win {
+            comm: comm.clone(),
+            seq,
+        },
+    );
+    COUNTERS.windows_registered.fetch_add(1, SeqCst);
+    *win = handle as *mut c_void;
+    // Collective: done once every rank registered this window.
+    let join = {
+        let comm = comm.clone();
+        move || {
+            let cl = &comm.clique;
+            let mut st = lock(&cl.m);
+            loop {
+                if comm.aborted.load(SeqCst) {
+                    return;
+                }
+                let all = st
+                    .wins
+                    .get(&seq)
+                    .is_some_and(|b| b.iter().all(Option::is_some));
+                if all {
+                    break;
+                }
+                if let Some(d) = (0..cl.nranks).find(|r| st.dead.contains(r)) {
+                    drop(st);
+                    comm.fail(
+                        NCCL_REMOTE_ERROR,
+                        format!("rank {d} aborted before it registered window {seq}"),
+                    );
+                    return;
+                }
+                st = cl
+                    .cv
+                    .wait_timeout(st, RECHECK)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            drop(st);
+            let _ = comm
+                .state
+                .compare_exchange(NCCL_IN_PROGRESS, SUCCESS, SeqCst, SeqCst);
+        }
+    };
+    if comm.blocking {
+        join();
+        comm.state.load(SeqCst)
+    } else {
+        comm.state.store(NCCL_IN_PROGRESS, SeqCst);
+        std::thread::spawn(join);
+        NCCL_IN_PROGRESS
+    }
+}
+
+/// The registered window `w` of communicator `comm`.
+fn win_of(call: &str, comm: &Arc<Comm>, w: *mut c_void) -> Result<u64, NcclResult> {
+    match lock(&WINS).get(&(w as usize)) {
+        Some(win) if Arc::ptr_eq(&win.comm, comm) => Ok(win.seq),
+        Some(_) => {
+            set_last_error(format!(
+                "{call}: window {w:p} belongs to another communicator"
+            ));
+            Err(NCCL_INVALID_ARGUMENT)
+        }
+        None => {
+            set_last_error(format!("{call}: unknown or deregistered window {w:p}"));
+            Err(NCCL_INVALID_ARGUMENT)
+        }
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn ncclCommWindowDeregister(c: *mut c_void, w: *mut c_void) -> NcclResult {
+    let comm = match usable(c, "ncclCommWindowDeregister") {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    let seq = match win_of("ncclCommWindowDeregister", &comm, w) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    lock(&WINS).remove(&(w as usize));
+    let cl = &comm.clique;
+    if let Some(b) = lock(&cl.m).wins.get_mut(&seq) {
+        b[comm.rank] = None;
+    }
+    cl.cv.notify_all();
+    COUNTERS.windows_released.fetch_add(1, SeqCst);
+    SUCCESS
+}
+
+/// Whether queued work of `comm` still runs: not aborted, no error.
+fn live(comm: &Comm) -> bool {
+    let s = comm.state.load(SeqCst);
+    !comm.aborted.load(SeqCst) && (s == SUCCESS || s == NCCL_IN_PROGRESS)
+}
+
+/// Check the common arguments of a one-sided call and return the stream.
+fn one_sided_stream(
+    call: &str,
+    comm: &Comm,
+    stream: *mut c_void,
+) -> Result<Arc<Stream>, NcclResult> {
+    let Some(s) = stream_of(stream) else {
+        set_last_error(format!("{call}: invalid stream {stream:p}"));
+        return Err(NCCL_INVALID_ARGUMENT);
+    };
+    if s.device != comm.device {
+        set_last_error(format!(
+            "{call}: stream of device {} used with the communicator of device {}",
+            s.device, comm.device
+        ));
+        return Err(NCCL_INVALID_ARGUMENT);
+    }
+    Ok(s)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclPutSignal(
+    localbuff: *const c_void,
+    count: usize,
+    dtype: c_int,
+    peer: c_int,
+    peer_win: *mut c_void,
+    offset: usize,
+    sig_idx: c_int,
+    ctx: c_int,
+    flags: c_uint,
+    c: *mut c_void,
+    stream: *mut c_void,
+) -> NcclResult {
+    let call = "ncclPutSignal";
+    let comm = match usable(c, call) {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    let seq = match win_of(call, &comm, peer_win) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    let Some(es) = esize(dtype) else {
+        set_last_error(format!("{call}: invalid datatype {dtype}"));
+        return NCCL_INVALID_ARGUMENT;
+    };
+    if peer < 0 || peer as usize >= comm.nranks || flags != 0 || sig_idx < 0 || ctx < 0 {
+        set_last_error(format!(
+            "{call}: bad peer {peer}, flags {flags}, signal {sig_idx} or context {ctx}"
+        ));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let peer = peer as usize;
+    let bytes = count * es;
+    let src = localbuff as usize;
+    if bytes > 0 {
+        match device_of(src, bytes) {
+            Some(d) if d == comm.device => {}
+            other => {
+                COUNTERS.bad_pointer.fetch_add(1, SeqCst);
+                set_last_error(format!(
+                    "{call}: pointer {src:#x} ({bytes} bytes) is on device {other:?}, the \
+                     communicator on device {}",
+                    comm.device
+                ));
+                return NCCL_INVALID_ARGUMENT;
+            }
+        }
+    }
+    // The target's registered buffer bounds the put.
+    let target = lock(&comm.clique.m).wins.get(&seq).and_then(|b| b[peer]);
+    match target {
+        Some((_, size)) if offset.checked_add(bytes).is_some_and(|e| e <= size) => {}
+        Some((_, size)) => {
+            set_last_error(format!(
+                "{call}: {bytes} bytes at offset {offset} overflow rank {peer}'s window of {size}"
+            ));
+            return NCCL_INVALID_ARGUMENT;
+        }
+        None => {
+            set_last_error(format!(
+                "{call}: rank {peer} has no registered window {seq}"
+            ));
+            return NCCL_INVALID_USAGE;
+        }
+    }
+    let stream = match one_sided_stream(call, &comm, stream) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    let used: Vec<usize> = alloc_start(src).into_iter().collect();
+    {
+        let mut u = lock(&IN_USE);
+        for &a in &used {
+            *u.entry(a).or_insert(0) += 1;
+        }
+    }
+    let me = comm.rank;
+    let task = comm.clone();
+    stream.push(Box::new(move || {
+        let comm = task;
+        let _release = InUse(used);
+        comm.wait_while_hung();
+        if !live(&comm) {
+            return;
+        }
+        let data = read(src, bytes);
+        let cl = &comm.clique;
+        let mut st = lock(&cl.m);
+        if st.dead.contains(&peer) {
+            drop(st);
+            comm.fail(
+                NCCL_REMOTE_ERROR,
+                format!("rank {peer} aborted before a put"),
+            );
+            return;
+        }
+        match st.wins.get(&seq).and_then(|b| b[peer]) {
+            // Written under the clique lock, so the target cannot free its
+            // registered buffer meanwhile.
+            Some((base, _)) => write(base + offset, &data),
+            None => {
+                drop(st);
+                comm.fail(
+                    NCCL_INVALID_USAGE,
+                    format!("rank {peer} deregistered window {seq} before a put reached it"),
+                );
+                return;
+            }
+        }
+        *st.signals.entry((me, peer, sig_idx, ctx)).or_insert(0) += 1;
+        drop(st);
+        cl.cv.notify_all();
+    }));
+    if !comm.blocking {
+        comm.in_progress_then_settle();
+        return NCCL_IN_PROGRESS;
+    }
+    SUCCESS
+}
+
+/// `ncclWaitSignalDesc_t`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct WaitSignalDesc {
+    op_cnt: c_int,
+    peer: c_int,
+    sig_idx: c_int,
+    ctx: c_int,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclWaitSignal(
+    n: c_int,
+    descs: *mut WaitSignalDesc,
+    c: *mut c_void,
+    stream: *mut c_void,
+) -> NcclResult {
+    let call = "ncclWaitSignal";
+    let comm = match usable(c, call) {
+        Ok(comm) => comm,
+        Err(e) => return e,
+    };
+    if n < 1 || descs.is_null() {
+        set_last_error(format!("{call}: {n} descriptors"));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let descs = std::slice::from_raw_parts(descs, n as usize).to_vec();
+    if descs.iter().any(|d| {
+        d.op_cnt < 0 || d.peer < 0 || d.peer as usize >= comm.nranks || d.sig_idx < 0 || d.ctx < 0
+    }) {
+        set_last_error(format!("{call}: a descriptor is out of range"));
+        return NCCL_INVALID_ARGUMENT;
+    }
+    let stream = match one_sided_stream(call, &comm, stream) {
+        Ok(s) => s,
+        Err(e) => return e,
+    };
+    let me = comm.rank;
+    let task = comm.clone();
+    stream.push(Box::new(move || {
+        let comm = task;
+        comm.wait_while_hung();
+        let cl = &comm.clique;
+        let mut st = lock(&cl.m);
+        for d in descs {
+            let key = (d.peer as usize, me, d.sig_idx, d.ctx);
+            loop {
+                if !live(&comm) {
+                    return;
+                }
+                let arrived = st.signals.get(&key).copied().unwrap_or(0);
+                let used = st.consumed.get(&key).copied().unwrap_or(0);
+                if arrived >= used + d.op_cnt as u64 {
+                    st.consumed.insert(key, used + d.op_cnt as u64);
+                    break;
+                }
+                if st.dead.contains(&key.0) {
+                    drop(st);
+                    comm.fail(
+                        NCCL_REMOTE_ERROR,
+                        format!(
+                            "rank {} aborted while rank {me} waited for its signal",
+                            key.0
+                        ),
+                    );
+                    return;
+                }
+                st = cl
+                    .cv
+                    .wait_timeout(st, RECHECK)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+        }
+    }));
+    if !comm.blocking {
+        comm.in_progress_then_settle();
+        return NCCL_IN_PROGRESS;
+    }
+    SUCCESS
 }

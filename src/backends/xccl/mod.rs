@@ -83,6 +83,7 @@ pub mod completion;
 pub mod plan;
 pub mod result;
 pub mod sys;
+pub mod window;
 
 pub use completion::live_completion_threads;
 use plan::{Buf, Call};
@@ -526,6 +527,8 @@ pub struct XcclBackend {
     wait_ev: sys::Event,
     /// The stream ordering of the op in flight (XC-10).
     order: super::StreamOrder,
+    /// One-sided windows by id; `None` once freed ([`window`]).
+    windows: Vec<Option<window::XcclWindow>>,
 }
 
 // SAFETY: the raw communicator, stream and device pointers are only used by
@@ -1373,6 +1376,7 @@ impl XcclBackend {
             inflight: Vec::new(),
             wait_ev: std::ptr::null_mut(),
             order: Default::default(),
+            windows: Vec::new(),
         };
         let rt = &me.api.rt;
         let mut stream: sys::Stream = std::ptr::null_mut();
@@ -1671,6 +1675,7 @@ impl Backend for XcclBackend {
         // XT-1: the completion thread lets go of the communicator first.
         self.done.stop();
         self.abort_comm();
+        self.free_windows();
         self.release();
         // XC-9: the device is done with the op's memory now.
         self.inflight.clear();
@@ -1686,6 +1691,10 @@ impl Backend for XcclBackend {
         // Finalize (bounded), then destroy; abort when either fails, so a
         // communicator is never leaked nor waited on forever. No op runs,
         // so the completion thread can go first (XT-1).
+        if !self.comm.is_null() && self.broken.is_none() {
+            // XW-3: windows are deregistered while the communicator lives.
+            self.deregister_windows().await;
+        }
         self.done.stop();
         if !self.comm.is_null() && self.broken.is_none() && self.finalize_comm().await {
             let r = {
@@ -1699,6 +1708,7 @@ impl Backend for XcclBackend {
             }
         }
         self.abort_comm();
+        self.free_windows();
         self.release();
         self.inflight.clear();
         self.ctrl.finalize().await;
@@ -1730,6 +1740,14 @@ impl Backend for XcclBackend {
         self.split_native(args).await
     }
 
+    fn supports_windows(&self) -> bool {
+        self.windows_supported()
+    }
+
+    async fn window(&mut self, ctx: &OpCtx, op: super::WindowOp) -> Result<super::WindowDone> {
+        self.window_op(ctx, op).await
+    }
+
     /// [XC-7]: between ops, `ncclCommGetAsyncError` ([BE-3]), so a peer lost
     /// while this rank is idle aborts the communicator now rather than at
     /// its next op.
@@ -1754,6 +1772,7 @@ impl Drop for XcclBackend {
         // XC-5: abort, never destroy (which may block); errors are logged.
         self.done.stop();
         self.abort_comm();
+        self.free_windows();
         self.release();
         self.inflight.clear();
     }

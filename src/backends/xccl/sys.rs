@@ -59,6 +59,37 @@ pub const NCCL_SCALAR_HOST_IMMEDIATE: c_int = 1;
 pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
 /// `NCCL_UNIQUE_ID_BYTES`.
 pub const UNIQUE_ID_BYTES: usize = 128;
+/// `ncclWindow_t` (opaque): a buffer registered with
+/// `ncclCommWindowRegister` (NCCL >= 2.27).
+pub type ncclWindow_t = *mut c_void;
+/// `NCCL_WIN_DEFAULT`: register a window for every capability the
+/// communicator supports (one-sided puts and signals included).
+pub const NCCL_WIN_DEFAULT: c_int = 0;
+/// `NCCL_WIN_REQUIRED_ALIGNMENT`: a window's buffer starts on this many
+/// bytes (`ncclMemAlloc` returns such buffers).
+pub const NCCL_WIN_REQUIRED_ALIGNMENT: usize = 4096;
+/// The first NCCL release with the one-sided host API (`ncclPutSignal`,
+/// `ncclSignal`, `ncclWaitSignal`): 2.29.0.
+pub const NCCL_ONE_SIDED_VERSION: c_int = 22900;
+/// `ncclUint8`.
+pub const NCCL_UINT8: ncclDataType_t = 1;
+/// `ncclUint64`.
+pub const NCCL_UINT64: ncclDataType_t = 5;
+
+/// `ncclWaitSignalDesc_t` (NCCL >= 2.29): wait for `op_cnt` signal
+/// operations from `peer` on signal index `sig_idx` of context `ctx`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ncclWaitSignalDesc_t {
+    /// Number of signal operations to wait for.
+    pub op_cnt: c_int,
+    /// The signalling rank.
+    pub peer: c_int,
+    /// Signal index.
+    pub sig_idx: c_int,
+    /// Context.
+    pub ctx: c_int,
+}
 
 /// `ncclUniqueId`.
 #[repr(C)]
@@ -187,6 +218,22 @@ fn_table! {
         // `ncclRedOpDestroy(ncclRedOp_t, ncclComm_t)`.
         red_op_create_pre_mul_sum: "RedOpCreatePreMulSum" => fn(*mut ncclRedOp_t, *mut c_void, ncclDataType_t, c_int, ncclComm_t) -> ncclResult_t;
         red_op_destroy: "RedOpDestroy" => fn(ncclRedOp_t, ncclComm_t) -> ncclResult_t;
+        // NCCL >= 2.19: `ncclMemAlloc(void** ptr, size_t size)`,
+        // `ncclMemFree(void* ptr)`.
+        mem_alloc: "MemAlloc" => fn(*mut *mut c_void, usize) -> ncclResult_t;
+        mem_free: "MemFree" => fn(*mut c_void) -> ncclResult_t;
+        // NCCL >= 2.27: `ncclCommWindowRegister(ncclComm_t, void* buff,
+        // size_t size, ncclWindow_t* win, int winFlags)`,
+        // `ncclCommWindowDeregister(ncclComm_t, ncclWindow_t)`.
+        comm_window_register: "CommWindowRegister" => fn(ncclComm_t, *mut c_void, usize, *mut ncclWindow_t, c_int) -> ncclResult_t;
+        comm_window_deregister: "CommWindowDeregister" => fn(ncclComm_t, ncclWindow_t) -> ncclResult_t;
+        // NCCL >= 2.29: `ncclPutSignal(const void* localbuff, size_t count,
+        // ncclDataType_t, int peer, ncclWindow_t peerWin, size_t
+        // peerWinOffset, int sigIdx, int ctx, unsigned int flags,
+        // ncclComm_t, cudaStream_t)` and `ncclWaitSignal(int nDesc,
+        // ncclWaitSignalDesc_t* signalDescs, ncclComm_t, cudaStream_t)`.
+        put_signal: "PutSignal" => fn(*const c_void, usize, ncclDataType_t, c_int, ncclWindow_t, usize, c_int, c_int, c_uint, ncclComm_t, Stream) -> ncclResult_t;
+        wait_signal: "WaitSignal" => fn(c_int, *mut ncclWaitSignalDesc_t, ncclComm_t, Stream) -> ncclResult_t;
     }
 }
 
