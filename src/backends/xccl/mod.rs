@@ -657,6 +657,24 @@ impl XcclBackend {
         Ok(me)
     }
 
+    /// [XC-5]: an op may run only on a communicator that is neither broken
+    /// nor aborted.
+    ///
+    /// [XC-5]: self#invariants
+    fn usable(&self) -> Result<()> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        if self.comm.is_null() {
+            return Err(Error::Internal(format!(
+                "{} communicator {:?} has no NCCL communicator (aborted)",
+                self.flavor.name(),
+                self.comm_name
+            )));
+        }
+        Ok(())
+    }
+
     /// [XC-5]: what a failed library call becomes, whether an op or the idle
     /// poll ([XC-7]) found it: `PeerFailed` (made by `peer_failed`) when
     /// NCCL's code means a peer is gone, else `Internal`; either way the
@@ -1640,16 +1658,7 @@ impl Backend for XcclBackend {
     }
 
     async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
-        if let Some(e) = &self.broken {
-            return Err(e.clone());
-        }
-        if self.comm.is_null() {
-            return Err(Error::Internal(format!(
-                "{} communicator {:?} has no NCCL communicator (aborted)",
-                self.flavor.name(),
-                self.comm_name
-            )));
-        }
+        self.usable()?;
         // Reject unsupported reductions before touching the device (XP-3).
         if let (dt, Some(op)) = op_of(data) {
             if on_device(data) {

@@ -148,16 +148,7 @@ impl XcclBackend {
 
     /// Run one window op (see the module docs).
     pub(super) async fn window_op(&mut self, ctx: &OpCtx, op: WindowOp) -> Result<WindowDone> {
-        if let Some(e) = &self.broken {
-            return Err(e.clone());
-        }
-        if self.comm.is_null() {
-            return Err(Error::Internal(format!(
-                "{} communicator {:?} has no NCCL communicator (aborted)",
-                self.flavor.name(),
-                self.comm_name
-            )));
-        }
+        self.usable()?;
         let name = op.name();
         let window = match &op {
             WindowOp::Create { .. } => None,
