@@ -199,9 +199,25 @@ impl XcclBackend {
                 window,
                 offset,
                 len,
-            } => self
-                .read(window as usize, offset, len)
-                .map(|b| WindowDone::Buffer(Tensor::from_vec(b))),
+            } => {
+                // Checked above the trait too; a bad range is the caller's
+                // error, never one that breaks the communicator.
+                let w = self.win(window as usize);
+                let size = w.sizes[self.rank];
+                if offset.checked_add(len).is_none_or(|end| end > size) {
+                    return Err(Error::InvalidArgument {
+                        comm: ctx.comm.clone(),
+                        rank: ctx.rank,
+                        op: ctx.kind.name(),
+                        reason: format!(
+                            "{len} bytes at offset {offset} do not fit this rank's window of \
+                             {size} bytes"
+                        ),
+                    });
+                }
+                self.read_raw(w.base + offset, len)
+                    .map(|b| WindowDone::Buffer(Tensor::from_vec(b)))
+            }
             WindowOp::Free { window } => self
                 .free_window(window as usize)
                 .await
@@ -364,6 +380,12 @@ impl XcclBackend {
             .expect("window checked before the op")
     }
 
+    fn win_mut(&mut self, id: usize) -> &mut XcclWindow {
+        self.windows[id]
+            .as_mut()
+            .expect("window checked before the op")
+    }
+
     /// Stage `bytes` on the device and put them into `dst`'s window (XW-2).
     async fn put(
         &mut self,
@@ -457,9 +479,7 @@ impl XcclBackend {
         let staging = self.ensure(0, 8)? as usize;
         let me = self.rank;
         let (total, win, slot) = {
-            let Some(w) = self.windows[id].as_mut() else {
-                return Err(self.unsupported());
-            };
+            let w = self.win_mut(id);
             w.sent[dst] = w.sent[dst].wrapping_add(value);
             (w.sent[dst], w.win, w.base + w.layout.slot(me))
         };
@@ -531,25 +551,6 @@ impl XcclBackend {
         Ok(u64::from_le_bytes(a))
     }
 
-    fn read(
-        &self,
-        id: usize,
-        offset: usize,
-        len: usize,
-    ) -> std::result::Result<Vec<u8>, CallError> {
-        let w = self.win(id);
-        let size = w.sizes[self.rank];
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(CallError {
-                call: "window_read",
-                code: 0,
-                nccl: false,
-                message: format!("{len} bytes at {offset} outside a window of {size} bytes"),
-            });
-        }
-        self.read_raw(w.base + offset, len)
-    }
-
     /// Consume `src`'s signal operations one at a time until its total
     /// reaches `value` (XW-2).
     async fn wait_signal(
@@ -578,16 +579,15 @@ impl XcclBackend {
             }
             self.complete().await?;
             let total = self.read_slot(id, src)?;
-            if let Some(w) = self.windows[id].as_mut() {
-                w.seen[src] = w.seen[src].max(total);
-            }
+            let w = self.win_mut(id);
+            w.seen[src] = w.seen[src].max(total);
         }
         Ok(())
     }
 
     /// `wait_signal` on this rank's own slot: only this rank writes it, so
     /// it is either reached already or never will be while this op waits.
-    fn wait_own(&mut self, ctx: &OpCtx, id: usize, value: u64) -> Result<WindowDone> {
+    fn wait_own(&self, ctx: &OpCtx, id: usize, value: u64) -> Result<WindowDone> {
         let sent = self.win(id).sent[self.rank];
         if sent >= value {
             return Ok(WindowDone::Done);
