@@ -51,6 +51,13 @@
 //!   the machine went from 0.71 CPUs busy to fully used. Not done when every
 //!   rank has its own CPU: there a yield only loses the time slice to other
 //!   load (bimodal 2-4 ms ops on a loaded box, measured earlier).
+//! - SX-7: when every rank has a CPU of its own, a wait on a thread that
+//!   may sleep polls for [`SPIN_FOR`] before its first futex sleep, not
+//!   just [`SPIN`] rounds. A futex wake-up costs tens of microseconds on a
+//!   virtual machine; with a shorter poll, two ranks that once slept fell
+//!   into waking each other on every op (8 B all_reduce through the
+//!   blocking API bimodal at 3 or 60 us per op, the same binary from run to
+//!   run). An awaited op already polls this long ([`HANDOFF`]).
 //! - SX-3: on a worker of a caller's runtime (and on a current-thread
 //!   runtime, where the peer may be a task on the same thread) the engine
 //!   never sleeps in the kernel itself: it yields to the runtime, and a
@@ -102,6 +109,13 @@ fn cpus() -> usize {
     *V.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+/// How long a wait keeps polling before its first futex sleep when every
+/// rank has a CPU of its own ([SX-7]): longer than a futex wake-up takes
+/// on a virtual machine, so that ranks do not settle into waking each
+/// other on every op.
+///
+/// [SX-7]: self#invariants
+const SPIN_FOR: Duration = Duration::from_micros(100);
 /// Longest single futex sleep.
 const SLEEP: Duration = Duration::from_micros(50);
 /// Longest time spent blocking before returning to the runtime ([SX-2]).
@@ -634,6 +648,8 @@ pub(crate) async fn run_shm(
     let oversubscribed = links.iter().flatten().count() + 1 > cpus();
     let mut last_progress = Instant::now();
     let mut park_for = SLEEP;
+    // SX-7: when this wait started polling past SPIN.
+    let mut spin_since: Option<Instant> = None;
     loop {
         let round = Instant::now();
         let mut idle = 0u32;
@@ -666,6 +682,7 @@ pub(crate) async fn run_shm(
             }
             if any {
                 idle = 0;
+                spin_since = None;
                 if !may_block {
                     last_progress = Instant::now();
                     park_for = SLEEP;
@@ -687,6 +704,12 @@ pub(crate) async fn run_shm(
             }
             if !may_block || round.elapsed() >= ROUND {
                 break;
+            }
+            // SX-7: with a CPU per rank, keep polling for SPIN_FOR before
+            // the first sleep of a wait.
+            if !oversubscribed && spin_since.get_or_insert_with(Instant::now).elapsed() < SPIN_FOR {
+                std::hint::spin_loop();
+                continue;
             }
             // Sleep on the ring we most likely wait for.
             if let Some(p) = Park::pick(&send_q, &recv_q) {
