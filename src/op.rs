@@ -248,15 +248,23 @@ pub struct OpHeader {
 }
 
 impl OpHeader {
-    /// Encode with rkyv.
+    /// Encode with rkyv (straight into the returned vector: one
+    /// allocation per header, which every op sends).
     pub fn encode(&self) -> Vec<u8> {
-        rkyv::to_bytes::<rkyv::rancor::Error>(self)
-            .map(|b| b.to_vec())
+        rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(self, Vec::with_capacity(64))
             .unwrap_or_default()
     }
 
-    /// Decode and validate untrusted bytes (copied into aligned memory first).
+    /// Decode and validate untrusted bytes (copied into aligned memory
+    /// first: on the stack for the common small header, else the heap).
     pub fn decode(bytes: &[u8]) -> Option<OpHeader> {
+        const SMALL: usize = 256;
+        if bytes.len() <= SMALL {
+            let mut aligned = rkyv::util::Align([0u8; SMALL]);
+            let buf = aligned.0.get_mut(..bytes.len())?;
+            buf.copy_from_slice(bytes);
+            return rkyv::from_bytes::<OpHeader, rkyv::rancor::Error>(buf).ok();
+        }
         let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
         aligned.extend_from_slice(bytes);
         rkyv::from_bytes::<OpHeader, rkyv::rancor::Error>(&aligned).ok()
@@ -548,4 +556,46 @@ pub fn check_p2p(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn header(counts: Vec<u64>, p2p: Vec<(bool, u8, u64)>) -> OpHeader {
+        OpHeader {
+            seq: 7,
+            epoch: 2,
+            kind: OpKind::AllToAllSingle as u8,
+            dtype: 3,
+            redop: u8::MAX,
+            root: u32::MAX,
+            count: 12,
+            counts,
+            p2p,
+        }
+    }
+
+    proptest! {
+        // Headers below and above the stack buffer decode alike.
+        #[test]
+        fn header_round_trips(counts in proptest::collection::vec(any::<u64>(), 0..80),
+                              p2p in proptest::collection::vec(any::<(bool, u8, u64)>(), 0..20)) {
+            let h = header(counts, p2p);
+            prop_assert_eq!(OpHeader::decode(&h.encode()), Some(h));
+        }
+
+        // Untrusted bytes of any length (either side of the stack buffer)
+        // never panic.
+        #[test]
+        fn untrusted_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            let _ = OpHeader::decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn empty_input_is_refused() {
+        assert_eq!(OpHeader::decode(&[]), None);
+    }
 }

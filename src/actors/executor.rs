@@ -499,10 +499,19 @@ impl Core {
             };
             let mut headers = vec![header.clone(); n];
             if n > 1 {
-                let bytes = header.encode();
+                let mut bytes = Some(header.encode());
+                let last = if me == n - 1 { n - 2 } else { n - 1 };
                 let outgoing = (0..n)
                     .filter(|&p| p != me)
-                    .map(|p| (p, req.seq, bytes.clone()))
+                    .map(|p| {
+                        // The last peer takes the encoded header itself.
+                        let b = if p == last {
+                            bytes.take()
+                        } else {
+                            bytes.clone()
+                        };
+                        (p, req.seq, b.unwrap_or_default())
+                    })
                     .collect();
                 let received = self
                     .backend

@@ -134,6 +134,10 @@ struct Carried {
     /// Whether this rank sent its own data with its headers (the fused
     /// plan of the op); otherwise it expects none from its peers.
     with_data: bool,
+    /// With data: the plan's expected length per peer, and per peer
+    /// whether data went to it (kept from the exchange, so `execute` does
+    /// not plan the op a second time).
+    plan: Option<(Vec<Option<usize>>, Vec<bool>)>,
     /// Per received frame (`in_frames[i]`): the peer, the frame's seq and
     /// the frame split into header, data part and the sender's fused flag.
     peers: Vec<(usize, u64, fused::Split)>,
@@ -607,6 +611,7 @@ impl CpuBackend {
             kind: ctx.kind,
             seq: ctx.seq,
             with_data: plan.is_some(),
+            plan: plan.map(|p| (p.recv, p.send.iter().map(Option::is_some).collect())),
             peers,
         };
         Ok((received, carried))
@@ -619,7 +624,7 @@ impl CpuBackend {
     /// [FU-3]: self::fused#invariants
     /// [FU-4]: self::fused#invariants
     /// [FU-5]: self::fused#invariants
-    fn use_carried(&mut self, ctx: &OpCtx, c: &Carried, data: &mut OpData) -> Result<AfterCarried> {
+    fn use_carried(&mut self, ctx: &OpCtx, c: Carried, data: &mut OpData) -> Result<AfterCarried> {
         let (rank, size) = (self.rank, self.size);
         // FU-1: an op chosen per rank runs fused only if every rank chose it;
         // otherwise every rank drops the data and runs the algorithm.
@@ -631,11 +636,10 @@ impl CpuBackend {
         if !fused::all_chose(data, c.with_data, peer_flags) {
             return Ok(AfterCarried::Unfused);
         }
-        let (recv, sent): (Option<Vec<Option<usize>>>, Vec<bool>) =
-            match c.with_data.then(|| fused::plan(rank, size, data)).flatten() {
-                Some(p) => (Some(p.recv), p.send.iter().map(Option::is_some).collect()),
-                None => (None, vec![false; size]),
-            };
+        let (recv, sent): (Option<Vec<Option<usize>>>, Vec<bool>) = match c.plan {
+            Some((recv, sent)) => (Some(recv), sent),
+            None => (None, vec![false; size]),
+        };
         let mut got: Vec<&[u8]> = vec![&[]; size];
         let mut fused_recv = vec![false; size];
         for ((peer, _, sp), frame) in c.peers.iter().zip(&self.in_frames) {
@@ -1087,7 +1091,7 @@ impl CpuBackend {
     async fn execute_inner(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         let mut p2p_done = None;
         if let Some(c) = self.carried.take().filter(|c| carried_for(c, ctx, data)) {
-            match self.use_carried(ctx, &c, data)? {
+            match self.use_carried(ctx, c, data)? {
                 AfterCarried::Done => return Ok(()),
                 AfterCarried::Unfused => {}
                 AfterCarried::P2P(s, r) => p2p_done = Some((s, r)),
