@@ -32,16 +32,17 @@
 //!   `PeerFailed`, a readable one carries the peer's Abort frame (nothing
 //!   else travels on the TCP link of a shared-memory peer) and becomes
 //!   `PeerFailed` with the peer's reason.
-//! - SX-4: in a step that both sends and receives and reduces what it
-//!   receives, a payload of at least [`CMA_MIN`] bytes to a peer that can
-//!   read this process's memory (SH-5) travels as its address (prefix flag
-//!   byte 2 = 1, 8 address bytes); the receiver reduces it straight from
-//!   the sender's buffer with `process_vm_readv`, then acks, and the send
-//!   completes only after the ack, so the buffer is never changed while it
-//!   is read. Steps that only copy keep the rings ([`CMA_MIN_COPY`]): there
-//!   the ring's copy-in and the peer's copy-out overlap on two CPUs, and
-//!   the address path measured slower (2-rank broadcast 5-6 GB/s against
-//!   6-17 through the ring; all_gather 14 against 22 GB/s at 16 MiB).
+//! - SX-4: in a step that both sends and receives, a payload to a peer
+//!   that can read this process's memory (SH-5) travels as its address
+//!   (prefix flag byte 2 = 1, 8 address bytes) when it is at least
+//!   [`CMA_MIN`] bytes and the step reduces what it receives, or at least
+//!   [`cma_min_copy`] bytes and the step only copies; the receiver copies
+//!   or reduces it straight from the sender's buffer with
+//!   `process_vm_readv`, then acks, and the send completes only after the
+//!   ack, so the buffer is never changed while it is read. A send-only
+//!   step keeps the ring, whose copy-in runs on this otherwise idle CPU.
+//!   The sender chooses per message and says so in the prefix, so ranks
+//!   need not agree on the thresholds.
 //! - SX-5: when this communicator has more ranks on this host than the
 //!   process has CPUs, a waiting rank yields its CPU a few times
 //!   (`sched_yield`) before it sleeps: a peer that holds data this rank
@@ -86,13 +87,25 @@ const SPIN: u32 = 200;
 /// [SX-4]: self#invariants
 const CMA_MIN: usize = 256 << 10;
 /// Smallest payload sent as an address in a step whose receives only copy
-/// (all_gather's ring, all_reduce's second phase, p2p): never. There the
-/// ring's copy-in and the peer's copy-out overlap. Measured on 2 ranks
-/// (docs/performance.md), the address path was slower at every all_gather
-/// size up to 8 MiB (4 MiB per rank) on one host, and on another at every
-/// size from 16 to 128 MiB, 2 and 4 ranks (e.g. 16 MiB 14 against 22 GB/s
-/// busbw through the rings).
-const CMA_MIN_COPY: usize = usize::MAX;
+/// (all_gather's ring, all_reduce's second phase, all_to_all_single), by
+/// default. Which path wins depends on the host (docs/performance.md,
+/// "Single copy: when it pays"): on 2026-12-06's host single copy took
+/// 2-rank all_gather from 7.0 to 14.7 GB/s busbw at 512 KiB and from 4.7
+/// to 8.0 at 16 MiB, idle and interleaved; on 2026-12-04's the rings won
+/// from 16 to 128 MiB (22 against 14 GB/s at 16 MiB).
+const CMA_MIN_COPY: usize = 256 << 10;
+
+/// [`CMA_MIN_COPY`], or the byte count in `CHORUS_SHM_CMA_COPY_MIN`, so
+/// that a host where the rings win can keep them without a rebuild.
+fn cma_min_copy() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("CHORUS_SHM_CMA_COPY_MIN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(CMA_MIN_COPY)
+    })
+}
 /// Bytes read per `process_vm_readv` into a reduction's scratch buffer
 /// (fits in cache, so the reduction reads it back from there).
 const CMA_REDUCE_STEP: usize = 256 << 10;
@@ -599,7 +612,7 @@ pub(crate) async fn run_shm(
             .iter()
             .any(|(_, _, into)| matches!(into, RecvInto::Reduce(..)))
     });
-    let cma_min = if reduces { CMA_MIN } else { CMA_MIN_COPY };
+    let cma_min = if reduces { CMA_MIN } else { cma_min_copy() };
     // Per peer, the queue of jobs in order; the engine works on the front.
     let mut send_q: Vec<(usize, SendQueue<'_>)> = Vec::new();
     for (peer, frames) in sends {
