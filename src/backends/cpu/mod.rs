@@ -131,12 +131,10 @@ pub struct CpuBackend {
 struct Carried {
     kind: OpKind,
     seq: u64,
-    /// Whether this rank sent its own data with its headers (the fused
-    /// plan of the op); otherwise it expects none from its peers.
-    with_data: bool,
-    /// With data: the plan's expected length per peer, and per peer
-    /// whether data went to it (kept from the exchange, so `execute` does
-    /// not plan the op a second time).
+    /// `Some` when this rank sent its own data with its headers (the op's
+    /// fused plan; otherwise it expects none from its peers): the plan's
+    /// expected length per peer, and per peer whether data went to it
+    /// (kept from the exchange, so `execute` does not plan the op again).
     plan: Option<(Vec<Option<usize>>, Vec<bool>)>,
     /// Per received frame (`in_frames[i]`): the peer, the frame's seq and
     /// the frame split into header, data part and the sender's fused flag.
@@ -610,7 +608,6 @@ impl CpuBackend {
         let carried = Carried {
             kind: ctx.kind,
             seq: ctx.seq,
-            with_data: plan.is_some(),
             plan: plan.map(|p| (p.recv, p.send.iter().map(Option::is_some).collect())),
             peers,
         };
@@ -633,7 +630,7 @@ impl CpuBackend {
             .iter()
             .filter(|(p, _, _)| *p != rank)
             .map(|(_, _, sp)| sp.fused);
-        if !fused::all_chose(data, c.with_data, peer_flags) {
+        if !fused::all_chose(data, c.plan.is_some(), peer_flags) {
             return Ok(AfterCarried::Unfused);
         }
         let (recv, sent): (Option<Vec<Option<usize>>>, Vec<bool>) = match c.plan {
