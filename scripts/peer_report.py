@@ -11,8 +11,9 @@ import statistics
 import sys
 
 
-def main():
-    path, out = sys.argv[1], sys.argv[2]
+def load(path):
+    """Per (ranks, op), per system, per size: the (time µs, busbw GB/s)
+    medians over the run's rounds; and how many rounds the run had."""
     rows = []
     for line in open(path):
         try:
@@ -35,6 +36,12 @@ def main():
             statistics.median(t for t, _ in v),
             statistics.median(b for _, b in v),
         )
+    return data, rounds
+
+
+def main():
+    path, out = sys.argv[1], sys.argv[2]
+    data, rounds = load(path)
     print(f"(median over {rounds} round(s) per point)")
     peers = ["mpich", "openmpi", "gloo", "chorus-tcp"]
     for (n, op), systems in sorted(data.items()):

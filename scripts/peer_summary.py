@@ -7,35 +7,20 @@ then, for a second results file (the 1-16 MiB run), one row per point.
 
   python3 scripts/peer_summary.py MAIN_results.jsonl [MID_results.jsonl]
 
-Every point is the median over the rounds of the run, as in
-scripts/peer_report.py.
+Every point is the median over the rounds of the run, loaded by
+scripts/peer_report.py's `load`.
 """
-import collections
-import json
-import statistics
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_report import load as load_rounds  # noqa: E402
 
 MPIS = ("mpich", "openmpi")
 
 
 def load(path):
-    samples = collections.defaultdict(list)  # (n, op, system, size) -> [(us, busbw)]
-    for line in open(path):
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        ip = r["in_place"]
-        samples[(r["nranks"], r["op"], r["system"], r["size"])].append(
-            (ip["time_us"], ip["busbw_gbs"])
-        )
-    data = collections.defaultdict(lambda: collections.defaultdict(dict))
-    for (n, op, system, size), v in samples.items():
-        data[(n, op)][system][size] = (
-            statistics.median(t for t, _ in v),
-            statistics.median(b for _, b in v),
-        )
-    return data
+    return load_rounds(path)[0]
 
 
 def size_name(b):
