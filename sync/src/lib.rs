@@ -7,4 +7,5 @@
 //! feature, so the model checks the very code Chorus runs.
 #![deny(missing_docs)]
 
+pub mod gate;
 pub mod sync;
