@@ -99,9 +99,17 @@ pub struct Wake {
 impl<C, R> Gate<C, R> {
     /// A gate holding `core`, with nothing queued.
     pub fn new(core: C) -> Gate<C, R> {
+        let gate = Gate::empty();
+        lock(&gate.inner).core = Some(core);
+        gate
+    }
+
+    /// A gate whose core is not there yet: ops issued now queue, and
+    /// [`Gate::put_back`] installs the core (scheduling their drain).
+    pub fn empty() -> Gate<C, R> {
         Gate {
             inner: Mutex::new(Inner {
-                core: Some(core),
+                core: None,
                 queue: VecDeque::new(),
                 scheduled: false,
                 wanted: false,

@@ -79,6 +79,14 @@ fn issue(comm: &Arc<Comm>, op: u32, may_lend: bool, spawn: bool) -> Option<threa
     }
 }
 
+/// Wait for a lent turn that ran on a thread of its own (`.await` on its
+/// `Work`).
+fn join(turn: Option<thread::JoinHandle<()>>) {
+    if let Some(t) = turn {
+        t.join().unwrap();
+    }
+}
+
 /// Start a communicator and its drainer thread.
 fn start() -> (Arc<Comm>, thread::JoinHandle<()>) {
     let (tx, rx) = channel();
@@ -130,13 +138,10 @@ fn gt_1_three_ops_async_await_then_issue_run_in_order() {
         let (comm, drainer) = start();
         let a = issue(&comm, 1, true, true);
         let b = issue(&comm, 2, true, true);
-        for w in [a] {
-            w.map(|h| h.join().unwrap());
-        }
+        join(a);
         let c = issue(&comm, 3, true, true);
-        for w in [b, c] {
-            w.map(|h| h.join().unwrap());
-        }
+        join(b);
+        join(c);
         finish(comm, drainer, &[1, 2, 3]);
     });
 }
@@ -149,9 +154,7 @@ fn gt_1_a_blocking_op_never_overtakes_a_queued_one() {
         let (comm, drainer) = start();
         let a = issue(&comm, 1, true, true);
         issue(&comm, 2, true, false);
-        if let Some(a) = a {
-            a.join().unwrap();
-        }
+        join(a);
         issue(&comm, 3, true, false);
         finish(comm, drainer, &[1, 2, 3]);
     });
@@ -171,9 +174,7 @@ fn gt_3_issue_handed_between_threads_loses_no_wake_up() {
             issue(&me, 3, true, false);
         });
         second.join().unwrap();
-        if let Some(a) = a {
-            a.join().unwrap();
-        }
+        join(a);
         finish(comm, drainer, &[1, 2, 3]);
     });
 }
