@@ -49,7 +49,7 @@ use std::time::Duration;
 use ractor::ActorRef;
 
 use crate::actors::status::{State, Status};
-use crate::actors::{CommMsg, Home, Request};
+use crate::actors::{CommMsg, Home, Queued, Request};
 use crate::backends::{DeviceMemory, OpData, P2PTransfer};
 use crate::error::{Error, Result};
 use crate::flight_recorder::{FlightEntry, OpDesc};
@@ -157,10 +157,7 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // RAII: the last handle finalizes (flushes queued ops, closes links).
         if self.home.status.state() == State::Active {
-            self.home.count_pending();
-            if self.actor.send_message(CommMsg::Finalize(None)).is_err() {
-                self.home.uncount_pending();
-            }
+            self.home.enqueue(Queued::Finalize(None));
         }
     }
 }
@@ -706,8 +703,9 @@ impl Comm {
             }
             return work;
         }
-        let req = Box::new(req);
-        if let Some(lease) = home.lend() {
+        // AC-6: the op takes its place in the order here, in this caller's
+        // program order; it runs now only if nothing is ahead of it.
+        if let Some((lease, req)) = home.submit(Box::new(req)) {
             if inline {
                 // A turn on this (blocked) thread, which may sleep in the kernel.
                 home.rt.block_on(lease.run(req, true));
@@ -718,16 +716,6 @@ impl Comm {
                 crate::runtime::spawn_near(&home.rt, home.own_rt, |may_block| {
                     lease.run(req, may_block)
                 });
-            }
-            return work;
-        }
-        home.count_pending();
-        if let Err(ractor::MessagingErr::SendErr(CommMsg::Submit(mut req))) =
-            self.shared.actor.send_message(CommMsg::Submit(req))
-        {
-            home.uncount_pending();
-            if let Some(c) = req.completer.take() {
-                c.complete(Err(self.closed_error()));
             }
         }
         work
@@ -2033,16 +2021,7 @@ impl Comm {
             return None;
         }
         let (work, completer) = Work::new(to_unit);
-        home.count_pending();
-        if self
-            .shared
-            .actor
-            .send_message(CommMsg::Finalize(Some(completer)))
-            .is_err()
-        {
-            home.uncount_pending();
-            return None;
-        }
+        home.enqueue(Queued::Finalize(Some(completer)));
         Some(work)
     }
 

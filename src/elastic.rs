@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::actors::executor::NativeSplit;
 use crate::actors::watchdog::{notice_key, Notice};
-use crate::actors::CommMsg;
+use crate::actors::Queued;
 use crate::backends::{SplitArgs, SplitChild};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
@@ -625,16 +625,7 @@ impl Comm {
             return Err(self.closed_error());
         }
         let (reply, rx) = tokio::sync::oneshot::channel();
-        home.count_pending();
-        if self
-            .shared
-            .actor
-            .send_message(CommMsg::Split { args, reply })
-            .is_err()
-        {
-            home.uncount_pending();
-            return Err(self.closed_error());
-        }
+        home.enqueue(Queued::Split { args, reply });
         rx.await.map_err(|_| self.closed_error())?
     }
 

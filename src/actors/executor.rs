@@ -35,6 +35,7 @@
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
+//! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
 //! [BE-5]: crate::backends#invariants
@@ -140,6 +141,50 @@ pub(crate) fn revoked_error(info: &CommInfo, cause: Option<&Error>) -> Error {
     match cause {
         Some(e @ (Error::PeerFailed { .. } | Error::StoreUnreachable { .. })) => e.clone(),
         other => super::status::aborted_error(&info.name, info.rank, info.epoch, other),
+    }
+}
+
+/// The cause of an abort whose turn was dropped before its end (EX-9):
+/// the task running it was dropped, as when its runtime shuts down.
+pub(crate) fn dropped_turn_error(comm: &str, rank: usize, epoch: u64) -> Error {
+    Error::Aborted {
+        comm: comm.to_string(),
+        rank,
+        epoch,
+        failed_ranks: vec![],
+        reason: "a turn was dropped before it finished (the tokio runtime running it shut \
+                 down?); how far its op got is unknown, so the communicator cannot go on"
+            .into(),
+    }
+}
+
+/// Holds a turn's completer while the turn runs (EX-9): dropped with it
+/// still inside, it raises the abort signal and completes the op with the
+/// cause, so neither the caller nor the peers wait for an op nobody runs.
+struct TurnGuard<'a> {
+    signal: &'a AbortSignal,
+    ctx: &'a OpCtx,
+    completer: Option<Completer>,
+}
+
+impl TurnGuard<'_> {
+    fn complete(&mut self, result: Result<Completion>) {
+        if let Some(c) = self.completer.take() {
+            c.complete(result);
+        }
+    }
+}
+
+impl Drop for TurnGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.completer.take() {
+            let ctx = self.ctx;
+            let cause = dropped_turn_error(&ctx.comm, ctx.rank, ctx.epoch);
+            tracing::warn!(comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq,
+                "a turn was dropped before it finished; aborting the communicator");
+            self.signal.raise(cause.clone());
+            c.complete(Err(cause));
+        }
     }
 }
 
@@ -262,6 +307,13 @@ impl Core {
                 wait_for: req.stream,
             },
         };
+        // EX-9: a turn dropped before its end completes its op with a
+        // fatal cause and raises the abort signal.
+        let mut guard = TurnGuard {
+            signal,
+            ctx: &ctx,
+            completer: Some(completer),
+        };
         let bytes = req.count * req.dtype.size();
         let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
         let timeout = req.timeout;
@@ -291,15 +343,15 @@ impl Core {
                 TurnEnd::Fatal(Box::new(Fatal {
                     error: self.revoked_error(Some(&cause)),
                     cause,
-                    completer: Some(completer),
+                    completer: guard.completer.take(),
                 }))
             }
             Some(Ok(c)) => {
-                completer.complete(Ok(c));
+                guard.complete(Ok(c));
                 TurnEnd::Done
             }
             Some(Err(e)) if !e.is_fatal() => {
-                completer.complete(Err(e));
+                guard.complete(Err(e));
                 TurnEnd::Done
             }
             Some(Err(e)) => {
@@ -307,7 +359,7 @@ impl Core {
                 TurnEnd::Fatal(Box::new(Fatal {
                     cause: e.clone(),
                     error: e,
-                    completer: Some(completer),
+                    completer: guard.completer.take(),
                 }))
             }
         }

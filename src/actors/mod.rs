@@ -3,20 +3,26 @@
 //! The actor owns the communicator's core (`executor::Core`: the backend
 //! and through it the device stream, the sequence numbers, the
 //! heartbeats) and is the only writer of its [`status`]. Every op is one
-//! *turn* of the actor (`executor::Core::turn`). A [`Comm`] handle asks
-//! for a turn with [`CommMsg::Submit`]; the actor runs it in its handler and
-//! the turn completes the op's [`Work`](crate::Work) directly: one hand-off
-//! from the caller to the owner, one back.
+//! *turn* (`executor::Core::turn`), and the turn completes the op's
+//! [`Work`](crate::Work) directly.
 //!
-//! **Turns on a blocked caller's thread.** Between turns the actor keeps
-//! its core in its `Home`, where it *offers* it: a caller that is about to
-//! block on a communicator with nothing queued accepts the offer
-//! (`Home::lend`), receives a `Lease` and runs that one turn on its own
-//! thread instead of waking the actor, which is most of the cost of a small
-//! op. The lease is exclusive (the core is moved out of the home, never
-//! shared), limited to one turn, and returns the core when it is dropped; a
-//! fatal outcome goes back with it, for the actor to handle. Which thread
-//! runs a turn is a scheduling choice of the actor's: the same
+//! **One ordering gate.** Between turns the core lives in the
+//! communicator's `Home`, inside an ordering gate (`chorus_sync::gate`, a
+//! small lock-held primitive with a loom model). A [`Comm`] handle hands
+//! every op to the gate when it is issued (`Home::submit`), in the
+//! caller's program order, and the gate decides who runs it:
+//! - nothing ahead of it (no op queued, the core at home): the caller gets
+//!   a `Lease` and runs the turn itself, on its own blocked thread or as a
+//!   task next to it, instead of waking the actor, which is most of the
+//!   cost of a small op. The lease is exclusive (the core is moved out of
+//!   the gate, never shared), limited to one turn, and gives the core back
+//!   when dropped; a fatal outcome goes back with it, for the actor;
+//! - otherwise the op is queued behind the ones before it, and the actor
+//!   runs the queue front to back, one turn per [`CommMsg::Run`]. Native
+//!   splits and the finalize are queued the same way (`Home::enqueue`),
+//!   so they too run in issue order.
+//!
+//! Which thread runs a turn is a scheduling choice: the same
 //! `executor::Core::turn` runs, with the same ordering, timeout, abort and
 //! error handling, and there is no other path to the backend.
 //!
@@ -46,7 +52,8 @@
 //! | AC-3 | after `Abort` or `Finalize` the actor stops; every request still queued completes first (revoked, or after the finalize with `Finalized`). |
 //! | AC-4 | children are aborted or finalized before their parent; a parent never stops with a live child. |
 //! | AC-5 | after an abort caused by a peer failure, the op in flight and every queued op complete with that `Error::PeerFailed`; ops submitted once the status shows the abort fail with `Error::Aborted` carrying the failed ranks. |
-//! | AC-6 | a request counted as pending (sent to the mailbox, not yet started) keeps the core out of any lease, so a blocked caller never overtakes an op submitted before it. |
+//! | AC-6 | ops run in the order they were issued, whichever thread runs them: every path to the core (a lent turn, the actor's queue, a split, the finalize, the idle poll) goes through the gate, which lends the core only when nothing is queued or scheduled ahead (GT-1..GT-5 in `chorus_sync::gate`). |
+//! | AC-7 | a lent turn that cannot finish (its task dropped, as when the caller's runtime shuts down) is fatal: the communicator aborts with a cause that says so (EX-9), and its peers learn it as they learn any failure. |
 //!
 //! [`Comm`]: crate::Comm
 //! [`Comm::health`]: crate::Comm::health
@@ -67,6 +74,7 @@ pub mod executor;
 pub mod status;
 pub mod watchdog;
 
+use chorus_sync::gate::{Gate, Issue, Next};
 use executor::{Core, Fatal, NativeSplit, TurnEnd};
 use status::{AbortSignal, State, StatusReader, StatusWriter};
 
@@ -171,21 +179,11 @@ impl Request {
 
 /// Messages a [`CommActor`] handles.
 pub enum CommMsg {
-    /// Run an op as one turn, after every request submitted before it
-    /// (counted as pending by the submitter, AC-6).
-    #[allow(private_interfaces)]
-    Submit(Box<Request>),
-    /// Split the backend's communicator with the library's own call, as one
-    /// turn (counted as pending).
-    #[allow(private_interfaces)]
-    Split {
-        /// The split.
-        args: SplitArgs,
-        /// Where the outcome goes.
-        reply: tokio::sync::oneshot::Sender<Result<NativeSplit>>,
-    },
-    /// Finalize children, run every queued op, close the backend, stop
-    /// (counted as pending). Completes the given completer when done.
+    /// The gate scheduled a drain (AC-6): run the next queued turn, or a
+    /// lent turn's fatal outcome.
+    Run,
+    /// Finalize, behind every op issued before (a parent finalizing its
+    /// children, AC-4): queues [`Queued::Finalize`] in this actor's gate.
     #[allow(private_interfaces)]
     Finalize(Option<Completer>),
     /// Act on the abort signal: fail every outstanding op, tell the peers,
@@ -202,8 +200,6 @@ pub enum CommMsg {
         /// What was observed.
         detail: String,
     },
-    /// A lease came back with a fatal outcome for the actor to handle.
-    Wake,
     /// Idle tick: poll the backend for asynchronous errors (EX-7).
     Poll,
 }
@@ -211,12 +207,10 @@ pub enum CommMsg {
 impl std::fmt::Debug for CommMsg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CommMsg::Submit(r) => write!(f, "Submit({})", r.kind.name()),
-            CommMsg::Split { .. } => f.write_str("Split"),
+            CommMsg::Run => f.write_str("Run"),
             CommMsg::Finalize(_) => f.write_str("Finalize"),
             CommMsg::Abort { .. } => f.write_str("Abort"),
             CommMsg::PeerFailed { failed_ranks, .. } => write!(f, "PeerFailed({failed_ranks:?})"),
-            CommMsg::Wake => f.write_str("Wake"),
             CommMsg::Poll => f.write_str("Poll"),
         }
     }
@@ -242,26 +236,55 @@ impl CommInfo {
     }
 }
 
-#[derive(Default)]
-struct Slot {
-    /// The core, while the actor offers it.
-    core: Option<Box<Core>>,
-    /// Requests in the mailbox that need the core and have not started (AC-6).
-    pending: usize,
-    /// The actor is waiting for a lent core.
-    wanted: bool,
-    /// A lent turn's fatal outcome.
-    fatal: Option<Box<Fatal>>,
-    /// The actor shut down: a core that comes back now is closed by its lease.
-    closed: bool,
+/// What waits in the gate's queue for the actor: an op, or a turn that
+/// only the actor runs (a native split, the finalize).
+pub(crate) enum Queued {
+    /// An op, as one turn.
+    Op(Box<Request>),
+    /// Split the backend's communicator with the library's own call.
+    Split {
+        /// The split.
+        args: SplitArgs,
+        /// Where the outcome goes.
+        reply: tokio::sync::oneshot::Sender<Result<NativeSplit>>,
+    },
+    /// Finalize children, close the backend, stop. Completes the given
+    /// completer when done.
+    Finalize(Option<Completer>),
 }
 
-/// Where the actor keeps its core between turns, offered to blocked
-/// callers, and the communicator's abort signal and status, as everyone
-/// else sees them. Created by the actor's starter, shared with handles.
+impl Queued {
+    /// Complete without running: the core is gone (`error` says why). A
+    /// finalize of a communicator that already ended has nothing to do.
+    fn refuse(self, error: Error) {
+        match self {
+            Queued::Op(mut req) => {
+                if let Some(c) = req.completer.take() {
+                    c.complete(Err(error));
+                }
+            }
+            Queued::Split { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Queued::Finalize(done) => {
+                if let Some(c) = done {
+                    c.complete(Ok(Completion::Unit));
+                }
+            }
+        }
+    }
+}
+
+/// Where the actor keeps its core between turns (the ordering gate, AC-6),
+/// and the communicator's abort signal and status, as everyone else sees
+/// them. Created by the actor's starter, shared with handles.
 pub(crate) struct Home {
-    slot: Mutex<Slot>,
+    /// The one way to the core (AC-6).
+    gate: Gate<Box<Core>, Queued>,
+    /// Notified when a lent core comes back to an actor waiting for it.
     returned: tokio::sync::Notify,
+    /// A lent turn's fatal outcome, for the actor to handle.
+    fatal: Mutex<Option<Box<Fatal>>>,
     pub(crate) signal: Arc<AbortSignal>,
     pub(crate) status: StatusReader,
     pub(crate) info: CommInfo,
@@ -289,8 +312,9 @@ impl Home {
             rt,
             own_rt,
             obs,
-            slot: Mutex::new(Slot::default()),
+            gate: Gate::empty(),
             returned: tokio::sync::Notify::new(),
+            fatal: Mutex::new(None),
             signal,
             status,
             info,
@@ -298,47 +322,124 @@ impl Home {
         }
     }
 
-    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    fn fatal(&self) -> std::sync::MutexGuard<'_, Option<Box<Fatal>>> {
+        self.fatal.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Accept the actor's offer of its core for one turn on this thread:
-    /// `Some` only if the communicator is active, nothing is pending
-    /// (AC-6) and the actor is not running a turn.
-    pub(crate) fn lend(self: &Arc<Home>) -> Option<Lease> {
-        if self.status.state() != State::Active || self.signal.is_raised() {
-            return None;
+    /// Take `req`'s place in the communicator's order (AC-6). Returns a
+    /// lease on the core when nothing is ahead of it and the communicator
+    /// is active: the caller runs the turn now, on its own thread or task.
+    /// Otherwise the op is queued for the actor (or refused, once the
+    /// communicator ended).
+    pub(crate) fn submit(self: &Arc<Home>, req: Box<Request>) -> Option<(Lease, Box<Request>)> {
+        let may_lend = self.status.state() == State::Active && !self.signal.is_raised();
+        match self.gate.issue(Queued::Op(req), may_lend) {
+            Issue::Lend(core, Queued::Op(req)) => Some((
+                Lease {
+                    home: self.clone(),
+                    core: Some(core),
+                    fatal: None,
+                    finished: false,
+                },
+                req,
+            )),
+            Issue::Lend(core, other) => {
+                // `issue` lends the op it was given: never reached.
+                self.put_back(core, false);
+                other.refuse(Error::Internal("the gate lent another request".into()));
+                None
+            }
+            Issue::Queued { wake } => {
+                if wake {
+                    self.wake_actor();
+                }
+                None
+            }
+            Issue::Closed(item) => {
+                item.refuse(closed_error(&self.info, &self.status));
+                None
+            }
         }
-        let mut slot = self.slot();
-        if slot.pending != 0 || slot.fatal.is_some() {
-            return None;
+    }
+
+    /// Queue a turn only the actor runs (a native split, the finalize)
+    /// behind every op issued before it (AC-6).
+    pub(crate) fn enqueue(&self, item: Queued) {
+        match self.gate.issue(item, false) {
+            Issue::Queued { wake: true } => self.wake_actor(),
+            Issue::Queued { wake: false } => {}
+            Issue::Closed(item) => item.refuse(closed_error(&self.info, &self.status)),
+            Issue::Lend(core, item) => {
+                // `issue` never lends what may not be lent: never reached.
+                self.put_back(core, false);
+                item.refuse(Error::Internal("the gate lent an actor-only turn".into()));
+            }
         }
-        let core = slot.core.take()?;
-        Some(Lease {
-            home: self.clone(),
-            core: Some(core),
-            fatal: None,
-        })
     }
 
-    /// Count a request about to be sent to the mailbox (AC-6).
-    pub(crate) fn count_pending(&self) {
-        self.slot().pending += 1;
+    /// Give the core back after a turn (`reserve`: for the actor, which
+    /// has a fatal outcome to handle), and wake whom the gate names. A
+    /// core that comes back to a closed gate is shut down here.
+    fn put_back(&self, core: Box<Core>, reserve: bool) {
+        match self.gate.put_back(core, reserve) {
+            Ok(w) => {
+                if w.waiter {
+                    self.returned.notify_one();
+                }
+                if w.drainer {
+                    self.wake_actor();
+                }
+            }
+            Err(mut core) => {
+                // The actor ended meanwhile (it gave up waiting for this
+                // core): close the backend here.
+                if let Some(f) = self.fatal().take() {
+                    if let Some(c) = f.completer {
+                        c.complete(Err(f.error));
+                    }
+                }
+                let cause = self.status.cause().or_else(|| {
+                    self.signal
+                        .cause(&self.info.name, self.info.rank, self.info.epoch)
+                });
+                self.rt
+                    .spawn(async move { core.shutdown_aborted(cause.as_ref()).await });
+            }
+        }
     }
 
-    /// Undo [`Home::count_pending`] for a request that was not delivered.
-    pub(crate) fn uncount_pending(&self) {
-        let mut slot = self.slot();
-        slot.pending = slot.pending.saturating_sub(1);
+    /// Tell the actor a drain is scheduled (AC-6). If the actor is gone,
+    /// end the communicator here: nothing queued may wait forever.
+    fn wake_actor(&self) {
+        let sent = self
+            .actor
+            .get()
+            .is_some_and(|a| a.send_message(CommMsg::Run).is_ok());
+        if !sent && self.actor.get().is_some() {
+            let (core, queued) = self.gate.close();
+            let error = closed_error(&self.info, &self.status);
+            for item in queued {
+                item.refuse(error.clone());
+            }
+            if let Some(mut core) = core {
+                let cause = self.status.cause();
+                self.rt
+                    .spawn(async move { core.shutdown_aborted(cause.as_ref()).await });
+            }
+        }
     }
 }
 
-/// One turn's exclusive use of the core on a caller's thread, granted by
-/// [`Home::lend`]; returns the core to the actor when dropped.
+/// One turn's exclusive use of the core on a caller's thread or task,
+/// granted by [`Home::submit`]; gives the core back to the gate when
+/// dropped. A lease dropped before its turn finished (the caller's runtime
+/// shut down under it) is fatal to the communicator (AC-7).
 pub(crate) struct Lease {
     home: Arc<Home>,
     core: Option<Box<Core>>,
     fatal: Option<Box<Fatal>>,
+    /// The turn ran to its end.
+    finished: bool,
 }
 
 impl Lease {
@@ -355,6 +456,7 @@ impl Lease {
             .turn(req, &self.home.signal, may_block)
             .instrument(span)
             .await;
+        self.finished = true;
         if let TurnEnd::Fatal(f) = end {
             self.fatal = Some(f);
         }
@@ -363,39 +465,28 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let fatal = self.fatal.take();
-        let wake = fatal.is_some();
-        {
-            let mut slot = self.home.slot();
-            if slot.closed {
-                // The actor gave up waiting for this lease and shut down.
-                if let Some(mut core) = self.core.take() {
-                    let cause = self.home.status.cause();
-                    self.home
-                        .rt
-                        .spawn(async move { core.shutdown_aborted(cause.as_ref()).await });
-                }
-                if let Some(f) = fatal {
-                    if let Some(c) = f.completer {
-                        c.complete(Err(f.error));
-                    }
-                }
-                return;
-            }
-            slot.core = self.core.take();
-            if fatal.is_some() {
-                slot.fatal = fatal;
-            }
-            if std::mem::take(&mut slot.wanted) {
-                self.home.returned.notify_one();
-            }
+        let Some(core) = self.core.take() else {
+            return;
+        };
+        let mut fatal = self.fatal.take();
+        if !self.finished {
+            // AC-7: the turn's future was dropped mid-op; its completer was
+            // completed with this cause by the turn itself (EX-9).
+            let info = &self.home.info;
+            let cause = executor::dropped_turn_error(&info.name, info.rank, info.epoch);
+            self.home.signal.raise(cause.clone());
+            let cause = self
+                .home
+                .signal
+                .cause(&info.name, info.rank, info.epoch)
+                .unwrap_or(cause);
+            fatal = Some(Fatal::no_op(cause));
         }
-        if wake {
-            // The actor is alive: it stops only once it holds the core.
-            if let Some(actor) = self.home.actor.get() {
-                let _ = actor.send_message(CommMsg::Wake);
-            }
+        let reserve = fatal.is_some();
+        if let Some(f) = fatal {
+            *self.home.fatal() = Some(f);
         }
+        self.home.put_back(core, reserve);
     }
 }
 
@@ -440,53 +531,92 @@ impl CommState {
         closed_error(&self.home.info, &self.home.status)
     }
 
-    /// Put the core back where blocked callers may lease it.
+    /// Give the core back to the gate after a turn; wake this actor again
+    /// if ops queued up meanwhile (AC-6).
     fn offer(&self, core: Box<Core>) {
-        self.home.slot().core = Some(core);
+        self.home.put_back(core, false);
     }
 
-    /// Take the core for a turn; `counted`: the request was counted as
-    /// pending (AC-6). A fatal outcome a lease left behind is handled
-    /// first. `None` once the core is gone.
-    async fn take_core(&mut self, myself: &ActorRef<CommMsg>, counted: bool) -> Option<Box<Core>> {
-        let mut counted = counted;
+    /// Take the core out of turn, to end the communicator: at once if it
+    /// is at home, else when the lent turn that holds it returns it (an
+    /// abort ends that turn at once), giving up after
+    /// [`LEASE_RETURN_DEADLINE`]. `None` once the core is gone.
+    async fn take_core_now(&mut self) -> Option<Box<Core>> {
         loop {
-            let (core, fatal) = {
-                let mut slot = self.home.slot();
-                if std::mem::take(&mut counted) {
-                    slot.pending = slot.pending.saturating_sub(1);
+            if let Some(core) = self.home.gate.take_now() {
+                return Some(core);
+            }
+            if self.done || self.home.gate.is_closed() {
+                return None;
+            }
+            let returned = self.home.returned.notified();
+            if tokio::time::timeout(LEASE_RETURN_DEADLINE, returned)
+                .await
+                .is_err()
+            {
+                tracing::warn!(comm = %self.info().name, rank = self.info().rank,
+                    "a lent turn did not return within {LEASE_RETURN_DEADLINE:?}");
+                return None;
+            }
+        }
+    }
+
+    /// Run what the gate gives this actor (one wake-up, one turn): a lent
+    /// turn's fatal outcome first, else the queue's next entry.
+    async fn drain(&mut self, myself: &ActorRef<CommMsg>) {
+        let fatal = self.home.fatal().take();
+        if let Some(f) = fatal {
+            // The lease reserved the core for this (at home: GT-4).
+            let core = self.home.gate.take_now();
+            self.fail(myself, core, f).await;
+            return;
+        }
+        let (mut core, item) = match self.home.gate.next() {
+            Next::Run(core, item) => (core, item),
+            Next::Idle => return,
+        };
+        match item {
+            Queued::Op(req) => {
+                let span = core.span();
+                let may_block = self.home.own_rt;
+                let end = core
+                    .turn(req, &self.home.signal, may_block)
+                    .instrument(span)
+                    .await;
+                self.after_turn(myself, core, end).await;
+            }
+            Queued::Split { args, reply } => match core.native_split(args).await {
+                Ok(r) => {
+                    self.after_turn(myself, core, TurnEnd::Done).await;
+                    let _ = reply.send(Ok(r));
                 }
-                let (core, fatal) = (slot.core.take(), slot.fatal.take());
-                if core.is_none() && !self.done {
-                    slot.wanted = true;
+                Err(e) => {
+                    self.fail(myself, Some(core), Fatal::no_op(e.clone())).await;
+                    let _ = reply.send(Err(e));
                 }
-                (core, fatal)
-            };
-            match (core, fatal) {
-                (Some(core), Some(f)) => {
-                    self.fail(myself, Some(core), f).await;
-                    return None;
-                }
-                (Some(core), None) => return Some(core),
-                (None, _) if self.done => return None,
-                (None, _) => {
-                    // Lent to a blocked caller: its turn returns it (an
-                    // abort ends that turn at once).
-                    if self.home.signal.is_raised() {
-                        if tokio::time::timeout(
-                            LEASE_RETURN_DEADLINE,
-                            self.home.returned.notified(),
-                        )
-                        .await
-                        .is_err()
-                        {
-                            tracing::warn!(comm = %self.info().name, rank = self.info().rank,
-                                "a lent turn did not return within {LEASE_RETURN_DEADLINE:?}");
-                            return None;
-                        }
-                    } else {
-                        self.home.returned.notified().await;
+            },
+            Queued::Finalize(done) => {
+                // AC-4: children first.
+                finalize_children(myself, &self.home).await;
+                if self.home.signal.is_raised() {
+                    self.abort_now(myself, Some(core)).await;
+                } else {
+                    core.finalize().await;
+                    self.status.finalize();
+                    self.done = true;
+                    if let Some(p) = self.poll.take() {
+                        p.abort();
                     }
+                    // AC-3: requests behind Finalize complete with Finalized.
+                    let (_, queued) = self.home.gate.close();
+                    let error = self.closed_error();
+                    for item in queued {
+                        item.refuse(error.clone());
+                    }
+                    let _ = myself.drain();
+                }
+                if let Some(c) = done {
+                    c.complete(Ok(Completion::Unit));
                 }
             }
         }
@@ -548,7 +678,7 @@ impl CommState {
         }
         let core = match core {
             Some(c) => Some(c),
-            None => self.take_core(myself, false).await,
+            None => self.take_core_now().await,
         };
         self.shutdown(myself, core, cause).await;
     }
@@ -562,10 +692,18 @@ impl CommState {
         cause: Error,
     ) {
         self.done = true;
-        {
-            let mut slot = self.home.slot();
-            slot.wanted = false;
-            slot.closed = true;
+        // AC-3, GT-5: nothing runs any more; what is queued is revoked,
+        // and a lent core that comes back later is closed by its lease.
+        let (home_core, queued) = self.home.gate.close();
+        let core = core.or(home_core);
+        if let Some(f) = self.home.fatal().take() {
+            if let Some(c) = f.completer {
+                c.complete(Err(f.error));
+            }
+        }
+        let error = self.closed_error();
+        for item in queued {
+            item.refuse(error.clone());
         }
         if let Some(p) = self.poll.take() {
             p.abort();
@@ -575,13 +713,6 @@ impl CommState {
         }
         abort_children(myself).await;
         let _ = myself.drain();
-    }
-
-    /// Complete `req` without running it: the core is gone.
-    fn refuse(&self, mut req: Box<Request>) {
-        if let Some(c) = req.completer.take() {
-            c.complete(Err(self.closed_error()));
-        }
     }
 }
 
@@ -669,7 +800,7 @@ impl Actor for CommActor {
         let poll = core
             .polls_async_errors()
             .then(|| myself.send_interval(executor::IDLE_POLL, || CommMsg::Poll));
-        home.slot().core = Some(Box::new(core));
+        home.put_back(Box::new(core), false);
         Ok(CommState {
             home,
             status,
@@ -689,59 +820,12 @@ impl Actor for CommActor {
             state.abort_now(&myself, None).await;
         }
         match message {
-            CommMsg::Submit(req) => match state.take_core(&myself, true).await {
-                None => state.refuse(req),
-                Some(mut core) => {
-                    let span = core.span();
-                    let may_block = state.home.own_rt;
-                    let end = core
-                        .turn(req, &state.home.signal, may_block)
-                        .instrument(span)
-                        .await;
-                    state.after_turn(&myself, core, end).await;
-                }
-            },
-            CommMsg::Split { args, reply } => match state.take_core(&myself, true).await {
-                None => {
-                    let _ = reply.send(Err(state.closed_error()));
-                }
-                Some(mut core) => match core.native_split(args).await {
-                    Ok(r) => {
-                        state.after_turn(&myself, core, TurnEnd::Done).await;
-                        let _ = reply.send(Ok(r));
-                    }
-                    Err(e) => {
-                        state
-                            .fail(&myself, Some(core), Fatal::no_op(e.clone()))
-                            .await;
-                        let _ = reply.send(Err(e));
-                    }
-                },
-            },
-            CommMsg::Finalize(done) => {
+            CommMsg::Run => {
                 if !state.done {
-                    // AC-4: children first.
-                    finalize_children(&myself, &state.home).await;
-                }
-                match state.take_core(&myself, true).await {
-                    Some(mut core) if !state.home.signal.is_raised() => {
-                        core.finalize().await;
-                        state.status.finalize();
-                        state.done = true;
-                        if let Some(p) = state.poll.take() {
-                            p.abort();
-                        }
-                        // AC-3: requests behind Finalize complete with Finalized.
-                        let _ = myself.drain();
-                    }
-                    Some(core) => state.abort_now(&myself, Some(core)).await,
-                    None if !state.done => state.abort_now(&myself, None).await,
-                    None => {}
-                }
-                if let Some(c) = done {
-                    c.complete(Ok(Completion::Unit));
+                    state.drain(&myself).await;
                 }
             }
+            CommMsg::Finalize(done) => state.home.enqueue(Queued::Finalize(done)),
             CommMsg::Abort { done } => {
                 if !state.done {
                     state.abort_now(&myself, None).await;
@@ -767,22 +851,9 @@ impl Actor for CommActor {
                 });
                 state.abort_now(&myself, None).await;
             }
-            CommMsg::Wake => {
-                if let Some(core) = state.take_core(&myself, false).await {
-                    state.after_turn(&myself, core, TurnEnd::Done).await;
-                }
-            }
             CommMsg::Poll => {
-                let idle = {
-                    let mut slot = state.home.slot();
-                    if slot.pending == 0 && slot.fatal.is_none() {
-                        slot.core.take()
-                    } else {
-                        None
-                    }
-                };
                 // Lent, or ops are queued: those turns watch the library.
-                if let Some(mut core) = idle {
+                if let Some(mut core) = state.home.gate.take_idle() {
                     match core.poll_idle().await {
                         None => state.offer(core),
                         Some(e) => state.fail(&myself, Some(core), Fatal::no_op(e)).await,
@@ -852,8 +923,12 @@ impl Actor for CommActor {
             if state.status.abort(cause.clone()) {
                 state.home.obs.aborted(&cause).await;
             }
-            let core = state.home.slot().core.take();
+            let (core, queued) = state.home.gate.close();
             state.done = true;
+            let error = state.closed_error();
+            for item in queued {
+                item.refuse(error.clone());
+            }
             if let Some(mut core) = core {
                 core.shutdown_aborted(Some(&cause)).await;
             }
