@@ -209,6 +209,75 @@ fn hung_rank_without_heartbeats_fails_every_survivor_with_peer_failed_then_recon
     assert_eq!(out, vec![Some(3), Some(3), None, Some(3)]);
 }
 
+/// A lent turn that can never finish is fatal: rank 0 issues an
+/// all_reduce from a task of its own tokio runtime (the turn is lent to
+/// that runtime) and shuts the runtime down while the op waits for rank 1.
+/// Rank 0's op and communicator fail with a cause that says what happened,
+/// and rank 1, which issues its all_reduces only then, fails with
+/// `PeerFailed` naming rank 0 within the heartbeat bound, not the op's
+/// 30 s timeout.
+#[test]
+fn runtime_shut_down_mid_lent_turn_fails_the_peer_with_peer_failed_within_the_heartbeat_bound() {
+    let (gone_tx, gone_rx) = mpsc::channel::<()>();
+    let gone_tx = std::sync::Mutex::new(Some(gone_tx));
+    let gone_rx = std::sync::Mutex::new(gone_rx);
+    let out = run_ranks_with(
+        2,
+        "lent-turn-runtime-down",
+        |_, o| o.with_heartbeat(HB, HB_TIMEOUT),
+        move |comm| {
+            if comm.rank() == 0 {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                // Issued inside `rt`, the idle communicator lends the turn
+                // to it: the turn becomes a task of `rt`.
+                let entered = rt.enter();
+                let work = comm.all_reduce_async(Tensor::full(1.0f32, 1024), ReduceOp::Sum);
+                drop(entered);
+                assert!(!work.is_completed(), "rank 1 has not issued its op yet");
+                // The turn is a task of `rt` now: shutting it down drops it.
+                drop(rt);
+                let sender = gone_tx.lock().unwrap().take();
+                if let Some(tx) = sender {
+                    tx.send(()).expect("rank 1 waits");
+                }
+                match work.wait() {
+                    Err(Error::Aborted { reason, .. }) => {
+                        assert!(reason.contains("dropped before it finished"), "{reason}")
+                    }
+                    other => panic!("rank 0: expected Aborted for the dropped turn, got {other:?}"),
+                }
+                wait_inactive(&comm);
+                None
+            } else {
+                let ready = gone_rx
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(Duration::from_secs(30));
+                ready.expect("rank 0 shut its runtime down");
+                // The op that pairs with rank 0's dropped one may still
+                // succeed (rank 0 had sent its part); the failure must
+                // show by the next op, within the heartbeat bound.
+                let t0 = Instant::now();
+                let (e, _) = reduce_until_error(&comm);
+                Some((e, t0.elapsed()))
+            }
+        },
+    );
+    let (e, took) = out[1].clone().expect("rank 1's outcome");
+    match e {
+        Error::PeerFailed { failed_ranks, .. } => assert_eq!(failed_ranks, vec![0]),
+        other => panic!("rank 1: expected PeerFailed naming rank 0, got {other:?}"),
+    }
+    assert!(
+        took < HB_TIMEOUT + SLACK,
+        "rank 1 saw the failure after {took:?}, beyond the heartbeat bound"
+    );
+}
+
 #[test]
 fn rank_partitioned_from_the_store_is_detected_on_both_sides() {
     let out = run_faulty(4, "partition", |comm, faults| {
