@@ -16,6 +16,17 @@ else
   cargo test --workspace --all-targets "$@"
 fi
 
+# The concurrency primitives (sync/, a crate of its own): unit tests, then the
+# loom models of the ordering gate and the completion cell (release build;
+# about a minute, bounded like the doctests).
+(cd sync && cargo test --quiet)
+loom_timeout=${CHORUS_LOOM_TIMEOUT:-600}
+if command -v timeout >/dev/null 2>&1; then
+  (cd sync && timeout "$loom_timeout" cargo test --release --features loom)
+else
+  (cd sync && cargo test --release --features loom)
+fi
+
 # Doctests have no per-test timeout: bound the whole run instead.
 doctest_timeout=${CHORUS_DOCTEST_TIMEOUT:-1200}
 if command -v timeout >/dev/null 2>&1; then
