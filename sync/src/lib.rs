@@ -8,4 +8,5 @@
 #![deny(missing_docs)]
 
 pub mod gate;
+pub mod oneshot;
 pub mod sync;
