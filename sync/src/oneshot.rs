@@ -170,6 +170,8 @@ impl<T> Inner<T> {
     fn complete(&self) -> usize {
         let prev = self.state.fetch_or(COMPLETE, Ordering::AcqRel);
         if prev & (WAITER | RX_CLOSED) == WAITER {
+            // The receiver may act between the RMW and the read below.
+            crate::sync::preemption_point();
             // SAFETY: OS-2: `WAITER` was set when `COMPLETE` was, so the
             // receiver no longer writes `waiter`; it may only read it.
             self.waiter.with(|w| unsafe {
@@ -312,11 +314,8 @@ impl<T> Receiver<T> {
     /// `None` if the sender was dropped without sending (or the value was
     /// already received).
     pub fn recv_blocking(&mut self) -> Option<T> {
-        match self.recv_until(None) {
-            Ok(v) => v,
-            // Without a deadline there is no timeout.
-            Err(Elapsed) => None,
-        }
+        // Without a deadline there is no `Elapsed`.
+        self.recv_until(None).unwrap_or_default()
     }
 
     /// [`Receiver::recv_blocking`], giving up after `timeout`.
@@ -485,7 +484,10 @@ mod tests {
             Err(Elapsed)
         );
         let t = std::thread::spawn(move || tx.send(9i8).unwrap());
-        assert_eq!(rx.recv_blocking_timeout(Duration::from_secs(60)), Ok(Some(9)));
+        assert_eq!(
+            rx.recv_blocking_timeout(Duration::from_secs(60)),
+            Ok(Some(9))
+        );
         t.join().unwrap();
     }
 

@@ -66,6 +66,17 @@ pub fn park_timeout(_dur: std::time::Duration) {
     loom::thread::yield_now()
 }
 
+/// Where another thread may run, to the model: nothing in a normal build;
+/// under loom a branch point. Loom switches threads only at its own
+/// operations, so a plain cell access right after an atomic RMW would look
+/// indivisible from it; a preemption point between them lets the model
+/// run the other thread in that window, as a real machine may.
+#[inline(always)]
+pub fn preemption_point() {
+    #[cfg(feature = "loom")]
+    loom::thread::yield_now();
+}
+
 /// Lock `m`, ignoring poisoning (a panic while holding one of these locks
 /// leaves the protected state consistent: every critical section is a few
 /// field updates).

@@ -151,12 +151,26 @@ fn os_6_receiver_dropped_after_registering_a_waker() {
 fn os_7_timed_out_receive_racing_send_leaves_the_receiver_usable() {
     loom::model(|| {
         let (tx, mut rx) = oneshot::channel();
-        let sender = thread::spawn(move || tx.send(5u32).is_ok());
+        let sent = Arc::new(AtomicUsize::new(0));
+        let sender = {
+            let sent = sent.clone();
+            thread::spawn(move || {
+                let ok = tx.send(5u32).is_ok();
+                sent.store(1 + usize::from(ok), Ordering::Release);
+            })
+        };
         let got = match rx.recv_blocking_timeout(Duration::ZERO) {
             Ok(v) => v,
             Err(Elapsed) => rx.recv_blocking(),
         };
         assert_eq!(got, Some(5));
-        assert!(sender.join().unwrap());
+        // Not `join()` yet: when the withdrawal found the value, the
+        // sender may still unpark this thread (harmless, OS-5), and loom
+        // would take that unpark for the end of a join.
+        while sent.load(Ordering::Acquire) == 0 {
+            thread::yield_now();
+        }
+        assert_eq!(sent.load(Ordering::Acquire), 2);
+        sender.join().unwrap();
     });
 }
