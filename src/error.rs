@@ -262,8 +262,8 @@ pub enum Error {
     /// call waits for).
     #[error(
         "{op} blocks, and was called on a current-thread tokio runtime, whose only thread it \
-         would stop; await its async form (e.g. `{op}_async(..).await`) instead, or call it \
-         from a multi-thread runtime or a plain thread"
+         would stop; {fix}, or call it from a multi-thread runtime or a plain thread",
+        fix = would_block_fix(.op)
     )]
     WouldBlock {
         /// The method.
@@ -281,6 +281,20 @@ pub enum Error {
     /// A bug in Chorus: please report it.
     #[error("internal error (please report): {0}")]
     Internal(String),
+}
+
+/// What to do instead of the blocking method `op` on a current-thread
+/// runtime, for [`Error::WouldBlock`]'s message.
+fn would_block_fix(op: &str) -> String {
+    match op {
+        "Work::wait" | "Work::wait_timeout" => {
+            "await the Work instead (`work.await`; bound it with `tokio::time::timeout`)".into()
+        }
+        "Work::wait_stream" => {
+            "await the Work instead (once it has completed, `wait_stream` returns at once)".into()
+        }
+        _ => format!("await its async form (e.g. `{op}_async(..).await`) instead"),
+    }
 }
 
 impl Error {
