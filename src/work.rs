@@ -6,6 +6,11 @@
 //! an actor that died), the work completes with an error instead of hanging
 //! ([WK-2]).
 //!
+//! The completion travels through a lock-free one-shot
+//! ([`chorus_sync::oneshot`], model-checked with loom): completing is one
+//! atomic read-modify-write, and wakes a task or unparks a thread only if
+//! one is waiting ([WK-5]).
+//!
 //! # Invariants
 //! - WK-1: a `Work` completes exactly once; `wait()`, `.await` and
 //!   `is_completed()` observe the same completion.
@@ -18,6 +23,16 @@
 //!   it waits only until the op was enqueued, then makes the stream wait.
 //!   Once the work completed, the fence is dropped and `wait_stream` has
 //!   nothing left to order.
+//! - WK-5: a completion that nobody waits for makes no system call: no
+//!   wake-up, no unpark, no condition-variable notify (the fence slot
+//!   counts its waiters and notifies only when there are some).
+//!   `is_completed()` is one atomic load.
+//! - WK-6: the blocking waits (`wait`, `wait_timeout`, `wait_stream`) never
+//!   block a worker of a tokio runtime in a way that stops its other tasks
+//!   (the op's own turn may be one of them, queued on that very worker):
+//!   on a multi-thread runtime they wait inside
+//!   [`tokio::task::block_in_place`], on a current-thread runtime they
+//!   refuse with [`Error::WouldBlock`] (see [`crate::runtime`]).
 //!
 //! # Cancel safety
 //! `Work` is a plain future over shared state: dropping it mid-poll loses
@@ -26,13 +41,15 @@
 //! [WK-1]: self#invariants
 //! [WK-2]: self#invariants
 //! [WK-3]: self#invariants
+//! [WK-5]: self#invariants
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use chorus_sync::oneshot;
 
 use crate::error::{Error, Result};
 use crate::hooks::Tracked;
@@ -49,21 +66,6 @@ pub(crate) enum Completion {
     Tensors(Vec<Tensor>),
     /// What a window op produced.
     Window(crate::backends::WindowDone),
-}
-
-#[derive(Default)]
-struct Slot {
-    result: Option<Result<Completion>>,
-    taken: bool,
-    waker: Option<Waker>,
-}
-
-#[derive(Default)]
-struct State {
-    done: AtomicBool,
-    slot: Mutex<Slot>,
-    cv: Condvar,
-    fence: Arc<FenceSlot>,
 }
 
 /// A device stream handle: a raw `cudaStream_t` / `hipStream_t`, for
@@ -110,11 +112,23 @@ enum FenceState {
     Closed,
 }
 
+#[derive(Default)]
+struct Fence {
+    state: FenceState,
+    /// Threads blocked in `wait_stream` on this slot (WK-5: no notify
+    /// without one).
+    waiters: usize,
+}
+
 /// Where a backend publishes an op's [`StreamFence`] once the op is
 /// enqueued (WK-4); closed when the op completes.
+///
+/// A mutex and a condition variable: only `wait_stream` on an op still
+/// being enqueued (the rare device path) ever waits here, and publishing
+/// or closing notifies only when a waiter is counted (WK-5).
 #[derive(Default)]
 pub struct FenceSlot {
-    m: Mutex<FenceState>,
+    m: Mutex<Fence>,
     cv: Condvar,
 }
 
@@ -125,35 +139,67 @@ impl std::fmt::Debug for FenceSlot {
 }
 
 impl FenceSlot {
-    fn state(&self) -> std::sync::MutexGuard<'_, FenceState> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Fence> {
         self.m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Publish the op's fence (ignored once the op completed).
     pub fn publish(&self, fence: Arc<dyn StreamFence>) {
-        let mut st = self.state();
-        if matches!(*st, FenceState::Pending) {
-            *st = FenceState::Ready(fence);
+        let mut f = self.lock();
+        if matches!(f.state, FenceState::Pending) {
+            f.state = FenceState::Ready(fence);
         }
-        self.cv.notify_all();
+        let wake = f.waiters > 0;
+        drop(f);
+        if wake {
+            self.cv.notify_all();
+        }
     }
 
     /// The op completed: no fence is needed any more (WK-4).
     fn close(&self) {
-        *self.state() = FenceState::Closed;
-        self.cv.notify_all();
+        let mut f = self.lock();
+        f.state = FenceState::Closed;
+        let wake = f.waiters > 0;
+        drop(f);
+        if wake {
+            self.cv.notify_all();
+        }
     }
-}
 
-impl State {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    /// The fence, `None` once closed; `Err(())` while the op is still
+    /// being enqueued.
+    fn try_get(&self) -> std::result::Result<Option<Arc<dyn StreamFence>>, ()> {
+        match &self.lock().state {
+            FenceState::Pending => Err(()),
+            FenceState::Ready(f) => Ok(Some(f.clone())),
+            FenceState::Closed => Ok(None),
+        }
+    }
+
+    /// Block until the fence is published or the slot closed.
+    fn wait(&self) -> Option<Arc<dyn StreamFence>> {
+        let mut f = self.lock();
+        loop {
+            match &f.state {
+                FenceState::Pending => {
+                    // Counted under the lock, so a publish or close sees
+                    // this waiter before it decides whether to notify.
+                    f.waiters += 1;
+                    f = self.cv.wait(f).unwrap_or_else(|e| e.into_inner());
+                    f.waiters -= 1;
+                }
+                FenceState::Ready(fence) => return Some(fence.clone()),
+                FenceState::Closed => return None,
+            }
+        }
     }
 }
 
 /// The sending half: completes one [`Work`] exactly once.
 pub(crate) struct Completer {
-    state: Option<Arc<State>>,
+    tx: Option<oneshot::Sender<Result<Completion>>>,
+    fence: Arc<FenceSlot>,
     /// The op as its communicator's hooks and flight recorder follow it.
     tracked: Option<Box<Tracked>>,
 }
@@ -161,7 +207,7 @@ pub(crate) struct Completer {
 impl std::fmt::Debug for Completer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Completer")
-            .field("pending", &self.state.is_some())
+            .field("pending", &self.tx.is_some())
             .finish()
     }
 }
@@ -169,7 +215,7 @@ impl std::fmt::Debug for Completer {
 impl Completer {
     /// The op's fence slot, for a backend to publish a fence in (WK-4).
     pub(crate) fn fence_slot(&self) -> Option<Arc<FenceSlot>> {
-        self.state.as_ref().map(|s| s.fence.clone())
+        self.tx.as_ref().map(|_| self.fence.clone())
     }
 
     /// Have the observer follow this op (hooks, flight recorder).
@@ -196,27 +242,21 @@ impl Completer {
         if let Some(t) = self.tracked.take() {
             (*t).finish(result.as_ref().map(|_| ()));
         }
-        if let Some(state) = self.state.take() {
-            state.fence.close();
-            let waker = {
-                let mut slot = state.lock();
-                slot.result = Some(result);
-                state.done.store(true, Ordering::Release);
-                slot.waker.take()
-            };
-            state.cv.notify_all();
-            if let Some(w) = waker {
-                w.wake();
-            }
+        if let Some(tx) = self.tx.take() {
+            self.fence.close();
+            // `Err` hands the result back when the `Work` was dropped: it
+            // is discarded (WK-3).
+            let _ = tx.send(result);
         }
     }
 }
 
 impl Drop for Completer {
     fn drop(&mut self) {
-        if self.state.is_some() {
+        if self.tx.is_some() {
             let me = Completer {
-                state: self.state.take(),
+                tx: self.tx.take(),
+                fence: self.fence.clone(),
                 tracked: self.tracked.take(),
             };
             me.complete(Err(Error::Internal(
@@ -239,7 +279,8 @@ impl Drop for Completer {
 /// ```
 #[must_use = "a Work does nothing unless waited on; dropping it discards the result"]
 pub struct Work<T> {
-    state: Arc<State>,
+    rx: oneshot::Receiver<Result<Completion>>,
+    fence: Arc<FenceSlot>,
     map: fn(Completion) -> Result<T>,
 }
 
@@ -251,16 +292,33 @@ impl<T> std::fmt::Debug for Work<T> {
     }
 }
 
+/// The user's result from what the one-shot delivered.
+fn finish<T>(map: fn(Completion) -> Result<T>, got: Option<Result<Completion>>) -> Result<T> {
+    match got {
+        Some(Ok(c)) => map(c),
+        Some(Err(e)) => Err(e),
+        // A `Completer` always sends, even when dropped (WK-2); `None`
+        // means the result was already taken (a future polled after it
+        // returned `Ready`).
+        None => Err(Error::Internal(
+            "work completion taken twice (a Work polled after it completed)".into(),
+        )),
+    }
+}
+
 impl<T> Work<T> {
     pub(crate) fn new(map: fn(Completion) -> Result<T>) -> (Work<T>, Completer) {
-        let state = Arc::new(State::default());
+        let (tx, rx) = oneshot::channel();
+        let fence = Arc::new(FenceSlot::default());
         (
             Work {
-                state: state.clone(),
+                rx,
+                fence: fence.clone(),
                 map,
             },
             Completer {
-                state: Some(state),
+                tx: Some(tx),
+                fence,
                 tracked: None,
             },
         )
@@ -273,30 +331,28 @@ impl<T> Work<T> {
         w
     }
 
-    /// Whether the op has completed (successfully or not).
+    /// Whether the op has completed (successfully or not): one atomic load.
     pub fn is_completed(&self) -> bool {
-        self.state.done.load(Ordering::Acquire)
-    }
-
-    fn take(&self, slot: &mut Slot) -> Result<T> {
-        slot.taken = true;
-        match slot.result.take() {
-            Some(Ok(c)) => (self.map)(c),
-            Some(Err(e)) => Err(e),
-            None => Err(Error::Internal("work completion taken twice".into())),
-        }
+        self.rx.is_complete()
     }
 
     /// Block the calling thread until the op completes, and return its result.
     ///
+    /// On a worker of a multi-thread tokio runtime it waits inside
+    /// [`tokio::task::block_in_place`], so the worker's other tasks (the
+    /// op's own turn may be one of them) move to another thread and keep
+    /// running (WK-6). In async code, prefer `work.await`.
+    ///
     /// # Errors
     /// The op's error: see each collective's `# Errors` section.
-    pub fn wait(self) -> Result<T> {
-        let mut slot = self.state.lock();
-        while slot.result.is_none() && !slot.taken {
-            slot = self.state.cv.wait(slot).unwrap_or_else(|e| e.into_inner());
-        }
-        self.take(&mut slot)
+    /// [`Error::WouldBlock`] on a current-thread tokio runtime, whose only
+    /// thread would stop (and with it, possibly, the op): await the `Work`
+    /// there instead. The op itself still runs (WK-3).
+    pub fn wait(mut self) -> Result<T> {
+        crate::runtime::blocking("Work::wait", || {
+            let got = self.rx.recv_blocking();
+            finish(self.map, got)
+        })
     }
 
     /// Make the device stream `stream` wait for this op, TorchComms'
@@ -306,24 +362,19 @@ impl<T> Work<T> {
     /// then orders `stream` after it (an event and `cudaStreamWaitEvent`):
     /// work queued on `stream` afterwards sees the op's results. For any
     /// other op it blocks until the op completed. Either way `.await` and
-    /// [`Work::wait`] still mean "finished".
+    /// [`Work::wait`] still mean "finished". When it must block, it
+    /// blocks as [`Work::wait`] does (WK-6).
     ///
     /// # Errors
     /// [`Error::Internal`] if the runtime refuses the wait; an op's own
     /// failure is reported by `wait`/`.await`, not here.
+    /// [`Error::WouldBlock`] if it would have to block on a current-thread
+    /// tokio runtime (await the `Work` first there: then it returns at
+    /// once).
     pub fn wait_stream(&self, stream: DeviceStream) -> Result<()> {
-        let fence = {
-            let slot = &self.state.fence;
-            let mut st = slot.state();
-            loop {
-                match &*st {
-                    FenceState::Pending => {
-                        st = slot.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-                    }
-                    FenceState::Ready(f) => break Some(f.clone()),
-                    FenceState::Closed => break None,
-                }
-            }
+        let fence = match self.fence.try_get() {
+            Ok(fence) => fence,
+            Err(()) => crate::runtime::blocking("Work::wait_stream", || Ok(self.fence.wait()))?,
         };
         match fence {
             Some(f) => f
@@ -335,23 +386,19 @@ impl<T> Work<T> {
 
     /// Like [`Work::wait`], but give up after `timeout`, returning the work
     /// back so it can be waited on again.
-    pub fn wait_timeout(self, timeout: Duration) -> std::result::Result<Result<T>, Work<T>> {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut slot = self.state.lock();
-        while slot.result.is_none() && !slot.taken {
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                drop(slot);
-                return Err(self);
-            }
-            slot = self
-                .state
-                .cv
-                .wait_timeout(slot, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+    ///
+    /// On a current-thread tokio runtime it returns
+    /// `Ok(Err(Error::WouldBlock))` at once (WK-6): await the `Work` there,
+    /// bounded with `tokio::time::timeout`.
+    pub fn wait_timeout(mut self, timeout: Duration) -> std::result::Result<Result<T>, Work<T>> {
+        let waited = crate::runtime::blocking("Work::wait_timeout", || {
+            Ok(self.rx.recv_blocking_timeout(timeout))
+        });
+        match waited {
+            Ok(Ok(got)) => Ok(finish(self.map, got)),
+            Ok(Err(oneshot::Elapsed)) => Err(self),
+            Err(e) => Ok(Err(e)),
         }
-        Ok(self.take(&mut slot))
     }
 }
 
@@ -360,15 +407,10 @@ impl<T> Future for Work<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
         let this = self.get_mut();
-        let mut slot = this.state.lock();
-        if slot.result.is_some() || slot.taken {
-            return Poll::Ready(this.take(&mut slot));
+        match this.rx.poll_recv(cx) {
+            Poll::Ready(got) => Poll::Ready(finish(this.map, got)),
+            Poll::Pending => Poll::Pending,
         }
-        match &slot.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            _ => slot.waker = Some(cx.waker().clone()),
-        }
-        Poll::Pending
     }
 }
 
@@ -441,5 +483,167 @@ mod tests {
         assert!(!w.is_completed());
         c.complete(Ok(Completion::Unit));
         assert!(w.wait_timeout(Duration::from_secs(5)).unwrap().is_ok());
+    }
+
+    /// Run `f` on a thread of its own and return its result, failing the
+    /// test if it takes longer than a minute: a regression that hangs
+    /// fails instead of hanging the suite.
+    fn within<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("{what} did not finish within a minute (a blocked worker?)")
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
+        }
+    }
+
+    fn runtime(workers: usize) -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    /// WK-6: the completing task is spawned from the waiting task, so it
+    /// sits in that worker's LIFO slot, which no other worker steals; a
+    /// `wait` that blocked the worker without `block_in_place` would never
+    /// let it run. One and two workers.
+    #[test]
+    fn wk_6_wait_inside_a_task_lets_the_task_that_completes_it_run() {
+        for workers in [1, 2] {
+            let got = within("Work::wait inside a task", move || {
+                runtime(workers).block_on(async {
+                    tokio::spawn(async {
+                        let (w, c) = Work::new(to_tensor);
+                        tokio::spawn(async move {
+                            c.complete(Ok(Completion::Tensor(Tensor::full(5u8, 3))));
+                        });
+                        w.wait()
+                    })
+                    .await
+                    .expect("task")
+                })
+            });
+            assert_eq!(got.expect("wait").to_vec::<u8>(), vec![5; 3]);
+        }
+    }
+
+    /// WK-6 for the bounded wait: the same setting, through `wait_timeout`.
+    #[test]
+    fn wk_6_wait_timeout_inside_a_task_lets_the_task_that_completes_it_run() {
+        let got = within("Work::wait_timeout inside a task", || {
+            runtime(1).block_on(async {
+                tokio::spawn(async {
+                    let (w, c) = Work::new(to_unit);
+                    tokio::spawn(async move { c.complete(Ok(Completion::Unit)) });
+                    w.wait_timeout(Duration::from_secs(3600))
+                        .is_ok_and(|r| r.is_ok())
+                })
+                .await
+                .expect("task")
+            })
+        });
+        assert!(got, "wait_timeout did not return the completion");
+    }
+
+    /// WK-6: on a current-thread runtime the blocking waits refuse at once
+    /// with `WouldBlock`, whose message names the fix; `wait_timeout`
+    /// refuses inside `Ok`, and `.await` then gets the result.
+    #[test]
+    fn wk_6_wait_on_a_current_thread_runtime_is_refused_naming_the_fix() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let (w, c) = Work::new(to_unit);
+            match w.wait() {
+                Err(e @ Error::WouldBlock { op: "Work::wait" }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("await the Work instead"), "{msg}");
+                }
+                other => panic!("expected WouldBlock, got {other:?}"),
+            }
+            drop(c);
+
+            let (w, c) = Work::new(to_unit);
+            match w.wait_timeout(Duration::from_secs(3600)) {
+                Ok(Err(Error::WouldBlock {
+                    op: "Work::wait_timeout",
+                })) => {}
+                other => panic!("expected Ok(Err(WouldBlock)), got {other:?}"),
+            }
+            c.complete(Ok(Completion::Unit));
+
+            let (w, c) = Work::new(to_unit);
+            let done = tokio::spawn(async move { c.complete(Ok(Completion::Unit)) });
+            w.await.expect("awaited");
+            done.await.expect("completer task");
+        });
+    }
+
+    /// WK-1: a `Work` polled once (its waker registered), then waited on
+    /// from a plain thread, gets the completion; so does `.await` after a
+    /// timed-out `wait_timeout`.
+    #[test]
+    fn wk_1_poll_then_wait_and_timeout_then_await_see_one_completion() {
+        let (mut w, c) = Work::new(to_tensor);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(Pin::new(&mut w).poll(&mut cx).is_pending());
+        let t = std::thread::spawn(move || {
+            c.complete(Ok(Completion::Tensor(Tensor::full(1i64, 1))));
+        });
+        assert_eq!(w.wait().expect("wait").to_vec::<i64>(), vec![1]);
+        t.join().expect("completer thread");
+
+        let (w, c) = Work::new(to_unit);
+        let w = w
+            .wait_timeout(Duration::ZERO)
+            .expect_err("nothing completed it yet");
+        c.complete(Ok(Completion::Unit));
+        assert!(w.is_completed());
+        within("await after a timed-out wait", move || {
+            futures::executor::block_on(w).expect("awaited")
+        });
+    }
+
+    struct RecordFence(Mutex<Vec<DeviceStream>>);
+
+    impl StreamFence for RecordFence {
+        fn wait_on(&self, stream: DeviceStream) -> std::result::Result<(), String> {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(stream);
+            Ok(())
+        }
+    }
+
+    /// WK-4: `wait_stream` blocked on an op still being enqueued returns
+    /// once the fence is published, and orders the stream with it; after
+    /// completion there is nothing to order.
+    #[test]
+    fn wk_4_wait_stream_waits_for_the_fence_then_orders_the_stream() {
+        let (w, c) = Work::new(to_unit);
+        let slot = c.fence_slot().expect("a pending op has a fence slot");
+        let fence = Arc::new(RecordFence(Mutex::new(Vec::new())));
+        // SAFETY: the fake fence only records the stream; it is never used.
+        let stream = unsafe { DeviceStream::from_raw(std::ptr::null_mut()) };
+        let waiter = std::thread::spawn(move || {
+            w.wait_stream(stream).expect("wait_stream");
+            w
+        });
+        slot.publish(fence.clone());
+        let w = within("wait_stream", move || waiter.join().expect("waiter"));
+        assert_eq!(*fence.0.lock().expect("fence"), vec![stream]);
+        c.complete(Ok(Completion::Unit));
+        w.wait_stream(stream).expect("closed fence");
+        assert_eq!(fence.0.lock().expect("fence").len(), 1);
     }
 }
