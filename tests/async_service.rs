@@ -5,6 +5,9 @@
 //! The communicators live on Chorus's own runtime, or on the caller's
 //! (`CommOptions::with_runtime`).
 //!
+//! `Work::wait` (the blocking wait) called inside a task of a multi-thread
+//! runtime completes even when the op's turn is queued on that very worker.
+//!
 //! A ticker task shows that no worker of the caller's runtime is blocked:
 //! it must keep ticking while a rank waits two seconds in bootstrap for a
 //! late peer, even on a current-thread runtime, whose only thread would
@@ -426,4 +429,117 @@ async fn an_op_that_can_finish_at_once_is_done_before_it_is_awaited() {
     })
     .await;
     assert_eq!(got, vec![vec![2.0f32; 4]; 2]);
+}
+
+/// Run `f` on a thread of its own, failing the test if it takes longer
+/// than [`DEADLINE`]: for tests whose regression would block a runtime's
+/// workers (and with them any timer a `tokio::time::timeout` needs).
+fn bounded<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(DEADLINE) {
+        Ok(r) => r,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what} did not finish within {DEADLINE:?} (a blocked worker?)")
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
+    }
+}
+
+fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// WK-6, as a user writes it: `comm.all_reduce_async(..).wait()` inside
+/// `tokio::spawn` on a multi-thread runtime of one and of two workers.
+/// (A world of one finishes each turn in its first poll, inside the call,
+/// so this passed before `wait` used `block_in_place` too; the next test
+/// is the one that hung.)
+#[test]
+fn work_wait_inside_a_multi_thread_task_completes() {
+    for workers in [1usize, 2] {
+        bounded("Work::wait inside a task", move || {
+            let name = format!("wait-in-task-{workers}");
+            let comm = chorus::new_comm("cpu", Device::Cpu, &name, CommOptions::single())
+                .expect("new_comm");
+            multi_thread(workers).block_on(async move {
+                tokio::spawn(async move {
+                    for i in 0..20u8 {
+                        let out = comm
+                            .all_reduce_async(Tensor::full(f32::from(i), 4), ReduceOp::Sum)
+                            .wait()
+                            .expect("all_reduce");
+                        assert_eq!(out.to_vec::<f32>(), vec![f32::from(i); 4]);
+                    }
+                    comm.finalize_async().await.expect("finalize");
+                })
+                .await
+                .expect("task");
+            });
+        });
+    }
+}
+
+/// WK-6 where it used to hang: rank 0 issues an op from a task of a
+/// one-worker runtime before rank 1 has issued its own, so the turn's
+/// first poll (inside the call) cannot finish it and the turn goes on as a
+/// task in that worker's LIFO slot, which no other thread steals; then the
+/// task calls the blocking `wait`. The wait must hand the worker's tasks
+/// to another thread (`block_in_place`), or the turn never runs.
+#[test]
+fn work_wait_inside_a_task_runs_the_turn_queued_on_its_own_worker() {
+    const ROUNDS: usize = 20;
+    let (got0, got1) = bounded("Work::wait with the turn queued on its worker", || {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let name = "wait-queued-turn";
+        let peer = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                chorus::new_comm("cpu", Device::Cpu, name, opts(&store, 1, 2, false))
+            })
+        };
+        let comm0 = chorus::new_comm("cpu", Device::Cpu, name, opts(&store, 0, 2, false))
+            .expect("rank 0: new_comm");
+        let comm1 = peer
+            .join()
+            .expect("rank 1 thread")
+            .expect("rank 1: new_comm");
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let rank1 = std::thread::spawn(move || {
+            let mut outs = Vec::new();
+            for _ in 0..ROUNDS {
+                go_rx.recv().expect("rank 0 went away");
+                let out = comm1
+                    .all_reduce(Tensor::full(2.0f32, 4), ReduceOp::Sum)
+                    .expect("rank 1: all_reduce");
+                outs.push(out.to_vec::<f32>());
+            }
+            comm1.finalize().expect("rank 1: finalize");
+            outs
+        });
+        let got0 = multi_thread(1).block_on(async move {
+            tokio::spawn(async move {
+                let mut outs = Vec::new();
+                for _ in 0..ROUNDS {
+                    let w = comm0.all_reduce_async(Tensor::full(1.0f32, 4), ReduceOp::Sum);
+                    // Only now may rank 1 issue its op.
+                    go_tx.send(()).expect("rank 1 went away");
+                    outs.push(w.wait().expect("rank 0: all_reduce").to_vec::<f32>());
+                }
+                comm0.finalize_async().await.expect("rank 0: finalize");
+                outs
+            })
+            .await
+            .expect("rank 0 task")
+        });
+        (got0, rank1.join().expect("rank 1 thread"))
+    });
+    assert_eq!(got0, vec![vec![3.0f32; 4]; ROUNDS]);
+    assert_eq!(got1, vec![vec![3.0f32; 4]; ROUNDS]);
 }
