@@ -336,6 +336,23 @@ impl<T> Work<T> {
         self.rx.is_complete()
     }
 
+    /// Whether a blocking wait can take the result here without going
+    /// through [`crate::runtime::blocking`], because it will not block: the
+    /// op has completed and this is not a current-thread runtime. (There
+    /// `runtime::blocking` refuses, completed or not, so that whether a
+    /// `wait` is refused never depends on timing.) On a worker of a
+    /// multi-thread runtime this saves `block_in_place`'s hand-off of the
+    /// worker to another thread, for an op whose turn finished in its
+    /// first poll.
+    fn done_here(&self) -> bool {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        self.rx.is_complete()
+            && !matches!(
+                Handle::try_current(),
+                Ok(h) if h.runtime_flavor() == RuntimeFlavor::CurrentThread
+            )
+    }
+
     /// Block the calling thread until the op completes, and return its result.
     ///
     /// On a worker of a multi-thread tokio runtime it waits inside
@@ -349,6 +366,10 @@ impl<T> Work<T> {
     /// thread would stop (and with it, possibly, the op): await the `Work`
     /// there instead. The op itself still runs (WK-3).
     pub fn wait(mut self) -> Result<T> {
+        if self.done_here() {
+            let got = self.rx.recv_blocking();
+            return finish(self.map, got);
+        }
         crate::runtime::blocking("Work::wait", || {
             let got = self.rx.recv_blocking();
             finish(self.map, got)
@@ -391,6 +412,10 @@ impl<T> Work<T> {
     /// `Ok(Err(Error::WouldBlock))` at once (WK-6): await the `Work` there,
     /// bounded with `tokio::time::timeout`.
     pub fn wait_timeout(mut self, timeout: Duration) -> std::result::Result<Result<T>, Work<T>> {
+        if self.done_here() {
+            let got = self.rx.recv_blocking();
+            return Ok(finish(self.map, got));
+        }
         let waited = crate::runtime::blocking("Work::wait_timeout", || {
             Ok(self.rx.recv_blocking_timeout(timeout))
         });
@@ -571,6 +596,11 @@ mod tests {
                 other => panic!("expected WouldBlock, got {other:?}"),
             }
             drop(c);
+
+            // Refused even when already complete: never a matter of timing.
+            let w = Work::ready(to_unit, Ok(Completion::Unit));
+            assert!(w.is_completed());
+            assert!(matches!(w.wait(), Err(Error::WouldBlock { .. })));
 
             let (w, c) = Work::new(to_unit);
             match w.wait_timeout(Duration::from_secs(3600)) {
