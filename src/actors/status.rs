@@ -17,15 +17,20 @@
 //! | [SU-1] | the state only moves forward: `Active` → `Finalized` or `Active` → `Aborted`, once. |
 //! | [SU-2] | the cause is set together with the move to `Aborted` and never changes afterwards. |
 //! | [SU-3] | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
+//! | [SU-4] | asking whether an abort was raised ([`AbortSignal::is_raised`], and every poll of [`AbortSignal::raised`] after its first) reads atomic flags only, never the cancellation token's mutex: each signal sets its flag before it cancels its token, and a child reads its own flag and then its ancestors' (a chain as deep as the splits). |
 //!
 //! [SU-1]: crate::actors::status#invariants
 //! [SU-2]: crate::actors::status#invariants
 //! [SU-3]: crate::actors::status#invariants
+//! [SU-4]: crate::actors::status#invariants
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, Waker};
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
 use crate::error::Error;
 
@@ -212,13 +217,26 @@ impl StatusWriter {
 /// actor ([SU-3]).
 ///
 /// [SU-3]: crate::actors::status#invariants
+/// The token tree wakes whoever awaits [`AbortSignal::raised`]; the flags
+/// answer [`AbortSignal::is_raised`] without a lock ([SU-4]).
+///
+/// [SU-3]: crate::actors::status#invariants
+/// [SU-4]: crate::actors::status#invariants
 #[derive(Debug)]
 pub(crate) struct AbortSignal {
     token: CancellationToken,
     cause: OnceLock<Error>,
+    /// Set by `raise`, before `token` is cancelled ([SU-4]).
+    ///
+    /// [SU-4]: crate::actors::status#invariants
+    raised: AtomicBool,
     /// Cancelled with `token`, or alone to abort only the children.
     kids: CancellationToken,
     kids_cause: OnceLock<Error>,
+    /// Set by `raise_children`, before `kids` is cancelled ([SU-4]).
+    ///
+    /// [SU-4]: crate::actors::status#invariants
+    kids_raised: AtomicBool,
     parent: Option<(Arc<AbortSignal>, String)>,
 }
 
@@ -230,7 +248,9 @@ impl AbortSignal {
             kids: token.child_token(),
             token,
             cause: OnceLock::new(),
+            raised: AtomicBool::new(false),
             kids_cause: OnceLock::new(),
+            kids_raised: AtomicBool::new(false),
             parent: None,
         })
     }
@@ -245,7 +265,9 @@ impl AbortSignal {
             kids: token.child_token(),
             token,
             cause: OnceLock::new(),
+            raised: AtomicBool::new(false),
             kids_cause: OnceLock::new(),
+            kids_raised: AtomicBool::new(false),
             parent: Some((parent.clone(), parent_name.to_string())),
         })
     }
@@ -253,7 +275,17 @@ impl AbortSignal {
     /// Ask every descendant, but not this communicator, to abort.
     pub(crate) fn raise_children(&self, cause: Error) {
         let _ = self.kids_cause.set(cause);
+        // SU-4: the flag before the token, so a woken waiter sees it.
+        self.kids_raised.store(true, Ordering::Release);
         self.kids.cancel();
+    }
+
+    /// Whether this signal's children are asked to abort: by
+    /// `raise_children`, or with this signal itself ([SU-4]).
+    ///
+    /// [SU-4]: crate::actors::status#invariants
+    fn kids_raised(&self) -> bool {
+        self.kids_raised.load(Ordering::Acquire) || self.is_raised()
     }
 
     /// The cause a child reports for its parent's abort.
@@ -269,17 +301,31 @@ impl AbortSignal {
     /// [SU-3]: crate::actors::status#invariants
     pub(crate) fn raise(&self, cause: Error) {
         let _ = self.cause.set(cause);
+        // SU-4: the flag before the token, so a woken waiter sees it.
+        self.raised.store(true, Ordering::Release);
         self.token.cancel();
     }
 
-    /// Whether an abort was asked for (here or by the parent).
+    /// Whether an abort was asked for (here or by an ancestor): atomic
+    /// loads only ([SU-4]). The same answer as the token tree's, which
+    /// links a child's token under its parent's `kids`.
+    ///
+    /// [SU-4]: crate::actors::status#invariants
     pub(crate) fn is_raised(&self) -> bool {
-        self.token.is_cancelled()
+        self.raised.load(Ordering::Acquire)
+            || self.parent.as_ref().is_some_and(|(p, _)| p.kids_raised())
     }
 
-    /// Resolves once an abort is asked for.
-    pub(crate) async fn raised(&self) {
-        self.token.cancelled().await
+    /// Resolves once an abort is asked for. Polled again with the same
+    /// waker, it reads the flags only ([SU-4]).
+    ///
+    /// [SU-4]: crate::actors::status#invariants
+    pub(crate) fn raised(&self) -> Raised<'_> {
+        Raised {
+            signal: self,
+            registered: None,
+            wait: self.token.cancelled(),
+        }
     }
 
     /// The cause of the requested abort: this signal's own, else the
@@ -308,6 +354,49 @@ impl AbortSignal {
                 None => "the communicator was aborted".into(),
             },
         })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`AbortSignal::raised`]. The token's waiter locks a
+    /// mutex on every poll; this polls it only until it holds the current
+    /// waker, and otherwise reads the flags ([SU-4]): every raise sets a
+    /// flag before it cancels a token, so the wake-up the waiter gets finds
+    /// the flag set.
+    ///
+    /// [SU-4]: crate::actors::status#invariants
+    #[must_use = "futures do nothing unless polled"]
+    pub(crate) struct Raised<'a> {
+        signal: &'a AbortSignal,
+        // The waker `wait` was last polled with.
+        registered: Option<Waker>,
+        #[pin]
+        wait: WaitForCancellationFuture<'a>,
+    }
+}
+
+impl Future for Raised<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        if this.signal.is_raised() {
+            return Poll::Ready(());
+        }
+        if this
+            .registered
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            return Poll::Pending;
+        }
+        match this.wait.poll(cx) {
+            Poll::Ready(()) => Poll::Ready(()),
+            Poll::Pending => {
+                *this.registered = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
     }
 }
 
@@ -380,5 +469,52 @@ mod tests {
             Some(Error::Aborted { reason, .. }) => assert_eq!(reason, "mine"),
             c => panic!("{c:?}"),
         }
+    }
+
+    #[test]
+    fn su_4_flags_agree_with_the_token_tree_down_a_chain_of_splits() {
+        let world = AbortSignal::new();
+        let mid = AbortSignal::child_of(&world, "world");
+        let leaf = AbortSignal::child_of(&mid, "mid");
+        let sibling = AbortSignal::child_of(&world, "world");
+        // Only the descendants of `mid`.
+        mid.raise_children(user_abort("kids only"));
+        assert!(!world.is_raised() && !mid.is_raised() && !sibling.is_raised());
+        assert!(leaf.is_raised());
+        assert_eq!(leaf.is_raised(), leaf.token.is_cancelled());
+        // The root: everyone.
+        world.raise(user_abort("all"));
+        for s in [&world, &mid, &leaf, &sibling] {
+            assert!(s.is_raised());
+            assert_eq!(s.is_raised(), s.token.is_cancelled());
+        }
+        match sibling.cause("sib", 0, 0) {
+            Some(Error::Aborted { reason, .. }) => assert!(reason.contains("all"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn su_4_raised_wakes_its_waiter_and_then_resolves() {
+        use std::sync::atomic::AtomicUsize;
+        use std::task::Wake;
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let parent = AbortSignal::new();
+        let child = AbortSignal::child_of(&parent, "world");
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut fut = std::pin::pin!(child.raised());
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        // Polled again with the same waker: the flags only, still pending.
+        assert!(fut.as_mut().poll(&mut cx).is_pending());
+        parent.raise(user_abort("stop"));
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "the waiter was woken");
+        assert!(fut.as_mut().poll(&mut cx).is_ready());
     }
 }
