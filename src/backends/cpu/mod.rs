@@ -59,6 +59,7 @@ use crate::tensor::Tensor;
 
 mod fused;
 mod link;
+mod pace;
 mod plan;
 pub mod schedule;
 mod shm;

@@ -26,12 +26,20 @@
 //! - SX-2: waiting never spins unboundedly: a short spin, then futex sleeps
 //!   of at most [`SLEEP`] (no `sched_yield`: on a loaded machine a yielding
 //!   rank lost its CPU for a whole time slice, measured as bimodal 2-4 ms
-//!   ops, while a futex sleeper is woken promptly); at least every [`ROUND`] the
-//!   engine returns to the async runtime (so op timeouts and aborts fire)
-//!   and checks the TCP link of every peer it waits for: a closed link is
-//!   `PeerFailed`, a readable one carries the peer's Abort frame (nothing
-//!   else travels on the TCP link of a shared-memory peer) and becomes
-//!   `PeerFailed` with the peer's reason.
+//!   ops, while a futex sleeper is woken promptly); at least every [`ROUND`] of
+//!   waiting the engine returns to the async runtime (so op timeouts and
+//!   aborts fire) and checks the TCP link of every peer it waits for: a
+//!   closed link is `PeerFailed`, a readable one carries the peer's Abort
+//!   frame (nothing else travels on the TCP link of a shared-memory peer)
+//!   and becomes `PeerFailed` with the peer's reason.
+//! - SX-8: while it makes progress the engine also returns to the runtime,
+//!   at least every [`pace::SLICE`] of work ([PA-1]): each job moves at
+//!   most [`UNIT`] bytes (or one single-copy read step) before the engine
+//!   turns to the next job and counts the bytes; a step that moved fewer
+//!   than [`pace::CHECK_BYTES`] never reads the clock or yields for it
+//!   ([PA-2]). The turn's next poll reads the abort signal before it polls
+//!   the step again ([PA-3]), whether the turn runs on a task or on a
+//!   blocked caller's thread.
 //! - SX-4: in a step that both sends and receives, a payload to a peer
 //!   that can read this process's memory (SH-5) travels as its address
 //!   (prefix flag byte 2 = 1, 8 address bytes) when it is at least
@@ -67,10 +75,16 @@
 //!
 //! [SC-3]: crate::backends::cpu::schedule#invariants
 //! [LK-7]: crate::backends::cpu::link::frame#invariants
+//! [PA-1]: crate::backends::cpu::pace#invariants
+//! [PA-2]: crate::backends::cpu::pace#invariants
+//! [PA-3]: crate::backends::cpu::pace#invariants
+//! [`pace::SLICE`]: super::pace::SLICE
+//! [`pace::CHECK_BYTES`]: super::pace::CHECK_BYTES
 
 use std::time::{Duration, Instant};
 
 use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
+use super::pace::Pacer;
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
@@ -80,6 +94,12 @@ use crate::kernels;
 const PREFIX: usize = 24;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
+/// Most bytes one job moves before the engine turns to the next job and
+/// counts the work ([SX-8]); a single-copy read step may move up to
+/// [`CMA_COPY_STEP`].
+///
+/// [SX-8]: self#invariants
+const UNIT: usize = 128 << 10;
 /// Smallest payload sent as an address ([SX-4]) in a step whose receives
 /// reduce (reduce_scatter, all_reduce's first phase). Below it the ring's
 /// two pipelined copies cost less than the ack round trip.
@@ -255,11 +275,14 @@ impl SendJob<'_> {
         self.ticket.filter(|&t| !self.ring.cma_done(t))
     }
 
-    /// Write what fits; returns whether anything was written.
-    fn progress(&mut self) -> bool {
+    /// Write what fits, stopping once `max` bytes went in ([SX-8]);
+    /// returns the bytes written.
+    ///
+    /// [SX-8]: self#invariants
+    fn progress(&mut self, max: usize) -> usize {
         const ZEROS: [u8; 8] = [0u8; 8];
-        let mut any = false;
-        while !self.written() {
+        let mut moved = 0;
+        while !self.written() && moved < max {
             let p = self.pos;
             let l = self.wire_len();
             let body: &[u8] = match &self.desc {
@@ -273,17 +296,17 @@ impl SendJob<'_> {
             } else {
                 &ZEROS[..self.total() - p]
             };
-            let n = self.ring.write_some(src);
+            let n = self.ring.write_some(&src[..src.len().min(max - moved)]);
             if n == 0 {
                 break;
             }
             self.pos += n;
-            any = true;
+            moved += n;
         }
         if self.written() && self.desc.is_some() && self.ticket.is_none() {
             self.ticket = Some(self.ring.take_ticket());
         }
-        any
+        moved
     }
 }
 
@@ -346,12 +369,13 @@ impl RecvJob<'_> {
     }
 
     /// [SX-4]: take the address out of the ring, read the payload from the
-    /// sender's memory a step at a time, then ack.
+    /// sender's memory a step at a time, then ack. Returns the bytes moved
+    /// (the ack counts as one), 0 if nothing could be done.
     ///
     /// [SX-4]: self#invariants
-    fn progress_cma(&mut self, ctx: &OpCtx) -> Result<bool> {
+    fn progress_cma(&mut self, ctx: &OpCtx) -> Result<usize> {
         let Some(c) = self.cma.as_mut() else {
-            return Ok(false);
+            return Ok(0);
         };
         if self.got < PREFIX + 8 {
             let (at, desc) = (self.got - PREFIX, &mut c.desc);
@@ -360,7 +384,7 @@ impl RecvJob<'_> {
                 b.len()
             });
             self.got += n;
-            return Ok(n > 0);
+            return Ok(n);
         }
         let peer = self.peer;
         let addr = u64::from_le_bytes(c.desc).wrapping_add(c.off as u64);
@@ -406,7 +430,7 @@ impl RecvJob<'_> {
                 ));
             }
             c.off += step;
-            return Ok(true);
+            return Ok(step);
         }
         if !c.acked {
             // SX-6: check before the ack, so the op cannot complete with
@@ -423,20 +447,26 @@ impl RecvJob<'_> {
             self.ring.cma_ack();
             c.acked = true;
             crate::debug::SINGLE_COPY_READS.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            return Ok(true);
+            return Ok(1);
         }
-        Ok(false)
+        Ok(0)
     }
 
-    /// Read what has arrived; returns whether anything was consumed.
-    fn progress(&mut self, ctx: &OpCtx) -> Result<bool> {
-        let mut any = false;
+    /// Read what has arrived, stopping once `max` bytes were taken
+    /// ([SX-8]); returns the bytes taken.
+    ///
+    /// [SX-8]: self#invariants
+    fn progress(&mut self, ctx: &OpCtx, max: usize) -> Result<usize> {
+        let mut moved = 0;
         loop {
+            if moved >= max {
+                return Ok(moved);
+            }
             if self.cma.is_some() {
-                let more = self.progress_cma(ctx)?;
-                any |= more;
-                if !more || self.done() {
-                    return Ok(any);
+                let n = self.progress_cma(ctx)?;
+                moved += n;
+                if n == 0 || self.done() {
+                    return Ok(moved);
                 }
                 continue;
             }
@@ -447,9 +477,9 @@ impl RecvJob<'_> {
                     b.len()
                 });
                 if n == 0 {
-                    return Ok(any);
+                    return Ok(moved);
                 }
-                any = true;
+                moved += n;
                 self.got += n;
                 if self.got == PREFIX {
                     self.check_prefix(ctx)?;
@@ -457,11 +487,14 @@ impl RecvJob<'_> {
                 continue;
             }
             if self.done() {
-                return Ok(any);
+                return Ok(moved);
             }
             let off = self.got - PREFIX;
             let n = if off < self.len {
-                let want = self.len - off;
+                // A multiple of 8, so a reduction still takes whole
+                // elements (every payload starts 8-aligned in the ring).
+                let cap = ((max - moved) & !7).max(8);
+                let want = (self.len - off).min(cap);
                 let folding = self.sent_crc.is_some();
                 let crc = &mut self.crc;
                 let mut fold = |b: &[u8]| {
@@ -505,9 +538,9 @@ impl RecvJob<'_> {
                 self.ring.consume_with(pad, |b| b.len())
             };
             if n == 0 {
-                return Ok(any);
+                return Ok(moved);
             }
-            any = true;
+            moved += n;
             self.got += n;
         }
     }
@@ -663,14 +696,20 @@ pub(crate) async fn run_shm(
     let mut park_for = SLEEP;
     // SX-7: when this wait started polling past SPIN.
     let mut spin_since: Option<Instant> = None;
+    // SX-8: when a step that keeps moving bytes gives the runtime back.
+    let mut pace = Pacer::new();
     loop {
+        // Every round after the first follows an await: the runtime had
+        // its turn.
+        pace.rested();
         let round = Instant::now();
         let mut idle = 0u32;
+        let mut slice_used = false;
         loop {
-            let mut any = false;
+            let mut moved = 0usize;
             for (_, q) in send_q.iter_mut() {
                 while let Some(j) = q.front_mut() {
-                    any |= j.progress();
+                    moved += j.progress(UNIT);
                     if j.done() {
                         q.pop_front();
                     } else {
@@ -680,7 +719,7 @@ pub(crate) async fn run_shm(
             }
             for (_, q) in recv_q.iter_mut() {
                 while let Some(j) = q.front_mut() {
-                    any |= j.progress(ctx)?;
+                    moved += j.progress(ctx, UNIT)?;
                     if j.done() {
                         q.pop_front();
                     } else {
@@ -693,12 +732,18 @@ pub(crate) async fn run_shm(
             if send_q.is_empty() && recv_q.is_empty() {
                 return Ok(());
             }
-            if any {
+            if moved > 0 {
                 idle = 0;
                 spin_since = None;
                 if !may_block {
                     last_progress = Instant::now();
                     park_for = SLEEP;
+                }
+                // SX-8: counting bytes costs a small op nothing more; only
+                // a step past CHECK_BYTES reads the clock.
+                if pace.spent(moved) {
+                    slice_used = true;
+                    break;
                 }
                 continue;
             }
@@ -728,6 +773,12 @@ pub(crate) async fn run_shm(
             if let Some(p) = Park::pick(&send_q, &recv_q) {
                 p.wait(SLEEP);
             }
+        }
+        if slice_used {
+            // SX-8: data is moving, so no peer is gone quiet; the turn's
+            // next poll reads the abort signal first (PA-3).
+            pace.yield_now().await;
+            continue;
         }
         // SX-2: liveness of every peer still pending.
         let mut peers: Vec<usize> = send_q.iter().map(|(p, _)| *p).collect();
