@@ -36,8 +36,19 @@
 //! - CPU-4: after `abort` every call returns `Aborted` immediately, and after
 //!   `finalize` every call returns `Finalized`; both are idempotent and
 //!   bounded in time. Nothing here panics on peer input or in `Drop`.
+//! - CPU-5: an op of any size gives the runtime back at least every
+//!   [`pace::SLICE`] of work while it makes progress ([PA-1]): the shm
+//!   engine paces itself (SX-8), each TCP transfer (one per peer and
+//!   direction) paces its frames (LK-8), and the local work of a step
+//!   (growing scratch, applying staged receives, local copies) runs a piece
+//!   at a time under the op's own pacer. Small ops never read the clock for
+//!   it ([PA-2]). The turn reads the abort signal on every poll, so an
+//!   abort ends a long op within about a slice ([PA-3]).
 //!
 //! [BE-2]: crate::backends#invariants
+//! [PA-1]: crate::backends::cpu::pace#invariants
+//! [PA-2]: crate::backends::cpu::pace#invariants
+//! [PA-3]: crate::backends::cpu::pace#invariants
 //! [SC-1]: crate::backends::cpu::schedule#invariants
 //! [SC-2]: crate::backends::cpu::schedule#invariants
 //! [SC-6]: crate::backends::cpu::schedule#invariants
@@ -66,7 +77,8 @@ mod shm;
 mod shm_exec;
 mod window;
 
-use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME};
+use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, IO_UNIT, MAX_HEADER_FRAME};
+use pace::Pacer;
 use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule};
@@ -306,6 +318,9 @@ impl CpuBackend {
                 ctx.rank
             ))
         };
+        // CPU-5: the local work between transfers (growing scratch, applying
+        // staged receives, local copies) gives the runtime back too.
+        let mut pace = Pacer::new();
         for (step_no, step) in schedule.steps.iter().enumerate() {
             let shm = &self.shm;
             let items = plan_step_with(
@@ -389,7 +404,17 @@ impl CpuBackend {
                             let Some(s) = scratch.next() else {
                                 return Err(bad("scratch buffers exhausted".into()));
                             };
-                            s.resize(bytes.len(), 0);
+                            // CPU-5: first-touch pages cost more than a
+                            // copy; grow a piece at a time.
+                            if s.len() < bytes.len() {
+                                s.reserve_exact(bytes.len() - s.len());
+                                while s.len() < bytes.len() {
+                                    let to = bytes.len().min(s.len() + IO_UNIT);
+                                    let grew = to - s.len();
+                                    s.resize(to, 0);
+                                    pace.account(grew).await;
+                                }
+                            }
                             push_grouped(
                                 &mut recvs,
                                 *peer,
@@ -414,8 +439,9 @@ impl CpuBackend {
                 )
                 .await?;
             }
-            // Apply staged receives and local copies in order (SC-2). Ranges
-            // were bounds-checked by `plan_step`.
+            // Apply staged receives and local copies in order (SC-2), a
+            // piece at a time (CPU-5). Ranges were bounds-checked by
+            // `plan_step`; IO_UNIT is a multiple of every element size.
             let mut k = 0;
             for item in &items {
                 match item {
@@ -432,16 +458,21 @@ impl CpuBackend {
                             BufId::Src => &mut src.as_bytes_mut()[bytes.clone()],
                             BufId::Dst => &mut dst.as_bytes_mut()[bytes.clone()],
                         };
-                        match action {
-                            RecvAction::Copy => target.copy_from_slice(data),
-                            RecvAction::Reduce => {
-                                kernels::reduce_into(dtype, combine, target, data)?
+                        for (t, d) in target.chunks_mut(IO_UNIT).zip(data.chunks(IO_UNIT)) {
+                            match action {
+                                RecvAction::Copy => t.copy_from_slice(d),
+                                RecvAction::Reduce => kernels::reduce_into(dtype, combine, t, d)?,
                             }
+                            pace.account(d.len()).await;
                         }
                     }
                     Item::LocalCopy { from, to } => {
-                        dst.as_bytes_mut()[to.clone()]
-                            .copy_from_slice(&src.as_bytes()[from.clone()]);
+                        for off in (0..from.len()).step_by(IO_UNIT) {
+                            let n = IO_UNIT.min(from.len() - off);
+                            let (f, t) = (from.start + off, to.start + off);
+                            dst.as_bytes_mut()[t..t + n].copy_from_slice(&src.as_bytes()[f..f + n]);
+                            pace.account(n).await;
+                        }
                     }
                     Item::Send { .. } | Item::Recv { direct: true, .. } => {}
                 }
@@ -941,8 +972,11 @@ async fn run_transfers<'a>(
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
         send_futs.push(Box::pin(async move {
+            // CPU-5: one pacer per (peer, direction), across its frames.
+            let mut pace = Pacer::new();
             for (kind, seq, payload) in frames {
-                w.send(ctx, kind, class, seq, payload).await?;
+                w.send_paced(ctx, kind, class, seq, payload, &mut pace)
+                    .await?;
             }
             Ok(())
         }));
@@ -955,8 +989,9 @@ async fn run_transfers<'a>(
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
         recv_futs.push(Box::pin(async move {
+            let mut pace = Pacer::new();
             for (kind, seq, into) in frames {
-                r.recv(ctx, kind, class, seq, into).await?;
+                r.recv_paced(ctx, kind, class, seq, into, &mut pace).await?;
             }
             Ok(())
         }));

@@ -39,6 +39,17 @@
 //! - LK-4: a writer knows whether it stopped in the middle of a frame
 //!   ([`LinkWriter::mid_frame`]); an Abort frame is only written on a link
 //!   that is at a frame boundary, so it is never read as payload.
+//! - LK-8: a payload is written, read, checksummed and reduced in pieces of
+//!   at most [`IO_UNIT`] bytes, and the transfer counts each piece with its
+//!   [`Pacer`], so a frame of any size gives the runtime back at least every
+//!   [`SLICE`](crate::backends::cpu::pace::SLICE) of work ([PA-1]); a frame
+//!   under [`CHECK_BYTES`](crate::backends::cpu::pace::CHECK_BYTES) never
+//!   reads the clock ([PA-2]). The CRC32C of a received payload is folded
+//!   piece by piece as it arrives, and a reduction still combines only
+//!   bytes whose checksum was checked (LK-7).
+//!
+//! [PA-1]: crate::backends::cpu::pace#invariants
+//! [PA-2]: crate::backends::cpu::pace#invariants
 
 use std::time::Duration;
 
@@ -46,6 +57,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
+use super::super::pace::Pacer;
 use crate::backends::OpCtx;
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
@@ -63,6 +75,20 @@ pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
 const COALESCE_LIMIT: usize = 32 << 10;
 /// Frame flag: bytes 4..8 of the header hold the payload's CRC32C.
 pub(crate) const FLAG_CRC: u8 = 1;
+/// Largest piece of a payload written, read, checksummed or reduced
+/// between two counts of the transfer's [`Pacer`] ([LK-8](self#invariants)):
+/// 25-100 µs of copying, a few syscalls' worth of loopback TCP.
+pub(crate) const IO_UNIT: usize = 256 << 10;
+
+/// The CRC32C of `bytes`, computed [`IO_UNIT`] at a time ([LK-8](self#invariants)).
+async fn crc32c_paced(bytes: &[u8], pace: &mut Pacer) -> u32 {
+    let mut crc = 0;
+    for piece in bytes.chunks(IO_UNIT) {
+        crc = crc32c::crc32c_append(crc, piece);
+        pace.account(piece.len()).await;
+    }
+    crc
+}
 
 /// Whether `CHORUS_CHECKSUM` asks for a CRC32C on every frame and ring
 /// message ([LK-7](self#invariants)): `1`, `true`, `yes` or `on`. Read when
@@ -273,7 +299,26 @@ impl LinkWriter {
         seq: u64,
         payload: &[u8],
     ) -> std::io::Result<()> {
-        let crc = (self.checksum && kind != FrameKind::Abort).then(|| crc32c::crc32c(payload));
+        self.write_frame_paced(kind, class, seq, payload, &mut Pacer::new())
+            .await
+    }
+
+    /// [`LinkWriter::write_frame`], counting the work with `pace` ([LK-8](self#invariants)).
+    pub(crate) async fn write_frame_paced(
+        &mut self,
+        kind: FrameKind,
+        class: FrameClass,
+        seq: u64,
+        payload: &[u8],
+        pace: &mut Pacer,
+    ) -> std::io::Result<()> {
+        let crc = if self.checksum && kind != FrameKind::Abort {
+            // Before the first byte: a write cancelled here leaves the
+            // link at a frame boundary.
+            Some(crc32c_paced(payload, pace).await)
+        } else {
+            None
+        };
         let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64, crc);
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
@@ -282,9 +327,13 @@ impl LinkWriter {
             buf.extend_from_slice(&hdr);
             buf.extend_from_slice(payload);
             self.half.write_all(buf).await?;
+            pace.account(buf.len()).await;
         } else {
             self.half.write_all(&hdr).await?;
-            self.half.write_all(payload).await?;
+            for piece in payload.chunks(IO_UNIT) {
+                self.half.write_all(piece).await?;
+                pace.account(piece.len()).await;
+            }
         }
         self.mid_frame = false;
         Ok(())
@@ -299,6 +348,20 @@ impl LinkWriter {
         seq: u64,
         payload: &[u8],
     ) -> Result<()> {
+        self.send_paced(ctx, kind, class, seq, payload, &mut Pacer::new())
+            .await
+    }
+
+    /// [`LinkWriter::send`], counting the work with `pace` ([LK-8](self#invariants)).
+    pub(crate) async fn send_paced(
+        &mut self,
+        ctx: &OpCtx,
+        kind: FrameKind,
+        class: FrameClass,
+        seq: u64,
+        payload: &[u8],
+        pace: &mut Pacer,
+    ) -> Result<()> {
         let peer = self.peer;
         tracing::trace!(
             peer,
@@ -307,7 +370,7 @@ impl LinkWriter {
             bytes = payload.len(),
             "send frame"
         );
-        self.write_frame(kind, class, seq, payload)
+        self.write_frame_paced(kind, class, seq, payload, pace)
             .await
             .map_err(|e| {
                 ctx.peer_failed(
@@ -399,6 +462,44 @@ impl LinkReader {
         seq: u64,
         into: RecvInto<'_>,
     ) -> Result<()> {
+        self.recv_paced(ctx, kind, class, seq, into, &mut Pacer::new())
+            .await
+    }
+
+    /// Read `buf.len()` payload bytes [`IO_UNIT`] at a time, folding their
+    /// CRC32C when `fold` ([LK-8](self#invariants)); returns the CRC (0
+    /// when not folded).
+    async fn read_paced(
+        &mut self,
+        ctx: &OpCtx,
+        buf: &mut [u8],
+        fold: bool,
+        pace: &mut Pacer,
+    ) -> Result<u32> {
+        let mut crc = 0;
+        for piece in buf.chunks_mut(IO_UNIT) {
+            self.half
+                .read_exact(piece)
+                .await
+                .map_err(|e| self.io_error(ctx, e))?;
+            if fold {
+                crc = crc32c::crc32c_append(crc, piece);
+            }
+            pace.account(piece.len()).await;
+        }
+        Ok(crc)
+    }
+
+    /// [`LinkReader::recv`], counting the work with `pace` ([LK-8](self#invariants)).
+    pub(crate) async fn recv_paced(
+        &mut self,
+        ctx: &OpCtx,
+        kind: FrameKind,
+        class: FrameClass,
+        seq: u64,
+        into: RecvInto<'_>,
+        pace: &mut Pacer,
+    ) -> Result<()> {
         let peer = self.peer;
         let mut hdr = [0u8; FRAME_HEADER_LEN];
         self.half
@@ -447,16 +548,9 @@ impl LinkReader {
         }
         let crc = crc.flatten();
         let required = self.checksum;
-        let check = |bytes: &[u8]| {
-            verify_crc(
-                ctx,
-                peer,
-                required,
-                crc,
-                || crc32c::crc32c(bytes),
-                kind.name(),
-            )
-        };
+        // LK-8: the CRC is folded as the pieces arrive, when one was sent.
+        let fold = crc.is_some();
+        let check = |got: u32| verify_crc(ctx, peer, required, crc, || got, kind.name());
         match into {
             RecvInto::Exact(buf) => {
                 if len != buf.len() as u64 {
@@ -465,11 +559,8 @@ impl LinkReader {
                         buf.len()
                     )));
                 }
-                self.half
-                    .read_exact(buf)
-                    .await
-                    .map_err(|e| self.io_error(ctx, e))?;
-                check(buf)?;
+                let got = self.read_paced(ctx, buf, fold, pace).await?;
+                check(got)?;
             }
             RecvInto::Reduce(buf, dtype, op) => {
                 if len != buf.len() as u64 {
@@ -479,12 +570,14 @@ impl LinkReader {
                     )));
                 }
                 let mut tmp = vec![0u8; buf.len()];
-                self.half
-                    .read_exact(&mut tmp)
-                    .await
-                    .map_err(|e| self.io_error(ctx, e))?;
-                check(&tmp)?;
-                crate::kernels::reduce_into(dtype, op, buf, &tmp)?;
+                let got = self.read_paced(ctx, &mut tmp, fold, pace).await?;
+                // LK-7: checked before a byte is combined.
+                check(got)?;
+                // IO_UNIT is a multiple of every element size.
+                for (dst, src) in buf.chunks_mut(IO_UNIT).zip(tmp.chunks(IO_UNIT)) {
+                    crate::kernels::reduce_into(dtype, op, dst, src)?;
+                    pace.account(src.len()).await;
+                }
             }
             RecvInto::Bounded(buf, max) => {
                 if len > max {
@@ -495,11 +588,8 @@ impl LinkReader {
                 }
                 buf.clear();
                 buf.resize(len as usize, 0);
-                self.half
-                    .read_exact(buf)
-                    .await
-                    .map_err(|e| self.io_error(ctx, e))?;
-                check(buf)?;
+                let got = self.read_paced(ctx, buf, fold, pace).await?;
+                check(got)?;
             }
         }
         tracing::trace!(peer, kind = kind.name(), seq, bytes = len, "received frame");
@@ -720,5 +810,59 @@ mod tests {
         w.half.write_all(&hdr).await.expect("write");
         w.half.write_all(b"abce").await.expect("write");
         assert!(matches!(recv(&mut r).await, Err(Error::Corrupted { .. })));
+    }
+
+    /// LK-8: a payload of several pieces is checked across them (the CRC
+    /// folded piece by piece), and a reduction over TCP combines it only
+    /// once the whole payload checked out.
+    #[tokio::test]
+    async fn lk_8_payloads_of_many_pieces_are_checked_whole() {
+        let n = IO_UNIT * 2 + 12_345;
+        let payload: Vec<u8> = (0..n as u32).map(|i| (i * 13 + 1) as u8).collect();
+        let (mut r, mut w) = pair(true, true).await;
+        let mut pace = Pacer::new();
+        let sent = payload.clone();
+        let writer = tokio::spawn(async move {
+            w.write_frame_paced(FrameKind::Data, FrameClass::Collective, 4, &sent, &mut pace)
+                .await
+                .expect("write");
+            w
+        });
+        assert_eq!(recv(&mut r).await.expect("intact"), payload);
+        let _w = writer.await.expect("writer");
+
+        // A bit flipped in the last piece: nothing is combined.
+        let (mut r, mut w) = pair(true, true).await;
+        let hdr = encode_frame_header(
+            FrameKind::Data,
+            FrameClass::Collective,
+            0,
+            4,
+            payload.len() as u64,
+            Some(crc32c::crc32c(&payload)),
+        );
+        let mut bad = payload.clone();
+        bad[n - 7] ^= 0x01;
+        let writer = tokio::spawn(async move {
+            w.half.write_all(&hdr).await.expect("write");
+            w.half.write_all(&bad).await.expect("write");
+            w
+        });
+        let mut acc = vec![0u8; n];
+        let got = r
+            .recv(
+                &ctx(),
+                FrameKind::Data,
+                FrameClass::Collective,
+                4,
+                RecvInto::Reduce(&mut acc, DType::U8, ReduceOp::Sum),
+            )
+            .await;
+        assert!(matches!(got, Err(Error::Corrupted { .. })), "{got:?}");
+        assert!(
+            acc.iter().all(|&b| b == 0),
+            "bytes combined before the check"
+        );
+        let _w = writer.await.expect("writer");
     }
 }
