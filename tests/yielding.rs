@@ -9,14 +9,16 @@
 //! runs, over shared memory and over TCP (`CHORUS_SHM=0`); an abort raised
 //! while a large transfer is in flight must end it promptly.
 //!
-//! The bounds are generous, because the test machine is shared with other
-//! builds (the issue's targets are < 1 ms to issue and < 5 ms of ticker
-//! stall): absolute ones, and ones relative to the op's own time, which a
-//! turn that runs the transfer inline fails whatever the load (it issues in
-//! 60-100 % of the op's time; a yielding one in a few %). The measured
-//! figures are logged (`RUST_LOG=yielding=info`, `--nocapture`) and repeated
-//! in every failure message. The tests of this binary run one at a time
-//! (they measure, and one sets `CHORUS_SHM`).
+//! The test machine is shared with other builds, so the bounds apply to
+//! what the runtime itself spent: the time the OS kept the worker thread
+//! waiting for a CPU (its `schedstat` runqueue wait) is taken out; one run
+//! had a 57 ms tick gap that was all the OS's. The bounds are generous
+//! against the issue's targets (< 1 ms to issue, < 5 ms of ticker stall)
+//! and still fail a turn that runs the transfer inline (it spends 10-16 ms
+//! of its own in the issuing call). The measured figures are logged
+//! (`RUST_LOG=yielding=info`, `--nocapture`) and repeated in every failure
+//! message. The tests of this binary run one at a time (they measure, and
+//! one sets `CHORUS_SHM`).
 
 mod common;
 
@@ -31,10 +33,19 @@ use tokio::runtime::{Handle, Runtime};
 const BIG: usize = 64 << 20;
 /// Measured rounds after one warm-up round.
 const ROUNDS: usize = 3;
-/// Generous bounds for a loaded machine.
-const ISSUE_BOUND: Duration = Duration::from_millis(20);
-const GAP_BOUND: Duration = Duration::from_millis(50);
-const ABORT_BOUND: Duration = Duration::from_millis(500);
+/// Bounds, generous for a loaded machine, on what the runtime itself spent
+/// (the worker's runqueue wait taken out). Measured with pacing: 0.02-0.9
+/// ms to issue; ticker stalls (the 1 ms period included) with a median of
+/// 1.5-2.5 ms per run and a worst of 9.7 ms under load 4 on 2 cores.
+/// Without: 10-16 ms to issue, every stall 10-21 ms. The issue's targets:
+/// < 1 ms, < 5 ms.
+const ISSUE_BOUND: Duration = Duration::from_millis(5);
+/// For the median stall over ranks and rounds.
+const STALL_BOUND: Duration = Duration::from_millis(5);
+/// For the worst stall.
+const WORST_STALL_BOUND: Duration = Duration::from_millis(25);
+/// From the abort to the end of the aborted op (measured 3-14 ms).
+const ABORT_BOUND: Duration = Duration::from_millis(200);
 
 /// One test at a time: they time things, and one changes `CHORUS_SHM`.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -255,8 +266,10 @@ fn issue_and_ticker_within_bounds(links: &str) {
         .unwrap_or_default();
     let worst_issue_own = all.iter().map(|(_, f)| f.issue_own()).max();
     let worst_issue_own = worst_issue_own.unwrap_or_default();
-    let worst_stall = all.iter().map(|(_, f)| f.ticks.stall).max();
-    let worst_stall = worst_stall.unwrap_or_default();
+    let mut stalls: Vec<Duration> = all.iter().map(|(_, f)| f.ticks.stall).collect();
+    stalls.sort();
+    let worst_stall = stalls.last().copied().unwrap_or_default();
+    let median_stall = stalls.get(stalls.len() / 2).copied().unwrap_or_default();
     let mut totals: Vec<Duration> = all.iter().map(|(_, f)| f.total).collect();
     totals.sort();
     let median_total = totals.get(totals.len() / 2).copied().unwrap_or_default();
@@ -265,6 +278,7 @@ fn issue_and_ticker_within_bounds(links: &str) {
         worst_issue_us = worst_issue.as_micros() as u64,
         worst_issue_less_os_wait_us = worst_issue_own.as_micros() as u64,
         worst_tick_gap_us = worst_gap.as_micros() as u64,
+        median_stall_us = median_stall.as_micros() as u64,
         worst_stall_us = worst_stall.as_micros() as u64,
         median_total_ms = median_total.as_secs_f64() * 1e3,
         "64 MiB all_reduce_async, 2 ranks, {ROUNDS} rounds"
@@ -277,8 +291,12 @@ fn issue_and_ticker_within_bounds(links: &str) {
         "issuing took up to {worst_issue_own:?} (bound {ISSUE_BOUND:?}); {report}"
     );
     assert!(
-        worst_stall < GAP_BOUND,
-        "the 1 ms ticker stalled for up to {worst_stall:?} (bound {GAP_BOUND:?}); {report}"
+        median_stall < STALL_BOUND,
+        "the 1 ms ticker's median stall was {median_stall:?} (bound {STALL_BOUND:?}); {report}"
+    );
+    assert!(
+        worst_stall < WORST_STALL_BOUND,
+        "the 1 ms ticker stalled for up to {worst_stall:?} (bound {WORST_STALL_BOUND:?}); {report}"
     );
     for (rank, f) in &all {
         assert!(
@@ -363,6 +381,10 @@ fn abort_ends_a_large_transfer_in_flight_promptly() {
         abort_to_end_us = took.as_micros() as u64,
         rank1 = ?out[1].0,
         "abort during a 128 MiB all_reduce"
+    );
+    assert!(
+        notes.contains("in flight when aborted: true"),
+        "the op was over before the abort: it never gave the worker back ({notes})"
     );
     match r0 {
         Err(Error::Aborted { .. }) => {}
