@@ -36,12 +36,12 @@ const ROUNDS: usize = 3;
 /// Bounds, generous for a loaded machine, on what the runtime itself spent
 /// (the worker's runqueue wait taken out). Measured with pacing: 0.02-0.9
 /// ms to issue; ticker stalls (the 1 ms period included) with a median of
-/// 1.5-2.5 ms per run and a worst of 9.7 ms under load 4 on 2 cores.
-/// Without: 10-16 ms to issue, every stall 10-21 ms. The issue's targets:
-/// < 1 ms, < 5 ms.
+/// 1.4-1.9 ms per run over shared memory and 2.4-2.9 ms over TCP, and a
+/// worst of 9.7 ms under load 4 on 2 cores. Without: 10-16 ms to issue,
+/// every stall 10-21 ms. The issue's targets: < 1 ms, < 5 ms.
 const ISSUE_BOUND: Duration = Duration::from_millis(5);
 /// For the median stall over ranks and rounds.
-const STALL_BOUND: Duration = Duration::from_millis(5);
+const STALL_BOUND: Duration = Duration::from_millis(8);
 /// For the worst stall.
 const WORST_STALL_BOUND: Duration = Duration::from_millis(25);
 /// From the abort to the end of the aborted op (measured 3-14 ms).

@@ -77,7 +77,7 @@ mod shm;
 mod shm_exec;
 mod window;
 
-use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, IO_UNIT, MAX_HEADER_FRAME};
+use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME, WORK_UNIT};
 use pace::Pacer;
 use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
@@ -409,7 +409,7 @@ impl CpuBackend {
                             if s.len() < bytes.len() {
                                 s.reserve_exact(bytes.len() - s.len());
                                 while s.len() < bytes.len() {
-                                    let to = bytes.len().min(s.len() + IO_UNIT);
+                                    let to = bytes.len().min(s.len() + WORK_UNIT);
                                     let grew = to - s.len();
                                     s.resize(to, 0);
                                     pace.account(grew).await;
@@ -441,7 +441,7 @@ impl CpuBackend {
             }
             // Apply staged receives and local copies in order (SC-2), a
             // piece at a time (CPU-5). Ranges were bounds-checked by
-            // `plan_step`; IO_UNIT is a multiple of every element size.
+            // `plan_step`; WORK_UNIT is a multiple of every element size.
             let mut k = 0;
             for item in &items {
                 match item {
@@ -458,7 +458,7 @@ impl CpuBackend {
                             BufId::Src => &mut src.as_bytes_mut()[bytes.clone()],
                             BufId::Dst => &mut dst.as_bytes_mut()[bytes.clone()],
                         };
-                        for (t, d) in target.chunks_mut(IO_UNIT).zip(data.chunks(IO_UNIT)) {
+                        for (t, d) in target.chunks_mut(WORK_UNIT).zip(data.chunks(WORK_UNIT)) {
                             match action {
                                 RecvAction::Copy => t.copy_from_slice(d),
                                 RecvAction::Reduce => kernels::reduce_into(dtype, combine, t, d)?,
@@ -467,8 +467,8 @@ impl CpuBackend {
                         }
                     }
                     Item::LocalCopy { from, to } => {
-                        for off in (0..from.len()).step_by(IO_UNIT) {
-                            let n = IO_UNIT.min(from.len() - off);
+                        for off in (0..from.len()).step_by(WORK_UNIT) {
+                            let n = WORK_UNIT.min(from.len() - off);
                             let (f, t) = (from.start + off, to.start + off);
                             dst.as_bytes_mut()[t..t + n].copy_from_slice(&src.as_bytes()[f..f + n]);
                             pace.account(n).await;

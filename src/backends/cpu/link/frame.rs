@@ -39,12 +39,14 @@
 //! - LK-4: a writer knows whether it stopped in the middle of a frame
 //!   ([`LinkWriter::mid_frame`]); an Abort frame is only written on a link
 //!   that is at a frame boundary, so it is never read as payload.
-//! - LK-8: a payload is written, read, checksummed and reduced in pieces of
-//!   at most [`IO_UNIT`] bytes, and the transfer counts each piece with its
-//!   [`Pacer`], so a frame of any size gives the runtime back at least every
-//!   [`SLICE`](crate::backends::cpu::pace::SLICE) of work ([PA-1]); a frame
-//!   under [`CHECK_BYTES`](crate::backends::cpu::pace::CHECK_BYTES) never
-//!   reads the clock ([PA-2]). The CRC32C of a received payload is folded
+//! - LK-8: a payload is written and read in pieces of at most
+//!   [`SOCKET_UNIT`] bytes, and checksummed and reduced in pieces of at most
+//!   [`WORK_UNIT`], and the transfer counts each piece with its [`Pacer`],
+//!   so a frame of any size gives the runtime back at least every
+//!   [`SLICE`](crate::backends::cpu::pace::SLICE) of work ([PA-1]), give or
+//!   take one socket call; a frame under
+//!   [`CHECK_BYTES`](crate::backends::cpu::pace::CHECK_BYTES) never reads
+//!   the clock ([PA-2]). The CRC32C of a received payload is folded
 //!   piece by piece as it arrives, and a reduction still combines only
 //!   bytes whose checksum was checked (LK-7).
 //!
@@ -75,15 +77,21 @@ pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
 const COALESCE_LIMIT: usize = 32 << 10;
 /// Frame flag: bytes 4..8 of the header hold the payload's CRC32C.
 pub(crate) const FLAG_CRC: u8 = 1;
-/// Largest piece of a payload written, read, checksummed or reduced
-/// between two counts of the transfer's [`Pacer`] ([LK-8](self#invariants)):
-/// 25-100 µs of copying, a few syscalls' worth of loopback TCP.
-pub(crate) const IO_UNIT: usize = 256 << 10;
+/// Largest piece of a payload checksummed, reduced or copied between two
+/// counts of the transfer's [`Pacer`] ([LK-8](self#invariants)): 25-100 µs
+/// of work. A multiple of every element size.
+pub(crate) const WORK_UNIT: usize = 256 << 10;
+/// Largest piece of a payload written or read between two counts of the
+/// [`Pacer`] ([LK-8](self#invariants)): 100-300 µs on loopback. Measured on
+/// a 2-rank TCP all_reduce (docs/performance.md, "Long transfers yield"):
+/// pieces of [`WORK_UNIT`] cost 5-14 % of the bandwidth at 16-64 MiB;
+/// 1-4 MiB pieces 4-7 % at 16 MiB and nothing measurable at 64 MiB.
+pub(crate) const SOCKET_UNIT: usize = 1 << 20;
 
-/// The CRC32C of `bytes`, computed [`IO_UNIT`] at a time ([LK-8](self#invariants)).
+/// The CRC32C of `bytes`, computed [`WORK_UNIT`] at a time ([LK-8](self#invariants)).
 async fn crc32c_paced(bytes: &[u8], pace: &mut Pacer) -> u32 {
     let mut crc = 0;
-    for piece in bytes.chunks(IO_UNIT) {
+    for piece in bytes.chunks(WORK_UNIT) {
         crc = crc32c::crc32c_append(crc, piece);
         pace.account(piece.len()).await;
     }
@@ -330,7 +338,7 @@ impl LinkWriter {
             pace.account(buf.len()).await;
         } else {
             self.half.write_all(&hdr).await?;
-            for piece in payload.chunks(IO_UNIT) {
+            for piece in payload.chunks(SOCKET_UNIT) {
                 self.half.write_all(piece).await?;
                 pace.account(piece.len()).await;
             }
@@ -466,7 +474,7 @@ impl LinkReader {
             .await
     }
 
-    /// Read `buf.len()` payload bytes [`IO_UNIT`] at a time, folding their
+    /// Read `buf.len()` payload bytes [`SOCKET_UNIT`] at a time, folding their
     /// CRC32C when `fold` ([LK-8](self#invariants)); returns the CRC (0
     /// when not folded).
     async fn read_paced(
@@ -477,7 +485,7 @@ impl LinkReader {
         pace: &mut Pacer,
     ) -> Result<u32> {
         let mut crc = 0;
-        for piece in buf.chunks_mut(IO_UNIT) {
+        for piece in buf.chunks_mut(SOCKET_UNIT) {
             self.half
                 .read_exact(piece)
                 .await
@@ -573,8 +581,8 @@ impl LinkReader {
                 let got = self.read_paced(ctx, &mut tmp, fold, pace).await?;
                 // LK-7: checked before a byte is combined.
                 check(got)?;
-                // IO_UNIT is a multiple of every element size.
-                for (dst, src) in buf.chunks_mut(IO_UNIT).zip(tmp.chunks(IO_UNIT)) {
+                // WORK_UNIT is a multiple of every element size.
+                for (dst, src) in buf.chunks_mut(WORK_UNIT).zip(tmp.chunks(WORK_UNIT)) {
                     crate::kernels::reduce_into(dtype, op, dst, src)?;
                     pace.account(src.len()).await;
                 }
@@ -817,7 +825,7 @@ mod tests {
     /// once the whole payload checked out.
     #[tokio::test]
     async fn lk_8_payloads_of_many_pieces_are_checked_whole() {
-        let n = IO_UNIT * 2 + 12_345;
+        let n = SOCKET_UNIT * 2 + 12_345;
         let payload: Vec<u8> = (0..n as u32).map(|i| (i * 13 + 1) as u8).collect();
         let (mut r, mut w) = pair(true, true).await;
         let mut pace = Pacer::new();
@@ -828,7 +836,17 @@ mod tests {
                 .expect("write");
             w
         });
-        assert_eq!(recv(&mut r).await.expect("intact"), payload);
+        let mut got = Vec::new();
+        r.recv(
+            &ctx(),
+            FrameKind::Data,
+            FrameClass::Collective,
+            4,
+            RecvInto::Bounded(&mut got, 4 << 20),
+        )
+        .await
+        .expect("intact");
+        assert_eq!(got, payload);
         let _w = writer.await.expect("writer");
 
         // A bit flipped in the last piece: nothing is combined.

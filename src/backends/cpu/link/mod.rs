@@ -25,6 +25,6 @@ pub(crate) mod mesh;
 
 pub(crate) use frame::{
     checksum_from_env, crc_field, encode_abort, split_link, verify_crc, FrameClass, FrameKind,
-    LinkReader, LinkWriter, Liveness, RecvInto, FLAG_CRC, IO_UNIT, MAX_HEADER_FRAME,
+    LinkReader, LinkWriter, Liveness, RecvInto, FLAG_CRC, MAX_HEADER_FRAME, WORK_UNIT,
 };
 pub(crate) use mesh::{connect_mesh, setup_shm};
