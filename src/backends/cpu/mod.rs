@@ -36,19 +36,16 @@
 //! - CPU-4: after `abort` every call returns `Aborted` immediately, and after
 //!   `finalize` every call returns `Finalized`; both are idempotent and
 //!   bounded in time. Nothing here panics on peer input or in `Drop`.
-//! - CPU-5: an op of any size gives the runtime back at least every
-//!   [`pace::SLICE`] of work while it makes progress ([PA-1]): the shm
+//! - CPU-5: an op of any size gives the runtime back at least every 100 µs
+//!   of work while it makes progress (PA-1 in the `pace` module): the shm
 //!   engine paces itself (SX-8), each TCP transfer (one per peer and
 //!   direction) paces its frames (LK-8), and the local work of a step
 //!   (growing scratch, applying staged receives, local copies) runs a piece
-//!   at a time under the op's own pacer. Small ops never read the clock for
-//!   it ([PA-2]). The turn reads the abort signal on every poll, so an
-//!   abort ends a long op within about a slice ([PA-3]).
+//!   at a time under the op's own pacer. An op that moves less than 64 KiB
+//!   never reads the clock for it (PA-2). The turn reads the abort signal
+//!   on every poll, so an abort ends a long op within about a slice (PA-3).
 //!
 //! [BE-2]: crate::backends#invariants
-//! [PA-1]: crate::backends::cpu::pace#invariants
-//! [PA-2]: crate::backends::cpu::pace#invariants
-//! [PA-3]: crate::backends::cpu::pace#invariants
 //! [SC-1]: crate::backends::cpu::schedule#invariants
 //! [SC-2]: crate::backends::cpu::schedule#invariants
 //! [SC-6]: crate::backends::cpu::schedule#invariants
