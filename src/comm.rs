@@ -771,13 +771,10 @@ impl Comm {
     ///
     /// # Cancel safety
     /// Dropping the `Work` does not cancel the op.
-    pub fn all_reduce_async(&self, mut tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
+    pub fn all_reduce_async(&self, tensor: Tensor, op: ReduceOp) -> Work<Tensor> {
         self.submit(to_tensor, || {
             self.check_redop(op, tensor.dtype())?;
             let dev = self.placement("all_reduce", &[&tensor])?;
-            if dev.is_none() {
-                premul(&mut tensor, op);
-            }
             Ok(Request::collective(
                 OpKind::AllReduce,
                 Some(op),
@@ -813,14 +810,11 @@ impl Comm {
             let dev = self.placement("reduce", &[&tensor])?;
             // A device buffer is reduced in place: NCCL leaves a non-root's
             // buffer untouched, and no host scaling changes it (CM-4).
-            let (mut work, keep) = if self.rank() == root || dev.is_some() {
+            let (work, keep) = if self.rank() == root || dev.is_some() {
                 (tensor, None)
             } else {
                 (tensor.clone(), Some(tensor))
             };
-            if dev.is_none() {
-                premul(&mut work, op);
-            }
             let mut req = Request::collective(
                 OpKind::Reduce,
                 Some(op),
@@ -956,7 +950,7 @@ impl Comm {
 
     fn reduce_scatter_request(
         &self,
-        mut input: Tensor,
+        input: Tensor,
         counts: &[usize],
         op: ReduceOp,
         output: Option<Tensor>,
@@ -976,9 +970,6 @@ impl Comm {
             }
             None => self.output_on("reduce_scatter", input.dtype(), mine, dev)?,
         };
-        if dev.is_none() {
-            premul(&mut input, op);
-        }
         let wire = Self::wire_op(op, input.dtype(), dev);
         let mut req = Request::collective(
             OpKind::ReduceScatter,
@@ -2149,16 +2140,5 @@ async fn off_runtime<T: Send + 'static>(
             .await
             .map_err(|e| Error::Internal(format!("device copy task failed: {e}")))?,
         Err(_) => f(),
-    }
-}
-
-/// The local step before a reduction: scale for `PremulSum`, and make every
-/// boolean 0 or 1 so that [`ReduceOp::combine_op_on`] holds.
-fn premul(t: &mut Tensor, op: ReduceOp) {
-    if let ReduceOp::PremulSum(s) = op {
-        crate::kernels::scale(t.dtype(), t.as_bytes_mut(), s);
-    }
-    if t.dtype() == DType::Bool {
-        crate::kernels::normalize_bools(t.as_bytes_mut());
     }
 }

@@ -116,6 +116,7 @@ pub mod kernels;
 mod mesh;
 pub mod op;
 mod options;
+mod pace;
 mod persistent;
 mod runtime;
 pub mod tensor;

@@ -184,17 +184,22 @@ fn input(rank: usize, n: usize) -> Tensor {
     )
 }
 
-/// Sum over 2 ranks of [`input`].
-fn expected(i: usize) -> f32 {
-    (3 * (i % 7)) as f32
+/// `op` over 2 ranks of [`input`] (`Sum`, `Avg`, or `PremulSum(2)`).
+fn expected(op: ReduceOp, i: usize) -> f32 {
+    let sum = (3 * (i % 7)) as f32;
+    match op {
+        ReduceOp::Avg => sum / 2.0,
+        ReduceOp::PremulSum(_) => sum * 2.0,
+        _ => sum,
+    }
 }
 
-async fn measured_all_reduce(comm: Comm) -> Vec<Figures> {
+async fn measured_all_reduce(comm: Comm, op: ReduceOp) -> Vec<Figures> {
     let n = BIG / 4;
     let rank = comm.rank();
     // Warm-up: first-touch pages and link setup are not what this measures.
     let mut t = comm
-        .all_reduce_async(input(rank, n), ReduceOp::Sum)
+        .all_reduce_async(input(rank, n), op)
         .await
         .expect("warm-up all_reduce");
     let mut figures = Vec::new();
@@ -211,7 +216,7 @@ async fn measured_all_reduce(comm: Comm) -> Vec<Figures> {
         let tick = ticker(stop.clone(), started_tx);
         started.await.expect("ticker started");
         let (w0, t0) = (runqueue_wait(), Instant::now());
-        let work = comm.all_reduce_async(t, ReduceOp::Sum);
+        let work = comm.all_reduce_async(t, op);
         let (issue, issue_os_wait) = (t0.elapsed(), runqueue_wait() - w0);
         let out = work.await.expect("64 MiB all_reduce");
         let total = t0.elapsed();
@@ -235,11 +240,11 @@ async fn measured_all_reduce(comm: Comm) -> Vec<Figures> {
         );
         let got = out.as_slice::<f32>();
         assert_eq!(got.len(), n, "rank {rank}: result length");
-        if let Some(i) = (0..n).find(|&i| got[i] != expected(i)) {
+        if let Some(i) = (0..n).find(|&i| got[i] != expected(op, i)) {
             panic!(
-                "rank {rank} round {round}: element {i} is {}, want {}",
+                "rank {rank} round {round}: element {i} of {op:?} is {}, want {}",
                 got[i],
-                expected(i)
+                expected(op, i)
             );
         }
         figures.push(f);
@@ -251,8 +256,9 @@ async fn measured_all_reduce(comm: Comm) -> Vec<Figures> {
 
 /// Run the measured all_reduce on 2 ranks over `links` and check the
 /// figures against the bounds.
-fn issue_and_ticker_within_bounds(links: &str) {
-    let figures = on_rank_runtimes(&format!("yield-64m-{links}"), measured_all_reduce);
+fn issue_and_ticker_within_bounds(links: &str, op: ReduceOp) {
+    let name = format!("yield-64m-{links}-{}", op.to_string().to_lowercase());
+    let figures = on_rank_runtimes(&name, move |comm| measured_all_reduce(comm, op));
     let all: Vec<(usize, Figures)> = figures
         .iter()
         .enumerate()
@@ -318,10 +324,10 @@ fn issue_and_ticker_within_bounds(links: &str) {
 fn large_all_reduce_async_returns_at_once_and_keeps_a_ticker_running() {
     let _one = serial();
     init_tracing();
-    issue_and_ticker_within_bounds("shm");
+    issue_and_ticker_within_bounds("shm", ReduceOp::Sum);
     // Read when the links are set up; no other test runs meanwhile.
     std::env::set_var("CHORUS_SHM", "0");
-    let tcp = std::panic::catch_unwind(|| issue_and_ticker_within_bounds("tcp"));
+    let tcp = std::panic::catch_unwind(|| issue_and_ticker_within_bounds("tcp", ReduceOp::Sum));
     std::env::remove_var("CHORUS_SHM");
     if let Err(p) = tcp {
         std::panic::resume_unwind(p);
@@ -336,6 +342,17 @@ type AbortOutcome = (std::result::Result<(), Error>, Option<Duration>);
 /// with `Aborted` promptly (the turn gives the runtime back between chunks,
 /// so the abort task runs and the turn sees the signal), and rank 1's op
 /// fails too instead of hanging.
+/// The host passes around a reduction are paced too: `PremulSum`'s scaling
+/// (before the transfer) and `Avg`'s division (after it) run inside the
+/// turn in pieces, so issuing stays quick and the ticker keeps ticking.
+#[test]
+fn premul_scaling_and_avg_division_keep_a_ticker_running() {
+    let _one = serial();
+    init_tracing();
+    issue_and_ticker_within_bounds("shm", ReduceOp::Avg);
+    issue_and_ticker_within_bounds("shm", ReduceOp::PremulSum(2.0));
+}
+
 #[test]
 fn abort_ends_a_large_transfer_in_flight_promptly() {
     let _one = serial();

@@ -16,6 +16,10 @@
 //! 4. runs the transfer on the backend;
 //! 5. post-processes (`Avg`) and completes the [`Work`](crate::Work).
 //!
+//! Before step 2 it scales the input for `PremulSum` (host buffers); like
+//! the `Avg` division this is a paced pass that gives the runtime back
+//! every slice of work (`crate::pace`).
+//!
 //! Steps 2–4 run under the op's timeout and end early when the
 //! communicator's `AbortSignal` is raised. A turn completes its op itself
 //! unless the outcome is fatal: then it hands the op back
@@ -528,6 +532,8 @@ impl Core {
     async fn run_inner(&mut self, ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         let n = ctx.size;
         let me = ctx.rank;
+        // Before any byte travels (a small op's payload goes with its header).
+        prepare(req).await;
         if req.kind == OpKind::Window {
             let op = req
                 .window
@@ -618,6 +624,7 @@ impl Core {
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         self.backend.execute(ctx, &mut req.data).await?;
+        average(ctx, req).await;
         finish(ctx, req, self.mem.as_deref())
     }
 
@@ -711,36 +718,65 @@ fn split_any(
     }
 }
 
+/// The local step before a reduction, on host buffers (a device backend
+/// applies `PremulSum` itself, CM-4): scale for `PremulSum`, and make every
+/// boolean 0 or 1 so that [`ReduceOp::combine_op_on`] holds. Paced, so a
+/// large buffer gives the runtime back as the transfers do.
+async fn prepare(req: &mut Request) {
+    let user_op = req.user_op;
+    let t = match &mut req.data {
+        OpData::AllReduce { buf, .. } | OpData::Reduce { buf, .. } => buf,
+        OpData::ReduceScatter { input, .. } => input,
+        _ => return,
+    };
+    if t.is_device() {
+        return;
+    }
+    let dtype = t.dtype();
+    if let Some(ReduceOp::PremulSum(s)) = user_op {
+        crate::pace::paced_pass(t.as_bytes_mut(), |p| kernels::scale(dtype, p, s)).await;
+    }
+    if dtype == crate::tensor::DType::Bool {
+        crate::pace::paced_pass(t.as_bytes_mut(), kernels::normalize_bools).await;
+    }
+}
+
+/// `Avg`: divide the result by the world size on the host (a device
+/// backend applied it itself, ncclAvg, CM-4). Paced like [`prepare`].
+async fn average(ctx: &OpCtx, req: &mut Request) {
+    if req.user_op != Some(ReduceOp::Avg) {
+        return;
+    }
+    let t = match &mut req.data {
+        OpData::AllReduce { buf, .. } => buf,
+        OpData::Reduce { buf, root, .. } if ctx.rank == *root => buf,
+        OpData::ReduceScatter { output, .. } => output,
+        _ => return,
+    };
+    if t.is_device() {
+        return;
+    }
+    let (dtype, n) = (t.dtype(), ctx.size);
+    crate::pace::paced_pass(t.as_bytes_mut(), |p| kernels::divide(dtype, p, n)).await;
+}
+
 fn finish(
     ctx: &OpCtx,
     req: &mut Request,
     mem: Option<&dyn crate::backends::DeviceMemory>,
 ) -> Result<Completion> {
     let n = ctx.size;
-    let avg = |t: &mut Tensor| {
-        // A device backend applied Avg itself (ncclAvg, CM-4).
-        if req.user_op == Some(ReduceOp::Avg) && !t.is_device() {
-            kernels::divide(t.dtype(), t.as_bytes_mut(), n);
-        }
-    };
     let data = std::mem::replace(&mut req.data, OpData::Barrier);
     Ok(match data {
-        OpData::AllReduce { mut buf, .. } => {
-            avg(&mut buf);
-            Completion::Tensor(buf)
-        }
-        OpData::Reduce { mut buf, root, .. } => {
+        OpData::AllReduce { buf, .. } => Completion::Tensor(buf),
+        OpData::Reduce { buf, root, .. } => {
             if ctx.rank == root {
-                avg(&mut buf);
                 Completion::Tensor(buf)
             } else {
                 Completion::Tensor(req.keep.take().unwrap_or(buf))
             }
         }
-        OpData::ReduceScatter {
-            mut output, input, ..
-        } => {
-            avg(&mut output);
+        OpData::ReduceScatter { output, input, .. } => {
             if req.return_input {
                 Completion::Tensors(vec![output, input])
             } else {

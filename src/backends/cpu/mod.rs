@@ -37,7 +37,7 @@
 //!   `finalize` every call returns `Finalized`; both are idempotent and
 //!   bounded in time. Nothing here panics on peer input or in `Drop`.
 //! - CPU-5: an op of any size gives the runtime back at least every 100 µs
-//!   of work while it makes progress (PA-1 in the `pace` module): the shm
+//!   of work while it makes progress (PA-1 in `crate::pace`): the shm
 //!   engine paces itself (SX-8), each TCP transfer (one per peer and
 //!   direction) paces its frames (LK-8), and the local work of a step
 //!   (growing scratch, applying staged receives, local copies) runs a piece
@@ -67,15 +67,14 @@ use crate::tensor::Tensor;
 
 mod fused;
 mod link;
-mod pace;
 mod plan;
 pub mod schedule;
 mod shm;
 mod shm_exec;
 mod window;
 
+use crate::pace::Pacer;
 use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME, WORK_UNIT};
-use pace::Pacer;
 use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule};

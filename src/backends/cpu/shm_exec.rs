@@ -78,17 +78,17 @@
 //! [PA-1]: crate::backends::cpu::pace#invariants
 //! [PA-2]: crate::backends::cpu::pace#invariants
 //! [PA-3]: crate::backends::cpu::pace#invariants
-//! [`pace::SLICE`]: super::pace::SLICE
-//! [`pace::CHECK_BYTES`]: super::pace::CHECK_BYTES
+//! [`pace::SLICE`]: crate::pace::SLICE
+//! [`pace::CHECK_BYTES`]: crate::pace::CHECK_BYTES
 
 use std::time::{Duration, Instant};
 
 use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
-use super::pace::Pacer;
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
 use crate::kernels;
+use crate::pace::Pacer;
 
 /// Bytes of the prefix in front of every message.
 const PREFIX: usize = 24;

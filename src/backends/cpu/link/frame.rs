@@ -43,9 +43,9 @@
 //!   [`SOCKET_UNIT`] bytes, and checksummed and reduced in pieces of at most
 //!   [`WORK_UNIT`], and the transfer counts each piece with its [`Pacer`],
 //!   so a frame of any size gives the runtime back at least every
-//!   [`SLICE`](crate::backends::cpu::pace::SLICE) of work ([PA-1]), give or
+//!   [`SLICE`](crate::pace::SLICE) of work ([PA-1]), give or
 //!   take one socket call; a frame under
-//!   [`CHECK_BYTES`](crate::backends::cpu::pace::CHECK_BYTES) never reads
+//!   [`CHECK_BYTES`](crate::pace::CHECK_BYTES) never reads
 //!   the clock ([PA-2]). The CRC32C of a received payload is folded
 //!   piece by piece as it arrives, and a reduction still combines only
 //!   bytes whose checksum was checked (LK-7).
@@ -59,10 +59,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use super::super::pace::Pacer;
 use crate::backends::OpCtx;
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
+use crate::pace::Pacer;
 use crate::tensor::DType;
 
 /// Size of a frame header in bytes.

@@ -1,4 +1,8 @@
-//! Pacing long steps: when a data-moving step gives the runtime back.
+//! Pacing long steps: when a step that keeps working gives the runtime back.
+//!
+//! Used by the `cpu` backend's engines for their transfers, and above the
+//! backends for the host passes of a turn (the `PremulSum` scaling before a
+//! reduction and the `Avg` division after it, [`paced_pass`]).
 //!
 //! A step of the shared-memory engine or of the TCP links that keeps making
 //! progress never has to wait, so without pacing it never returns `Pending`:
@@ -102,9 +106,47 @@ impl Pacer {
     }
 }
 
+/// Bytes one call of a [`paced_pass`] closure gets: a multiple of every
+/// element size, small enough that a slice ends within a few pieces.
+pub(crate) const PIECE: usize = 256 << 10;
+
+/// Run `f` over `data` in pieces of [`PIECE`] bytes, yielding to the runtime
+/// whenever a slice of work is used up ([PA-1]); `data` under
+/// [`CHECK_BYTES`] runs in one call with no clock read ([PA-2]). For host
+/// passes over a whole buffer (scaling, averaging), which would otherwise
+/// hold a worker for milliseconds at tens of MiB. `f` must work on any
+/// whole number of elements (every piece but the last is [`PIECE`] bytes).
+///
+/// [PA-1]: self#invariants
+/// [PA-2]: self#invariants
+pub(crate) async fn paced_pass(data: &mut [u8], mut f: impl FnMut(&mut [u8])) {
+    let mut pace = Pacer::new();
+    for piece in data.chunks_mut(PIECE) {
+        f(piece);
+        let n = piece.len();
+        pace.account(n).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_paced_pass_covers_every_byte_in_order() {
+        let mut data: Vec<u8> = (0..(3 * PIECE + 17)).map(|i| i as u8).collect();
+        let want: Vec<u8> = data.iter().map(|b| b.wrapping_add(1)).collect();
+        let mut pieces = 0;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        rt.block_on(paced_pass(&mut data, |p| {
+            pieces += 1;
+            p.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+        }));
+        assert_eq!(data, want);
+        assert_eq!(pieces, 4);
+    }
 
     #[test]
     fn pa_2_small_steps_never_read_the_clock() {
