@@ -8,7 +8,7 @@
 //! | name  | feature | needs | notes |
 //! |-------|---------|-------|-------|
 //! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
-//! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12) at run time, a CUDA device | device tensors in place; host tensors staged through device memory |
+//! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12 or .13) at run time, a CUDA device | device tensors in place; host tensors staged through device memory |
 //! | `rccl` | `rccl` | librccl.so + libamdhip64.so at run time, a ROCm device | same layer as `nccl` (module `xccl`) |
 //! | `gloo` | `gloo` | Debian `libgloo-dev` at build time | C++ shim over Gloo's TCP transport |
 //! | `mpi` | `mpi` | Open MPI (`libopenmpi-dev`, `libclang-dev` to build), run under `mpirun` | rsmpi |

@@ -112,8 +112,8 @@ impl Flavor {
         }
     }
 
-    /// Collective library file names tried, in order. The NCCL pip wheel
-    /// (`nvidia-nccl-cu12`) ships only `libnccl.so.2`.
+    /// Collective library file names tried, in order. The NCCL pip wheels
+    /// (`nvidia-nccl-cu12`, `nvidia-nccl-cu13`) ship only `libnccl.so.2`.
     pub fn collective_libs(self) -> &'static [&'static str] {
         match self {
             Flavor::Nccl => &["libnccl.so.2", "libnccl.so"],
@@ -121,7 +121,9 @@ impl Flavor {
         }
     }
 
-    /// Runtime library file names tried, in order.
+    /// Runtime library file names tried, in order: CUDA 12 first (it runs
+    /// on older drivers than 13), then CUDA 13 (`libcudart.so.13`, what
+    /// PyTorch's CUDA 13 builds install), then the unversioned name.
     pub fn runtime_libs(self) -> &'static [&'static str] {
         match self {
             Flavor::Nccl => &["libcudart.so.12", "libcudart.so.13", "libcudart.so"],
@@ -173,8 +175,8 @@ impl Vendor {
             .map_err(|e| unavailable(format!("{} runtime: {e}", flavor.prefix())))?;
         let nccl = sys::load_nccl(flavor.collective_libs()).map_err(|e| {
             unavailable(format!(
-                "{e} (for NCCL: `pip install nvidia-nccl-cu12` and add its lib folder to \
-                 LD_LIBRARY_PATH or CHORUS_LIB_DIRS)"
+                "{e} (for NCCL: `pip install nvidia-nccl-cu13` or `nvidia-nccl-cu12`, and \
+                 add its lib folder to LD_LIBRARY_PATH or CHORUS_LIB_DIRS)"
             ))
         })?;
         Ok(Vendor { nccl, rt })
@@ -653,7 +655,10 @@ impl XcclBackend {
             }
             Err(e) => return Err(ctx_err(e)),
         }
-        tracing::info!(comm = %init.comm, rank = init.rank, device, version = api.version(), backend = flavor.name(), "vendor communicator ready");
+        // Which files were loaded (a name the system loader resolved, or a
+        // path from the search folders): the first thing to check on a box
+        // with several CUDA generations installed.
+        tracing::info!(comm = %init.comm, rank = init.rank, device, version = api.version(), backend = flavor.name(), nccl = %api.nccl.path, runtime = %api.rt.path, "vendor communicator ready");
         Ok(me)
     }
 
@@ -1806,6 +1811,26 @@ mod tests {
                 }
                 Err(other) => panic!("{other:?}"),
             }
+        }
+    }
+
+    /// The file names and wheel folders of both CUDA generations that pip
+    /// installs (PyTorch's cu12 and cu13 builds) are among the candidates.
+    #[test]
+    fn loader_candidates_cover_cuda_12_and_13_wheels() {
+        assert!(Flavor::Nccl.collective_libs().contains(&"libnccl.so.2"));
+        let rt = Flavor::Nccl.runtime_libs();
+        for name in ["libcudart.so.12", "libcudart.so.13"] {
+            assert!(rt.contains(&name), "{name} not in {rt:?}");
+        }
+        let site = std::path::Path::new("/venv/lib/python3.12/site-packages");
+        let dirs = sys::wheel_lib_dirs(site);
+        for sub in [
+            "nvidia/nccl/lib",
+            "nvidia/cuda_runtime/lib",
+            "nvidia/cu13/lib",
+        ] {
+            assert!(dirs.contains(&site.join(sub)), "{sub} not in {dirs:?}");
         }
     }
 

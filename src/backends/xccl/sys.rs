@@ -266,8 +266,8 @@ fn_table! {
 
 /// Directories searched for a library after the loader's own path: the
 /// `CHORUS_LIB_DIRS` list, `/opt/rocm/lib`, `/usr/local/cuda/lib64`, and the
-/// `nvidia/*/lib` folders of pip wheels (e.g. `nvidia-nccl-cu12` ships only
-/// `libnccl.so.2`) in the Python site directories found on this machine.
+/// pip-wheel folders ([`wheel_lib_dirs`]) of the Python site directories
+/// found on this machine (system, virtualenv, conda, user).
 pub fn search_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::env::var("CHORUS_LIB_DIRS")
         .map(|v| std::env::split_paths(&v).collect())
@@ -275,9 +275,14 @@ pub fn search_dirs() -> Vec<PathBuf> {
     dirs.push("/opt/rocm/lib".into());
     dirs.push("/usr/local/cuda/lib64".into());
     let mut roots: Vec<PathBuf> = vec!["/usr/lib".into(), "/usr/local/lib".into()];
-    if let Ok(v) = std::env::var("VIRTUAL_ENV") {
-        roots.push(PathBuf::from(v).join("lib"));
+    // PyTorch images often ship a conda environment rather than the system
+    // Python: its site folders are under $CONDA_PREFIX/lib (/opt/conda).
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Ok(v) = std::env::var(var) {
+            roots.push(PathBuf::from(v).join("lib"));
+        }
     }
+    roots.push("/opt/conda/lib".into());
     if let Ok(h) = std::env::var("HOME") {
         roots.push(PathBuf::from(h).join(".local/lib"));
     }
@@ -291,16 +296,27 @@ pub fn search_dirs() -> Vec<PathBuf> {
                 continue;
             }
             for site in ["site-packages", "dist-packages"] {
-                let nv = e.path().join(site).join("nvidia");
-                for sub in ["nccl", "cuda_runtime"] {
-                    dirs.push(nv.join(sub).join("lib"));
-                }
-                // CUDA 13 wheels put everything under nvidia/cu13/lib.
-                dirs.push(nv.join("cu13").join("lib"));
+                dirs.extend(wheel_lib_dirs(&e.path().join(site)));
             }
         }
     }
     dirs
+}
+
+/// The folders of one Python site directory where NVIDIA's pip wheels put
+/// NCCL and the CUDA runtime:
+/// - `nvidia/nccl/lib`: `libnccl.so.2` of `nvidia-nccl-cu12` and of
+///   `nvidia-nccl-cu13` alike (the cu13 NCCL wheel keeps the old layout);
+/// - `nvidia/cuda_runtime/lib`: `libcudart.so.12` of
+///   `nvidia-cuda-runtime-cu12`;
+/// - `nvidia/cu13/lib`: `libcudart.so.13` of `nvidia-cuda-runtime` 13.x,
+///   like every CUDA 13 wheel but NCCL.
+pub fn wheel_lib_dirs(site: &std::path::Path) -> Vec<PathBuf> {
+    let nv = site.join("nvidia");
+    ["nccl", "cuda_runtime", "cu13"]
+        .iter()
+        .map(|sub| nv.join(sub).join("lib"))
+        .collect()
 }
 
 /// Try each file name with the system loader, then in each of
@@ -346,6 +362,6 @@ pub fn load_nccl(names: &[&str]) -> Result<NcclApi, String> {
 /// As [`load_nccl`].
 pub fn load_rt(names: &[&str], prefix: &str) -> Result<RtApi, String> {
     let (lib, path) = open_first(names)?;
-    // SAFETY: cudart 12 and HIP >= 5 export these with these signatures.
+    // SAFETY: cudart 12 and 13 and HIP >= 5 export these with these signatures.
     unsafe { RtApi::from_lib(lib, path, prefix) }
 }
