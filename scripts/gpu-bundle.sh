@@ -93,6 +93,7 @@ tar -C "$(dirname "$out")" -cf - "$(basename "$out")" | xz -9 -T1 > "$archive"
 bytes=$(stat -c %s "$archive")
 echo "gpu-bundle: $archive: $bytes bytes ($(mib "$bytes")), limit $max_bytes ($(mib "$max_bytes"))"
 if [ "$bytes" -gt "$max_bytes" ]; then
-  die "$archive is $(mib "$bytes"), over the $(mib "$max_bytes") that can be shipped to the GPU machine: drop binaries or shrink them (strip, fewer features)"
+  rm -f "$archive"
+  die "$archive (removed) was $(mib "$bytes"), over the $(mib "$max_bytes") that can be shipped to the GPU machine: drop binaries or shrink them (strip, fewer features)"
 fi
 echo "gpu-bundle: on the GPU machine, from a checkout: scripts/gpu-check.sh $archive"
