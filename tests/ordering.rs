@@ -10,7 +10,7 @@
 //! This file proves it through the public API only:
 //!
 //! - `lognet`, a test backend registered with [`chorus::register_backend`]
-//!   (the in-memory `memnet` of `tests/custom_backend.rs`), records on each
+//!   (the in-memory `memnet` of `tests/common/memnet.rs`, wrapped), records on each
 //!   rank the order in which it executes ops (each op's tensor carries a tag
 //!   that the backend appends to the rank's log) and delays ops by a seeded
 //!   random time, so that ops overlap in every way the runtime allows.
@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 use chorus::backends::{async_trait, Backend, BackendInit, OpCtx, OpData};
 use chorus::transport::{MemoryStore, Store};
 use chorus::{new_comm, Comm, Device, Error, ReduceOp, Result, Tensor, Work};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use common::memnet::MemNet;
 
 /// How long a blocking op may take before the communicator fails it.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -171,94 +171,14 @@ enum Delays {
 static DELAYS: LazyLock<Mutex<HashMap<String, Delays>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 
-/// One message on a link: the sequence number stamped by the sender
-/// (headers) or `u64::MAX` (data), and the bytes.
-type Msg = (u64, Vec<u8>);
-type Ends = (Option<UnboundedSender<Msg>>, Option<UnboundedReceiver<Msg>>);
-
-/// Links by (key prefix, from, to); created by whichever end comes first.
-type Links = HashMap<(String, usize, usize), Ends>;
-static HUB: LazyLock<Mutex<Links>> = LazyLock::new(|| Mutex::new(HashMap::new()));
-
-const DATA: u64 = u64::MAX;
-
-/// `memnet` (tests/custom_backend.rs) plus the execution log and delays.
+/// `memnet` (tests/common/memnet.rs) plus the execution log and delays.
 struct LogNet {
-    rank: usize,
-    to: Vec<Option<UnboundedSender<Msg>>>,
-    from: Vec<Option<UnboundedReceiver<Msg>>>,
+    net: MemNet,
     log: Log,
     delays: Delays,
 }
 
 impl LogNet {
-    fn connect(init: &BackendInit, log: Log, delays: Delays) -> LogNet {
-        let mut hub = HUB.lock().unwrap();
-        // Take one end of the link `from -> to`; the hub forgets the link
-        // once both ends are taken, so that dropping them closes it.
-        let mut take = |from: usize, to: usize, sender: bool| {
-            let key = (init.key_prefix.clone(), from, to);
-            let ends = hub.entry(key.clone()).or_insert_with(|| {
-                let (tx, rx) = unbounded_channel();
-                (Some(tx), Some(rx))
-            });
-            let got = if sender {
-                (ends.0.take(), None)
-            } else {
-                (None, ends.1.take())
-            };
-            if ends.0.is_none() && ends.1.is_none() {
-                hub.remove(&key);
-            }
-            got
-        };
-        let (me, n) = (init.rank, init.size);
-        let mut to = Vec::new();
-        let mut from = Vec::new();
-        for p in 0..n {
-            if p == me {
-                to.push(None);
-                from.push(None);
-                continue;
-            }
-            to.push(take(me, p, true).0);
-            from.push(take(p, me, false).1);
-        }
-        LogNet {
-            rank: me,
-            to,
-            from,
-            log,
-            delays,
-        }
-    }
-
-    fn send(&self, ctx: &OpCtx, peer: usize, seq: u64, bytes: Vec<u8>) -> Result<()> {
-        self.to[peer]
-            .as_ref()
-            .ok_or_else(|| ctx.peer_failed(vec![peer], "lognet: no link"))?
-            .send((seq, bytes))
-            .map_err(|_| ctx.peer_failed(vec![peer], "lognet: peer closed its link"))
-    }
-
-    async fn recv(&mut self, ctx: &OpCtx, peer: usize, seq: u64) -> Result<Vec<u8>> {
-        let rx = self.from[peer]
-            .as_mut()
-            .ok_or_else(|| ctx.peer_failed(vec![peer], "lognet: no link"))?;
-        let (got, bytes) = rx
-            .recv()
-            .await
-            .ok_or_else(|| ctx.peer_failed(vec![peer], "lognet: peer closed its link"))?;
-        if got != seq {
-            return Err(ctx.mismatch(format!("frame #{got} from rank {peer}, expected #{seq}")));
-        }
-        Ok(bytes)
-    }
-
-    fn peers(&self) -> Vec<usize> {
-        (0..self.to.len()).filter(|&p| p != self.rank).collect()
-    }
-
     /// Hold the op for the time its communicator's [`Delays`] say.
     async fn delay(&self, ctx: &OpCtx, kind: Kind) {
         match self.delays {
@@ -310,14 +230,7 @@ impl Backend for LogNet {
         ctx: &OpCtx,
         outgoing: Vec<(usize, u64, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>> {
-        for (peer, seq, h) in &outgoing {
-            self.send(ctx, *peer, *seq, h.clone())?;
-        }
-        let mut got = Vec::with_capacity(outgoing.len());
-        for (peer, seq, _) in outgoing {
-            got.push((peer, self.recv(ctx, peer, seq).await?));
-        }
-        Ok(got)
+        self.net.exchange_headers(ctx, outgoing).await
     }
 
     async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
@@ -354,80 +267,15 @@ impl Backend for LogNet {
         };
         self.log.lock().unwrap().push(entry);
         self.delay(ctx, entry.kind).await;
-        match data {
-            OpData::Broadcast { buf, root } => {
-                if self.rank == *root {
-                    for p in self.peers() {
-                        self.send(ctx, p, DATA, buf.as_bytes().to_vec())?;
-                    }
-                } else {
-                    let bytes = self.recv(ctx, *root, DATA).await?;
-                    buf.as_bytes_mut().copy_from_slice(&bytes);
-                }
-            }
-            OpData::AllGather {
-                input,
-                output,
-                counts,
-                ..
-            } => {
-                for p in self.peers() {
-                    self.send(ctx, p, DATA, input.as_bytes().to_vec())?;
-                }
-                let elem = input.dtype().size();
-                let mut at = 0;
-                for (r, &c) in counts.clone().iter().enumerate() {
-                    let block = if r == self.rank {
-                        input.as_bytes().to_vec()
-                    } else {
-                        self.recv(ctx, r, DATA).await?
-                    };
-                    output.as_bytes_mut()[at..at + c * elem].copy_from_slice(&block);
-                    at += c * elem;
-                }
-            }
-            OpData::AllReduce { buf, op } => {
-                if *op != ReduceOp::Sum {
-                    return Err(Error::UnsupportedOp {
-                        op: op.to_string(),
-                        dtype: buf.dtype(),
-                    });
-                }
-                for p in self.peers() {
-                    self.send(ctx, p, DATA, buf.as_bytes().to_vec())?;
-                }
-                let dtype = buf.dtype();
-                // In rank order, so that every rank computes the same values.
-                let mut acc = vec![0.0; buf.len()];
-                for r in 0..self.to.len() {
-                    let part = if r == self.rank {
-                        buf.to_f64_vec()
-                    } else {
-                        let bytes = self.recv(ctx, r, DATA).await?;
-                        Tensor::from_bytes(dtype, &bytes)
-                            .ok_or_else(|| ctx.peer_failed(vec![r], "lognet: bad block"))?
-                            .to_f64_vec()
-                    };
-                    for (a, p) in acc.iter_mut().zip(part) {
-                        *a += p;
-                    }
-                }
-                let out = Tensor::from_f64s(dtype, &acc);
-                buf.as_bytes_mut().copy_from_slice(out.as_bytes());
-            }
-            _ => {}
-        }
-        Ok(())
+        self.net.execute(ctx, data).await
     }
 
-    async fn abort(&mut self, _reason: &str, _failed: &[usize]) {
-        self.to.clear();
-        self.from.clear();
+    async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        self.net.abort(reason, failed).await
     }
 
     async fn finalize(&mut self) {
-        self.to.clear();
-        self.from.clear();
+        self.net.finalize().await
     }
 }
 
@@ -448,7 +296,8 @@ fn register() {
                 .copied()
                 .unwrap_or(Delays::Off);
             let log = log_of(&init.comm, init.rank);
-            Ok(Box::new(LogNet::connect(&init, log, delays)) as Box<dyn Backend>)
+            let net = MemNet::connect(&init);
+            Ok(Box::new(LogNet { net, log, delays }) as Box<dyn Backend>)
         })
         .expect("lognet registers");
     });

@@ -3,6 +3,8 @@
 //! bounded in time.
 #![allow(dead_code)]
 
+pub mod memnet;
+
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
