@@ -808,28 +808,23 @@ impl Comm {
             self.check_root("reduce", root)?;
             self.check_redop(op, tensor.dtype())?;
             let dev = self.placement("reduce", &[&tensor])?;
-            // A device buffer is reduced in place: NCCL leaves a non-root's
-            // buffer untouched, and no host scaling changes it (CM-4).
-            let (work, keep) = if self.rank() == root || dev.is_some() {
-                (tensor, None)
-            } else {
-                (tensor.clone(), Some(tensor))
-            };
-            let mut req = Request::collective(
+            // A non-root rank's host buffer comes back unchanged: the turn
+            // reduces from a copy it makes (`keep` holds the original); a
+            // device buffer is reduced in place (NCCL leaves a non-root's
+            // buffer untouched, CM-4).
+            Ok(Request::collective(
                 OpKind::Reduce,
                 Some(op),
-                work.dtype(),
+                tensor.dtype(),
                 Some(root),
-                work.len(),
+                tensor.len(),
                 vec![],
                 OpData::Reduce {
-                    op: Self::wire_op(op, work.dtype(), dev),
-                    buf: work,
+                    op: Self::wire_op(op, tensor.dtype(), dev),
+                    buf: tensor,
                     root,
                 },
-            );
-            req.keep = keep;
-            Ok(req)
+            ))
         })
     }
 

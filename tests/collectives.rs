@@ -1075,3 +1075,23 @@ fn new_window_works_where_the_backend_has_windows_and_is_unsupported_op_elsewher
         comm.finalize().unwrap();
     });
 }
+
+/// A non-root rank of `reduce` gets its tensor back unchanged, also with
+/// `PremulSum` (the turn scales a working copy it makes, in pieces), and
+/// the root gets the scaled sum.
+#[test]
+fn reduce_premul_sum_leaves_the_non_root_input_unchanged_world_2() {
+    const N: usize = 300_000; // 1.2 MB: several pieces of the paced copy
+    run_ranks(2, "reduce-premul", |comm| {
+        let r = comm.rank();
+        let input = Tensor::full((r + 1) as f32, N);
+        let out = comm
+            .reduce(input, ReduceOp::PremulSum(2.0), 0)
+            .expect("reduce");
+        let want = if r == 0 { 2.0 * 1.0 + 2.0 * 2.0 } else { 2.0 };
+        assert!(
+            out.as_slice::<f32>().iter().all(|&v| v == want),
+            "rank {r}: want {want} everywhere"
+        );
+    });
+}

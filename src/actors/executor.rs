@@ -533,7 +533,7 @@ impl Core {
         let n = ctx.size;
         let me = ctx.rank;
         // Before any byte travels (a small op's payload goes with its header).
-        prepare(req).await;
+        prepare(ctx, req).await?;
         if req.kind == OpKind::Window {
             let op = req
                 .window
@@ -719,18 +719,46 @@ fn split_any(
 }
 
 /// The local step before a reduction, on host buffers (a device backend
-/// applies `PremulSum` itself, CM-4): scale for `PremulSum`, and make every
-/// boolean 0 or 1 so that [`ReduceOp::combine_op_on`] holds. Paced, so a
-/// large buffer gives the runtime back as the transfers do.
-async fn prepare(req: &mut Request) {
+/// applies `PremulSum` itself and reduces in place, CM-4):
+/// - a non-root rank of `reduce` works on a copy, so that its caller gets
+///   its tensor back unchanged (`keep`);
+/// - scale for `PremulSum`, and make every boolean 0 or 1 so that
+///   [`ReduceOp::combine_op_on`] holds.
+///
+/// Paced, so a large buffer gives the runtime back as the transfers do.
+async fn prepare(ctx: &OpCtx, req: &mut Request) -> Result<()> {
+    if let OpData::Reduce { buf, root, .. } = &mut req.data {
+        if ctx.rank != *root && !buf.is_device() && req.keep.is_none() {
+            let mut copy = Tensor::try_zeros(buf.dtype(), buf.len()).ok_or_else(|| {
+                Error::InvalidArgument {
+                    comm: ctx.comm.clone(),
+                    rank: ctx.rank,
+                    op: ctx.kind.name(),
+                    reason: format!(
+                        "cannot allocate the working copy of {} elements a non-root rank \
+                         reduces from",
+                        buf.len()
+                    ),
+                }
+            })?;
+            let src = buf.as_bytes();
+            let mut at = 0;
+            crate::pace::paced_pass(copy.as_bytes_mut(), |piece| {
+                piece.copy_from_slice(&src[at..at + piece.len()]);
+                at += piece.len();
+            })
+            .await;
+            req.keep = Some(std::mem::replace(buf, copy));
+        }
+    }
     let user_op = req.user_op;
     let t = match &mut req.data {
         OpData::AllReduce { buf, .. } | OpData::Reduce { buf, .. } => buf,
         OpData::ReduceScatter { input, .. } => input,
-        _ => return,
+        _ => return Ok(()),
     };
     if t.is_device() {
-        return;
+        return Ok(());
     }
     let dtype = t.dtype();
     if let Some(ReduceOp::PremulSum(s)) = user_op {
@@ -739,6 +767,7 @@ async fn prepare(req: &mut Request) {
     if dtype == crate::tensor::DType::Bool {
         crate::pace::paced_pass(t.as_bytes_mut(), kernels::normalize_bools).await;
     }
+    Ok(())
 }
 
 /// `Avg`: divide the result by the world size on the host (a device
