@@ -390,22 +390,47 @@ impl Home {
                     self.wake_actor();
                 }
             }
-            Err(mut core) => {
+            Err(core) => {
                 // The actor ended meanwhile (it gave up waiting for this
                 // core): close the backend here.
-                if let Some(f) = self.fatal().take() {
-                    if let Some(c) = f.completer {
-                        c.complete(Err(f.error));
-                    }
-                }
-                let cause = self.status.cause().or_else(|| {
-                    self.signal
-                        .cause(&self.info.name, self.info.rank, self.info.epoch)
-                });
-                self.rt
-                    .spawn(async move { core.shutdown_aborted(cause.as_ref()).await });
+                self.complete_fatal();
+                self.shut_down_orphan(core);
             }
         }
+    }
+
+    /// Close the gate for good (GT-5): a lent turn's fatal op completes with
+    /// its error, every queued request is refused with the communicator's
+    /// closed error (its status must already say why), and the core comes
+    /// back if it was at home.
+    fn close(&self) -> Option<Box<Core>> {
+        let (core, queued) = self.gate.close();
+        self.complete_fatal();
+        let error = closed_error(&self.info, &self.status);
+        for item in queued {
+            item.refuse(error.clone());
+        }
+        core
+    }
+
+    /// Complete the op of a lent turn's fatal outcome, if one is waiting.
+    fn complete_fatal(&self) {
+        if let Some(f) = self.fatal().take() {
+            if let Some(c) = f.completer {
+                c.complete(Err(f.error));
+            }
+        }
+    }
+
+    /// Abort the backend of a core that no actor will take again, in the
+    /// background.
+    fn shut_down_orphan(&self, mut core: Box<Core>) {
+        let cause = self.status.cause().or_else(|| {
+            self.signal
+                .cause(&self.info.name, self.info.rank, self.info.epoch)
+        });
+        self.rt
+            .spawn(async move { core.shutdown_aborted(cause.as_ref()).await });
     }
 
     /// Tell the actor a drain is scheduled (AC-6). If the actor is gone,
@@ -416,15 +441,8 @@ impl Home {
             .get()
             .is_some_and(|a| a.send_message(CommMsg::Run).is_ok());
         if !sent && self.actor.get().is_some() {
-            let (core, queued) = self.gate.close();
-            let error = closed_error(&self.info, &self.status);
-            for item in queued {
-                item.refuse(error.clone());
-            }
-            if let Some(mut core) = core {
-                let cause = self.status.cause();
-                self.rt
-                    .spawn(async move { core.shutdown_aborted(cause.as_ref()).await });
+            if let Some(core) = self.close() {
+                self.shut_down_orphan(core);
             }
         }
     }
@@ -527,10 +545,6 @@ impl CommState {
         &self.home.info
     }
 
-    fn closed_error(&self) -> Error {
-        closed_error(&self.home.info, &self.home.status)
-    }
-
     /// Give the core back to the gate after a turn; wake this actor again
     /// if ops queued up meanwhile (AC-6).
     fn offer(&self, core: Box<Core>) {
@@ -608,11 +622,7 @@ impl CommState {
                         p.abort();
                     }
                     // AC-3: requests behind Finalize complete with Finalized.
-                    let (_, queued) = self.home.gate.close();
-                    let error = self.closed_error();
-                    for item in queued {
-                        item.refuse(error.clone());
-                    }
+                    let _ = self.home.close();
                     let _ = myself.drain();
                 }
                 if let Some(c) = done {
@@ -694,17 +704,8 @@ impl CommState {
         self.done = true;
         // AC-3, GT-5: nothing runs any more; what is queued is revoked,
         // and a lent core that comes back later is closed by its lease.
-        let (home_core, queued) = self.home.gate.close();
-        let core = core.or(home_core);
-        if let Some(f) = self.home.fatal().take() {
-            if let Some(c) = f.completer {
-                c.complete(Err(f.error));
-            }
-        }
-        let error = self.closed_error();
-        for item in queued {
-            item.refuse(error.clone());
-        }
+        let at_home = self.home.close();
+        let core = core.or(at_home);
         if let Some(p) = self.poll.take() {
             p.abort();
         }
@@ -923,12 +924,8 @@ impl Actor for CommActor {
             if state.status.abort(cause.clone()) {
                 state.home.obs.aborted(&cause).await;
             }
-            let (core, queued) = state.home.gate.close();
+            let core = state.home.close();
             state.done = true;
-            let error = state.closed_error();
-            for item in queued {
-                item.refuse(error.clone());
-            }
             if let Some(mut core) = core {
                 core.shutdown_aborted(Some(&cause)).await;
             }

@@ -747,6 +747,19 @@ mod tests {
         (reader, writer)
     }
 
+    /// The header of a collective data frame #4 carrying `payload`, with
+    /// its checksum, for a test to send a payload other than the one checked.
+    fn checked_header(payload: &[u8]) -> [u8; FRAME_HEADER_LEN] {
+        encode_frame_header(
+            FrameKind::Data,
+            FrameClass::Collective,
+            0,
+            4,
+            payload.len() as u64,
+            Some(crc32c::crc32c(payload)),
+        )
+    }
+
     async fn recv(r: &mut LinkReader) -> Result<Vec<u8>> {
         let mut buf = Vec::new();
         r.recv(
@@ -776,14 +789,7 @@ mod tests {
 
         // One bit flipped after the checksum was taken.
         let (mut r, mut w) = pair(true, true).await;
-        let hdr = encode_frame_header(
-            FrameKind::Data,
-            FrameClass::Collective,
-            0,
-            4,
-            payload.len() as u64,
-            Some(crc32c::crc32c(&payload)),
-        );
+        let hdr = checked_header(&payload);
         let mut bad = payload.clone();
         bad[54_321] ^= 0x10;
         w.half.write_all(&hdr).await.expect("write");
@@ -807,14 +813,7 @@ mod tests {
 
         // A reader without the setting checks a checksum it is sent.
         let (mut r, mut w) = pair(false, true).await;
-        let hdr = encode_frame_header(
-            FrameKind::Data,
-            FrameClass::Collective,
-            0,
-            4,
-            4,
-            Some(crc32c::crc32c(b"abcd")),
-        );
+        let hdr = checked_header(b"abcd");
         w.half.write_all(&hdr).await.expect("write");
         w.half.write_all(b"abce").await.expect("write");
         assert!(matches!(recv(&mut r).await, Err(Error::Corrupted { .. })));
@@ -851,14 +850,7 @@ mod tests {
 
         // A bit flipped in the last piece: nothing is combined.
         let (mut r, mut w) = pair(true, true).await;
-        let hdr = encode_frame_header(
-            FrameKind::Data,
-            FrameClass::Collective,
-            0,
-            4,
-            payload.len() as u64,
-            Some(crc32c::crc32c(&payload)),
-        );
+        let hdr = checked_header(&payload);
         let mut bad = payload.clone();
         bad[n - 7] ^= 0x01;
         let writer = tokio::spawn(async move {
