@@ -19,7 +19,9 @@
 //! - SX-6: with `CHORUS_CHECKSUM=1` every message carries the CRC32C of its
 //!   payload, computed by the sender over its buffer before the prefix is
 //!   written; the receiver folds every payload byte it takes out of the ring
-//!   (or reads from the sender's memory) into a running CRC and checks it
+//!   (or reads from the sender's memory) into a running CRC, always from its
+//!   own copy of those bytes (the destination, or a private snapshot for a
+//!   reduction), never by a second read of the shared ring, and checks it
 //!   when the last byte is in, before the op can complete: a mismatch is
 //!   `Error::Corrupted`, a missing checksum a fatal `Mismatch`, as on TCP
 //!   links ([LK-7]).
@@ -358,6 +360,13 @@ struct RecvJob<'a> {
     checksum: bool,
     sent_crc: Option<u32>,
     crc: u32,
+    /// [SX-6]: a private copy of the ring bytes a checked reduction takes,
+    /// so that the bytes checked are the bytes combined (the ring is shared
+    /// memory and may change between two reads). Grows to one step, once
+    /// per job; unused without checksums.
+    ///
+    /// [SX-6]: self#invariants
+    snap: Vec<u8>,
 }
 
 impl RecvJob<'_> {
@@ -502,25 +511,37 @@ impl RecvJob<'_> {
                         *crc = crc32c::crc32c_append(*crc, b);
                     }
                 };
+                // SX-6: the checksum covers the bytes this rank keeps (its
+                // copy, or a private snapshot for a reduction), never a
+                // second read of the shared ring.
                 let n = match &mut self.into {
                     RecvInto::Exact(buf) => self.ring.consume_with(want, |b| {
-                        fold(b);
-                        buf[off..off + b.len()].copy_from_slice(b);
+                        let kept = &mut buf[off..off + b.len()];
+                        kept.copy_from_slice(b);
+                        fold(kept);
                         b.len()
                     }),
                     RecvInto::Bounded(buf, _) => self.ring.consume_with(want, |b| {
-                        fold(b);
-                        buf[off..off + b.len()].copy_from_slice(b);
+                        let kept = &mut buf[off..off + b.len()];
+                        kept.copy_from_slice(b);
+                        fold(kept);
                         b.len()
                     }),
                     RecvInto::Reduce(buf, dtype, op) => {
                         let es = dtype.size();
                         let mut res = Ok(());
+                        let snap = &mut self.snap;
                         let n = self.ring.consume_with(want, |b| {
                             let k = b.len() / es * es;
-                            fold(&b[..k]);
-                            res =
-                                kernels::reduce_into(*dtype, *op, &mut buf[off..off + k], &b[..k]);
+                            let dst = &mut buf[off..off + k];
+                            res = if folding {
+                                snap.clear();
+                                snap.extend_from_slice(&b[..k]);
+                                fold(snap);
+                                kernels::reduce_into(*dtype, *op, dst, snap)
+                            } else {
+                                kernels::reduce_into(*dtype, *op, dst, &b[..k])
+                            };
                             k
                         });
                         res?;
@@ -686,6 +707,7 @@ pub(crate) async fn run_shm(
                 checksum: l.checksum,
                 sent_crc: None,
                 crc: 0,
+                snap: Vec::new(),
             })
             .collect();
         recv_q.push((peer, q));
