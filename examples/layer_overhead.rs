@@ -68,6 +68,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 epoch: 0,
                                 kind: OpKind::AllReduce,
                                 seq,
+                                fingerprint: 0,
                                 may_block: true,
                                 order: Default::default(),
                             };

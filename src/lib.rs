@@ -105,6 +105,7 @@ use ractor::Actor;
 pub(crate) mod actors;
 pub mod backends;
 pub mod bootstrap;
+pub mod checks;
 mod comm;
 pub mod debug;
 mod elastic;
@@ -135,6 +136,7 @@ pub mod test_support {
 
 pub use actors::status::{ChildFailure, State, Status};
 pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode, WindowAccess};
+pub use checks::Checks;
 pub use comm::{Comm, P2POp};
 pub use elastic::{
     join_comm, join_comm_async, CommRanks, Health, Hierarchy, RankMap, ReconfigureOptions,
@@ -385,6 +387,7 @@ pub(crate) async fn start_with_backend(
         rank,
         size,
         epoch,
+        checks: options.checks,
     };
     let (status_writer, status) = actors::status::status();
     let signal = match &parent {
@@ -413,6 +416,8 @@ pub(crate) async fn start_with_backend(
             store: ctx.store.clone(),
             health: Default::default(),
             store_host: store_host_rank(&ctx, epoch),
+            ops: (options.checks == checks::Checks::Fingerprint)
+                .then(|| Arc::new(actors::stall::OpLog::default())),
         }),
         keys: Some(actors::executor::KeyRelease {
             store: ctx.store.clone(),

@@ -1,6 +1,6 @@
 //! Operations: reduce ops, op kinds, and the cross-rank consistency header.
 //!
-//! Before any data moves, the participants of an operation exchange a small
+//! With strict checks ([`crate::checks`]), before any data moves, the participants of an operation exchange a small
 //! [`OpHeader`] (kind, dtype, counts, root, reduce op). Every participant sees
 //! the same set of headers and applies the same deterministic rule
 //! ([`check_collective`], [`check_p2p`]), so a disagreement is reported as

@@ -5,7 +5,8 @@
 //!
 //! Defaults that the environment can change are read by
 //! `CommOptions::default()`: `CHORUS_TIMEOUT_SECONDS` (the op timeout),
-//! `CHORUS_FLIGHT_RECORDER_SIZE` and `CHORUS_FLIGHT_RECORDER_DIR`. A
+//! `CHORUS_FLIGHT_RECORDER_SIZE`, `CHORUS_FLIGHT_RECORDER_DIR` and
+//! `CHORUS_CHECKS` (the consistency checks, [`crate::checks`]). A
 //! malformed value there leaves the built-in default in place, and
 //! [`new_comm`](crate::new_comm) then refuses to start with
 //! [`Error::Config`] naming the variable, so a typo is never silently
@@ -17,6 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::checks::{parse_checks, Checks, CHECKS_ENV};
 use crate::error::{Error, Result};
 use crate::transport::Store;
 
@@ -140,6 +142,9 @@ pub(crate) fn check_env() -> Result<()> {
     if let Some(Err(e)) = env_parsed(FLIGHT_RECORDER_SIZE_ENV, parse_flight_recorder_size) {
         return Err(e);
     }
+    if let Some(Err(e)) = env_parsed(CHECKS_ENV, parse_checks) {
+        return Err(e);
+    }
     Ok(())
 }
 
@@ -197,6 +202,10 @@ pub struct CommOptions {
     /// is aborted: `CHORUS_FLIGHT_RECORDER_DIR` if set, else nowhere. See
     /// [`crate::flight_recorder`].
     pub flight_recorder_dir: Option<PathBuf>,
+    /// How the ranks' ops are checked against each other
+    /// ([`crate::checks`]): `CHORUS_CHECKS` if set, else
+    /// [`Checks::Strict`]. Every rank must use the same mode.
+    pub checks: Checks,
 }
 
 impl Default for CommOptions {
@@ -221,6 +230,9 @@ impl Default for CommOptions {
             flight_recorder_dir: std::env::var_os(FLIGHT_RECORDER_DIR_ENV)
                 .filter(|d| !d.is_empty())
                 .map(PathBuf::from),
+            checks: env_parsed(CHECKS_ENV, parse_checks)
+                .and_then(Result::ok)
+                .unwrap_or_default(),
         }
     }
 }
@@ -298,6 +310,13 @@ impl CommOptions {
     /// Dump the flight recorder into `dir` when the communicator is aborted.
     pub fn with_flight_recorder_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.flight_recorder_dir = Some(dir.into());
+        self
+    }
+
+    /// Set how the ranks' ops are checked against each other
+    /// ([`crate::checks`]).
+    pub fn with_checks(mut self, checks: Checks) -> Self {
+        self.checks = checks;
         self
     }
 }

@@ -333,12 +333,14 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
                     split: chorus::SplitMode::Native,
                     elastic: false,
                     in_place_all_gather: false,
+                    in_band_checks: false,
                 }
             ),
             "cpu" => assert_eq!(
                 caps,
                 chorus::Capabilities {
                     in_place_all_gather: true,
+                    in_band_checks: true,
                     ..Default::default()
                 }
             ),

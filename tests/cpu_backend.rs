@@ -78,6 +78,7 @@ fn ctx(rank: usize, size: usize, kind: OpKind, seq: u64) -> OpCtx {
         epoch: 3,
         kind,
         seq,
+        fingerprint: 0,
         // These tests drive several ranks from one task: a wait must yield.
         may_block: false,
         order: Default::default(),

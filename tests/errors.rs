@@ -7,8 +7,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chorus::transport::{MemoryStore, Store};
-use chorus::{new_comm, CommOptions, DType, Device, Error, P2POp, ReduceOp, Rendezvous, Tensor};
-use common::{opts, run_ranks};
+use chorus::{
+    new_comm, Checks, Comm, CommOptions, DType, Device, Error, P2POp, ReduceOp, Rendezvous, Tensor,
+};
+use common::{opts, run_ranks, run_ranks_with};
+
+/// The strict checks these mismatch tests were written for: every rank
+/// sees every header before any data moves.
+fn strict(_rank: usize, o: CommOptions) -> CommOptions {
+    o.with_checks(Checks::Strict)
+}
 
 /// A parameter mismatch: reported on every rank, communicator still usable.
 fn is_mismatch(e: &Error) -> bool {
@@ -95,7 +103,7 @@ fn local_argument_errors_are_typed_and_leave_the_comm_usable() {
 
 #[test]
 fn mismatched_counts_give_mismatch_on_every_rank_and_comm_stays_usable() {
-    let results = run_ranks(3, "mm-count", |comm| {
+    let results = run_ranks_with(3, "mm-count", strict, |comm| {
         let count = if comm.rank() == 1 { 5 } else { 4 };
         let e = comm
             .all_reduce(Tensor::full(1.0f32, count), ReduceOp::Sum)
@@ -115,7 +123,7 @@ fn mismatched_counts_give_mismatch_on_every_rank_and_comm_stays_usable() {
 
 #[test]
 fn mismatched_dtypes_roots_and_ops_give_mismatch_on_every_rank() {
-    run_ranks(4, "mm-misc", |comm| {
+    run_ranks_with(4, "mm-misc", strict, |comm| {
         let r = comm.rank();
         let dtype = if r == 3 { DType::F64 } else { DType::F32 };
         let e = comm
@@ -170,7 +178,7 @@ fn mismatches_between_small_and_large_ops_give_mismatch_on_every_rank_and_comm_s
     // 16 B of f32 travel with the header; 32 KiB per peer do not.
     const S: usize = 4;
     const L: usize = 8192;
-    run_ranks(3, "mm-small-large", |comm| {
+    run_ranks_with(3, "mm-small-large", strict, |comm| {
         let (r, n) = (comm.rank(), comm.size());
         for (a, b) in [(S, S + 1), (L, L + 1), (S, L), (L, S)] {
             let c = if r == 1 { b } else { a };
@@ -232,7 +240,7 @@ fn mismatches_between_small_and_large_ops_give_mismatch_on_every_rank_and_comm_s
 
 #[test]
 fn p2p_length_mismatch_errors_both_ends_and_comm_stays_usable() {
-    run_ranks(2, "mm-p2p", |comm| {
+    run_ranks_with(2, "mm-p2p", strict, |comm| {
         let e = if comm.rank() == 0 {
             comm.send(Tensor::full(1i32, 10), 1).unwrap_err()
         } else {
@@ -246,6 +254,149 @@ fn p2p_length_mismatch_errors_both_ends_and_comm_stays_usable() {
             ])
             .unwrap();
         assert_eq!(out[1].to_vec::<i32>(), vec![1 - comm.rank() as i32; 3]);
+    });
+}
+
+/// How long a mismatch may take to reach every rank with fingerprint
+/// checks: in band at once, through a stall in about two heartbeat
+/// intervals (100 ms here), with room for a loaded CI machine.
+const MISMATCH_BOUND: Duration = Duration::from_secs(8);
+
+/// Fingerprint checks, heartbeats every 100 ms (the stall check rides on
+/// them), and an op timeout far above [`MISMATCH_BOUND`], so that a
+/// mismatch found by the timeout fails the test.
+fn fingerprint(_rank: usize, o: CommOptions) -> CommOptions {
+    o.with_checks(Checks::Fingerprint)
+        .with_heartbeat(Duration::from_millis(100), Duration::from_secs(20))
+        .with_timeout(Duration::from_secs(60))
+}
+
+/// On `size` ranks with fingerprint checks, every rank runs `op` (each with
+/// its own arguments) and then a barrier: on every rank the first of the
+/// two that fails fails with a fatal `Mismatch`, within [`MISMATCH_BOUND`],
+/// and the communicator is aborted after it.
+fn fingerprint_mismatch_reaches_every_rank(
+    size: usize,
+    name: &str,
+    op: impl Fn(&Comm) -> chorus::Result<()> + Send + Sync + 'static,
+) {
+    let what = name.to_string();
+    run_ranks_with(size, name, fingerprint, move |comm| {
+        let r = comm.rank();
+        let start = Instant::now();
+        let first = op(&comm).err().or_else(|| comm.barrier().err());
+        let e = first.unwrap_or_else(|| panic!("{what}, rank {r}: no error"));
+        assert!(
+            matches!(e, Error::Mismatch { fatal: true, .. }),
+            "{what}, rank {r}: {e}"
+        );
+        assert!(
+            start.elapsed() < MISMATCH_BOUND,
+            "{what}, rank {r}: took {:?}",
+            start.elapsed()
+        );
+        let e = comm.barrier().unwrap_err();
+        assert!(matches!(e, Error::Aborted { .. }), "{what}, rank {r}: {e}");
+    });
+}
+
+/// Every kind of mismatch the strict tests above cover, with fingerprint
+/// checks: found in band where a message of the op reaches a rank that
+/// runs another op, through the heartbeats where the ranks only wait for
+/// each other (the roots of a broadcast or gather).
+#[test]
+fn fingerprint_mismatches_fail_every_rank_with_mismatch_and_abort_the_comm() {
+    fingerprint_mismatch_reaches_every_rank(3, "fp-count", |c| {
+        let n = if c.rank() == 1 { 5 } else { 4 };
+        c.all_reduce(Tensor::full(1.0f32, n), ReduceOp::Sum)
+            .map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(3, "fp-count-large", |c| {
+        let n = if c.rank() == 1 { 8193 } else { 8192 };
+        c.all_reduce(Tensor::full(1.0f32, n), ReduceOp::Sum)
+            .map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(3, "fp-small-large", |c| {
+        let n = if c.rank() == 1 { 8192 } else { 4 };
+        c.all_gather(Tensor::full(1.0f32, n)).map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(4, "fp-dtype", |c| {
+        let d = if c.rank() == 3 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        c.all_reduce(Tensor::zeros(d, 8), ReduceOp::Sum).map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(4, "fp-op", |c| {
+        let op = if c.rank() == 2 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        c.all_reduce(Tensor::zeros(DType::I32, 8), op).map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(4, "fp-bcast-root", |c| {
+        let root = if c.rank() == 0 { 1 } else { 2 };
+        c.broadcast(Tensor::zeros(DType::I32, 8), root).map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(3, "fp-gather-root", |c| {
+        let root = if c.rank() == 0 { 0 } else { 1 };
+        c.gather(Tensor::full(1.0f32, 4), root).map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(4, "fp-reduce-root", |c| {
+        let root = if c.rank() == 0 { 1 } else { 2 };
+        c.reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum, root)
+            .map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(4, "fp-split-sizes", |c| {
+        let counts = if c.rank() == 0 {
+            vec![1, 1, 1, 1]
+        } else {
+            vec![2, 0, 1, 1]
+        };
+        c.reduce_scatter_v(Tensor::zeros(DType::I32, 4), &counts, ReduceOp::Sum)
+            .map(drop)
+    });
+    fingerprint_mismatch_reaches_every_rank(3, "fp-kind", |c| {
+        if c.rank() == 0 {
+            c.all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                .map(drop)
+        } else {
+            c.broadcast(Tensor::full(1.0f32, 4), 0).map(drop)
+        }
+    });
+    fingerprint_mismatch_reaches_every_rank(2, "fp-p2p-len", |c| {
+        if c.rank() == 0 {
+            c.send(Tensor::full(1i32, 10), 1).map(drop)
+        } else {
+            c.recv(Tensor::zeros(DType::I32, 9), 0).map(drop)
+        }
+    });
+    fingerprint_mismatch_reaches_every_rank(2, "fp-p2p-dtype", |c| {
+        if c.rank() == 0 {
+            c.send(Tensor::full(1i32, 4), 1).map(drop)
+        } else {
+            c.recv(Tensor::zeros(DType::F32, 4), 0).map(drop)
+        }
+    });
+}
+
+/// all_to_all keeps its size exchange with fingerprint checks (its split
+/// sizes agree only pair by pair): a mismatch there is found before any
+/// data moves, as with strict checks, and the communicator stays usable.
+#[test]
+fn fingerprint_all_to_all_size_mismatch_is_found_before_data_moves() {
+    run_ranks_with(2, "fp-a2a", fingerprint, |comm| {
+        let r = comm.rank();
+        let send = if r == 0 { vec![0, 2] } else { vec![0, 0] };
+        let recv = if r == 1 { vec![1, 0] } else { vec![0, 0] };
+        let total = send.iter().sum();
+        let e = comm
+            .all_to_all_v_single(Tensor::zeros(DType::U8, total), &send, &recv)
+            .unwrap_err();
+        assert!(is_mismatch(&e), "rank {r}: {e}");
+        comm.barrier().unwrap();
     });
 }
 

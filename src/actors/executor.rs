@@ -8,10 +8,13 @@
 //!
 //! 1. stamps its sequence numbers (`Core::stamp`) and marks the op started
 //!    for its hooks and flight-recorder entry ([`crate::hooks`]);
-//! 2. exchanges consistency headers with the participants and checks them
-//!    ([`crate::op`]); the backend sees the op's buffers as it does
-//!    ([`Backend::exchange_headers_with_data`]), so a small op's payload may
-//!    travel with them, unused until the check passed ([BE-5]);
+//! 2. with strict checks, exchanges consistency headers with the
+//!    participants and checks them ([`crate::op`]); the backend sees the
+//!    op's buffers as it does ([`Backend::exchange_headers_with_data`]), so
+//!    a small op's payload may travel with them, unused until the check
+//!    passed ([BE-5]). With fingerprint checks on a backend that checks in
+//!    band, the op's fingerprint goes to the backend in [`OpCtx`] instead
+//!    and no header is sent (EX-10, [`crate::checks`]);
 //! 3. sizes outputs that depend on peers (the list form of all_to_all);
 //! 4. runs the transfer on the backend;
 //! 5. post-processes (`Avg`) and completes the [`Work`](crate::Work).
@@ -39,6 +42,7 @@
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
+//! | EX-10 | an op skips the header exchange exactly when the backend checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)), the mode is not strict, and the op is not an all_to_all or a window's creation or release; it then carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode. While such an op runs it is in the watchdog's op log ([`super::stall`]), so a mismatch that sends no message is found from the heartbeats, and such a mismatch revokes the op as itself. |
 //! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
@@ -52,6 +56,7 @@ use tracing::Instrument;
 use super::status::AbortSignal;
 use super::{CommInfo, Request};
 use crate::backends::{Backend, IdleCtx, OpCtx, OpData, SplitArgs};
+use crate::checks::{self, Checks};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::op::{check_collective, check_p2p, HeaderMismatch, OpHeader, OpKind, ReduceOp};
@@ -140,10 +145,15 @@ impl Fatal {
 
 /// The error an op completes with when the abort `cause` revokes it: a
 /// peer failure as itself (every rank then names the same ranks, AC-5), the
-/// loss of the store as itself, anything else as `Aborted` carrying the cause.
+/// loss of the store as itself, a mismatch found by the stall check as
+/// itself (EX-10), anything else as `Aborted` carrying the cause.
 pub(crate) fn revoked_error(info: &CommInfo, cause: Option<&Error>) -> Error {
     match cause {
-        Some(e @ (Error::PeerFailed { .. } | Error::StoreUnreachable { .. })) => e.clone(),
+        Some(
+            e @ (Error::PeerFailed { .. }
+            | Error::StoreUnreachable { .. }
+            | Error::Mismatch { fatal: true, .. }),
+        ) => e.clone(),
         other => super::status::aborted_error(&info.name, info.rank, info.epoch, other),
     }
 }
@@ -221,6 +231,9 @@ pub(crate) struct Core {
     /// The backend's device memory, for outputs of device ops sized or
     /// split here (never read on the host, CM-4).
     mem: Option<std::sync::Arc<dyn crate::backends::DeviceMemory>>,
+    /// The backend checks ops in band and the mode asks for no header
+    /// exchange (EX-10): read once, from the backend's capabilities.
+    in_band: bool,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -245,8 +258,10 @@ impl Core {
         backend: Box<dyn Backend>,
         watchdog: Option<super::watchdog::Watchdog>,
     ) -> Core {
+        let in_band = info.checks != Checks::Strict && backend.capabilities().in_band_checks;
         Core {
             mem: backend.device_memory(),
+            in_band,
             p2p_seq: vec![0; info.size],
             info,
             backend,
@@ -304,6 +319,7 @@ impl Core {
             epoch: self.info.epoch,
             kind: req.kind,
             seq: req.seq,
+            fingerprint: self.fingerprint(&req),
             may_block,
             order: crate::backends::StreamOrder {
                 // WK-4: a fence only for ops ordered with a stream.
@@ -321,6 +337,15 @@ impl Core {
         let bytes = req.count * req.dtype.size();
         let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
         let timeout = req.timeout;
+        // EX-10: the stall check sees this op while it runs.
+        let log = self
+            .watchdog
+            .as_ref()
+            .and_then(|w| w.config.ops.clone())
+            .filter(|_| req.kind != OpKind::P2P);
+        if let Some(l) = &log {
+            l.begin(ctx.seq, ctx.fingerprint, ctx.kind);
+        }
         let outcome = {
             let fut = self.run_inner(&ctx, &mut req).instrument(span);
             tokio::select! {
@@ -339,6 +364,9 @@ impl Core {
                 }),
             }
         };
+        if let Some(l) = &log {
+            l.end();
+        }
         match outcome {
             None => {
                 let cause = signal
@@ -484,7 +512,7 @@ impl Core {
         }
         let reason = self.revoked_error(cause).to_string();
         let failed = cause.map(|e| e.failed_ranks().to_vec()).unwrap_or_default();
-        self.backend.abort(&reason, &failed).await;
+        self.backend.abort_for(cause, &reason, &failed).await;
     }
 
     /// Finalize path (EX-5): heartbeats stopped cleanly, backend closed.
@@ -529,6 +557,43 @@ impl Core {
         }
     }
 
+    /// EX-10: whether an op of `kind` runs without the header exchange:
+    /// the backend checks in band and the mode is not strict, and the op
+    /// is not an all_to_all (the list form's output sizes come from the
+    /// headers; the split sizes of every form agree only pair by pair, and
+    /// a zero-length block sends no message that could carry a check) or
+    /// a window's creation or release.
+    fn skips_headers(&self, kind: OpKind) -> bool {
+        self.in_band
+            && !matches!(
+                kind,
+                OpKind::AllToAll | OpKind::AllToAllSingle | OpKind::NewWindow | OpKind::FreeWindow
+            )
+    }
+
+    /// EX-10: the fingerprint the op's messages carry: nonzero only when
+    /// it skips the header exchange with checks on. For point-to-point the
+    /// backend fingerprints each message itself ([`crate::checks::p2p_fingerprint`]);
+    /// nonzero only says so.
+    fn fingerprint(&self, req: &Request) -> u64 {
+        if self.info.checks != Checks::Fingerprint || !self.skips_headers(req.kind) {
+            return 0;
+        }
+        if req.kind == OpKind::P2P {
+            return 1;
+        }
+        checks::fingerprint(&checks::Signature {
+            seq: req.seq,
+            epoch: self.info.epoch,
+            kind: req.kind,
+            dtype: req.dtype,
+            redop: req.user_op.map(|o| o.code()).unwrap_or(u8::MAX),
+            root: req.root.map(|r| r as u32).unwrap_or(u32::MAX),
+            count: req.count as u64,
+            counts: &req.counts,
+        })
+    }
+
     async fn run_inner(&mut self, ctx: &OpCtx, req: &mut Request) -> Result<Completion> {
         let n = ctx.size;
         let me = ctx.rank;
@@ -542,8 +607,10 @@ impl Core {
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         if req.kind == OpKind::P2P {
-            self.p2p_headers(ctx, req).await?;
-        } else {
+            if !self.in_band {
+                self.p2p_headers(ctx, req).await?;
+            }
+        } else if !self.skips_headers(req.kind) {
             let header = OpHeader {
                 seq: req.seq,
                 epoch: ctx.epoch,
@@ -585,6 +652,7 @@ impl Core {
                 }
                 check_collective(&headers).map_err(|m| self.mismatch(ctx, m))?;
             }
+            // EX-10: the list form of all_to_all always exchanges headers.
             if let OpData::AllToAll {
                 output,
                 recv_counts,
@@ -990,6 +1058,7 @@ mod tests {
                 },
                 elastic: true,
                 in_place_all_gather: false,
+                in_band_checks: false,
             }
         }
         async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {
@@ -1072,12 +1141,14 @@ mod tests {
             store: Arc::new(SilentStore),
             health: Default::default(),
             store_host: Some(0),
+            ops: None,
         };
         let info = super::CommInfo {
             name: "w".into(),
             rank: 1,
             size: 4,
             epoch: 0,
+            checks: crate::checks::Checks::Strict,
         };
         let seen = Arc::new(Seen::default());
         let mut core = super::Core::new(

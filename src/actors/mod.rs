@@ -71,6 +71,7 @@ use crate::tensor::{DType, Tensor};
 use crate::work::{Completer, Completion};
 
 pub mod executor;
+pub(crate) mod stall;
 pub mod status;
 pub mod watchdog;
 
@@ -227,6 +228,8 @@ pub struct CommInfo {
     pub size: usize,
     /// Epoch.
     pub epoch: u64,
+    /// How ops are checked across ranks.
+    pub checks: crate::checks::Checks,
 }
 
 impl CommInfo {

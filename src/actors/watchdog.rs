@@ -28,6 +28,12 @@
 //!   never as this (live) rank's failure; `StoreHealth` tells the
 //!   executor how long the store has been silent, so a peer's link loss
 //!   seen while the store is down is reported the same way.
+//! - WD-7: with fingerprinted ops, a heartbeat also announces this rank's
+//!   op once it has run for `heartbeat_interval` (a stall), and every stall
+//!   a peer announces is compared with this rank's op of that sequence
+//!   number ([`super::stall`]); a difference aborts the communicator with a
+//!   fatal [`Error::Mismatch`], like a peer failure. It costs no store
+//!   request of its own.
 //! - WD-6: every peer heartbeat that was seen vanishing at once means the
 //!   epoch's keys were deleted (the next epoch formed without this rank, or
 //!   it is over): this rank declares itself out (`failed_ranks == [me]`) and
@@ -35,6 +41,7 @@
 //!
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 //! [`Error::StoreUnreachable`]: crate::Error::StoreUnreachable
+//! [`Error::Mismatch`]: crate::Error::Mismatch
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -43,6 +50,7 @@ use std::time::{Duration, Instant};
 use ractor::ActorRef;
 use tokio_util::sync::CancellationToken;
 
+use super::stall::{self, OpLog};
 use super::CommMsg;
 use crate::transport::records::{ranks_in, ranks_out, Record};
 use crate::transport::{CompareSet, Store};
@@ -173,6 +181,11 @@ pub(crate) struct WatchdogConfig {
     ///
     /// [EX-4]: crate::actors::executor#invariants
     pub(crate) store_host: Option<usize>,
+    /// This rank's recent ops, for the stall check ([WD-7]); `None` when
+    /// ops carry no fingerprint.
+    ///
+    /// [WD-7]: self#invariants
+    pub(crate) ops: Option<Arc<OpLog>>,
 }
 
 impl WatchdogConfig {
@@ -287,6 +300,10 @@ enum Verdict {
     ///
     /// [WD-5]: self#invariants
     Store(Duration, String),
+    /// A peer's stall disagrees with this rank's op ([WD-7]).
+    ///
+    /// [WD-7]: self#invariants
+    Mismatch(stall::Disagreement),
 }
 
 async fn run(
@@ -322,8 +339,14 @@ async fn run(
         counter += 1;
         let now = Instant::now();
         let round = async {
+            // WD-7: a stall rides on the heartbeat.
+            let stall = cfg
+                .ops
+                .as_ref()
+                .and_then(|o| o.stalled(cfg.interval))
+                .map(|(s, f, _)| (s, f));
             cfg.store
-                .set(&my_key, counter.to_string().into_bytes())
+                .set(&my_key, stall::encode_beat(counter, stall))
                 .await?;
             let notice = cfg.store.get(&nkey).await?;
             let mut beats = Vec::with_capacity(cfg.size);
@@ -350,6 +373,22 @@ async fn run(
                         n.failed_ranks,
                         format!("failure notice from rank {}: {}", n.by, n.detail),
                     ));
+                }
+                // WD-7: compare the stalls peers announce with this rank's ops.
+                let disagree = cfg.ops.as_ref().and_then(|o| {
+                    beats.iter().enumerate().find_map(|(p, b)| {
+                        let (seq, fp) = stall::parse_stall(b.as_deref()?)?;
+                        o.check(me, p, seq, fp)
+                    })
+                });
+                if let Some(d) = disagree {
+                    tracing::warn!(
+                        rank = me,
+                        epoch = cfg.epoch,
+                        seq = d.seq,
+                        "ranks issued different ops"
+                    );
+                    break Some(Verdict::Mismatch(d));
                 }
                 let mut failed = vec![];
                 // WD-6 needs every heartbeat seen so far to be gone at once
@@ -420,6 +459,24 @@ async fn run(
         }
     };
     match verdict {
+        Some(Verdict::Mismatch(d)) => {
+            let info = &home.info;
+            let (seq, op) = cfg
+                .ops
+                .as_ref()
+                .and_then(|o| o.current())
+                .map_or((d.seq, "watchdog"), |(s, k)| (s, k.name()));
+            home.signal.raise(crate::error::Error::Mismatch {
+                comm: info.name.clone(),
+                rank: info.rank,
+                op,
+                seq,
+                epoch: info.epoch,
+                detail: format!("{}; the communicator is aborted", d.detail),
+                fatal: true,
+            });
+            let _ = actor.send_message(CommMsg::Abort { done: None });
+        }
         Some(Verdict::Store(after, detail)) => {
             let info = &home.info;
             // WD-5: the store failed, not this rank; the abort carries that.

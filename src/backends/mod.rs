@@ -42,7 +42,10 @@
 //! # Invariants
 //! - BE-1: `execute` is only called after `exchange_headers` (or
 //!   `exchange_headers_with_data`) succeeded for the
-//!   same op on every participant, with buffers whose sizes match the headers.
+//!   same op on every participant, with buffers whose sizes match the headers;
+//!   or, for a backend whose [`Capabilities::in_band_checks`] is true and a
+//!   communicator whose checks are not strict, without any exchange, with
+//!   the op's fingerprint in [`OpCtx::fingerprint`] (see [`crate::checks`]).
 //! - BE-2: after `execute` or `exchange_headers` returns a fatal error
 //!   ([`Error::is_fatal`]), or its future is dropped, the executor calls
 //!   `abort` before anything else. A non-fatal error (`UnsupportedOp`,
@@ -216,6 +219,13 @@ pub struct OpCtx {
     /// Sequence number: the collective counter for collectives; for
     /// point-to-point, the per-peer counter is carried in [`P2PTransfer::seq`].
     pub seq: u64,
+    /// The op's fingerprint ([`crate::checks::fingerprint`]) when its
+    /// messages are to carry and check one
+    /// ([`Capabilities::in_band_checks`]); 0 when they are not checked
+    /// (the header exchange ran, or checks are off). For point-to-point,
+    /// nonzero means each message carries its own
+    /// [`crate::checks::p2p_fingerprint`].
+    pub fingerprint: u64,
     /// Whether the op may sleep in the kernel while it waits (a futex on a
     /// shared-memory ring). True when the turn runs on a thread that may
     /// block: a worker of Chorus's own runtime, or a caller blocked in a
@@ -340,6 +350,18 @@ pub struct Capabilities {
     /// If not, [`Comm::all_gather_in_place`](crate::Comm::all_gather_in_place)
     /// copies the block out first and runs an ordinary all_gather.
     pub in_place_all_gather: bool,
+    /// Whether the backend carries the op's fingerprint
+    /// ([`OpCtx::fingerprint`]) on every data message and checks it on
+    /// every message it receives before using a byte, and runs every op
+    /// without a prior header exchange: barrier, broadcast and the rest
+    /// by their own algorithm. With [`Checks::Fingerprint`] or
+    /// [`Checks::Off`] the executor then skips the header exchange
+    /// (but for the list form of all_to_all, whose output sizes come from
+    /// the peers' headers, and window creation and release).
+    ///
+    /// [`Checks::Fingerprint`]: crate::checks::Checks::Fingerprint
+    /// [`Checks::Off`]: crate::checks::Checks::Off
+    pub in_band_checks: bool,
 }
 
 impl Default for Capabilities {
@@ -349,6 +371,7 @@ impl Default for Capabilities {
             split: SplitMode::Reconnect,
             elastic: true,
             in_place_all_gather: false,
+            in_band_checks: false,
         }
     }
 }
@@ -745,6 +768,14 @@ pub trait Backend: Send {
     /// Tell every peer this rank is aborting (best effort, bounded in time) and
     /// close all links. Idempotent. `failed` lists the ranks believed dead.
     async fn abort(&mut self, reason: &str, failed: &[usize]);
+
+    /// [`Backend::abort`], told the error that aborted the communicator,
+    /// if any. The default ignores it; the cpu backend tells its peers when
+    /// the cause is a [`Error::Mismatch`], so that they report one too.
+    async fn abort_for(&mut self, cause: Option<&Error>, reason: &str, failed: &[usize]) {
+        let _ = cause;
+        self.abort(reason, failed).await;
+    }
 
     /// Close all links after a clean shutdown (every rank finalizing).
     async fn finalize(&mut self);

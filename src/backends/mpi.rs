@@ -443,6 +443,7 @@ impl VendorComm for MpiComm {
         split: super::SplitMode::Native,
         elastic: false,
         in_place_all_gather: false,
+        in_band_checks: false,
     };
 
     fn split(&mut self, child: Option<SplitChild>) -> Result<Option<OpenChild<Self>>> {
@@ -771,6 +772,7 @@ mod tests {
             epoch: 0,
             kind: OpKind::AllGather,
             seq: 4,
+            fingerprint: 0,
             may_block: false,
             order: Default::default(),
         };

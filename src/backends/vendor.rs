@@ -579,6 +579,7 @@ mod tests {
             split: super::super::SplitMode::Reconnect,
             elastic: true,
             in_place_all_gather: false,
+            in_band_checks: false,
         };
 
         fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
@@ -614,6 +615,7 @@ mod tests {
             epoch: 3,
             kind,
             seq,
+            fingerprint: 0,
             may_block: false,
             order: Default::default(),
         }

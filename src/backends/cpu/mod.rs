@@ -45,6 +45,16 @@
 //!   never reads the clock for it (PA-2). The turn reads the abort signal
 //!   on every poll, so an abort ends a long op within about a slice (PA-3).
 //!
+//! - CPU-6: an op that reaches `execute` without a header exchange
+//!   (fingerprint or no checks, [`crate::checks`]) sends only its
+//!   algorithm's messages, each stamped with the op's fingerprint (LK-9):
+//!   a small op its fused plan's non-empty data parts, one Data frame each
+//!   (the direct algorithm of `fused`), a larger one its schedule, a barrier
+//!   the dissemination rounds of [`schedule::barrier_rounds`], a
+//!   point-to-point batch one frame per transfer with that transfer's
+//!   fingerprint. An abort caused by a mismatch marks its Abort frames, so
+//!   peers report a `Mismatch` too.
+//!
 //! [BE-2]: crate::backends#invariants
 //! [SC-1]: crate::backends::cpu::schedule#invariants
 //! [SC-2]: crate::backends::cpu::schedule#invariants
@@ -74,7 +84,9 @@ mod shm_exec;
 mod window;
 
 use crate::pace::Pacer;
-use link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, MAX_HEADER_FRAME, WORK_UNIT};
+use link::{
+    FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Tag, MAX_HEADER_FRAME, WORK_UNIT,
+};
 use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule};
@@ -130,6 +142,9 @@ pub struct CpuBackend {
     state: State,
     /// One-sided windows (`window`), freed at finalize and abort.
     windows: window::Windows,
+    /// The communicator is aborted because its ranks' ops disagree
+    /// ([`Backend::abort_for`]): the Abort frames say so (LK-9).
+    abort_mismatch: bool,
 }
 
 /// The data parts of the Header frames of one op ([FU-3]): what each peer
@@ -161,8 +176,8 @@ enum AfterCarried {
     P2P(Vec<bool>, Vec<bool>),
 }
 
-type SendFrames<'a> = Vec<(FrameKind, u64, &'a [u8])>;
-type RecvFrames<'a> = Vec<(FrameKind, u64, RecvInto<'a>)>;
+type SendFrames<'a> = Vec<(FrameKind, Tag, &'a [u8])>;
+type RecvFrames<'a> = Vec<(FrameKind, Tag, RecvInto<'a>)>;
 type BoxFut<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
 
 impl CpuBackend {
@@ -213,6 +228,7 @@ impl CpuBackend {
             carried: None,
             state: State::Ready,
             windows,
+            abort_mismatch: false,
         })
     }
 
@@ -373,7 +389,11 @@ impl CpuBackend {
                             let payload = read_from(gaps, bytes).ok_or_else(|| {
                                 bad(format!("step {step_no}: send range {bytes:?} of {buf:?} is being written"))
                             })?;
-                            push_grouped(&mut sends, *peer, (FrameKind::Data, ctx.seq, payload));
+                            push_grouped(
+                                &mut sends,
+                                *peer,
+                                (FrameKind::Data, Tag::of(ctx), payload),
+                            );
                         }
                         Item::Recv {
                             peer,
@@ -389,7 +409,7 @@ impl CpuBackend {
                                 RecvAction::Copy => RecvInto::Exact(slot),
                                 RecvAction::Reduce => RecvInto::Reduce(slot, dtype, combine),
                             };
-                            push_grouped(&mut recvs, *peer, (FrameKind::Data, ctx.seq, into));
+                            push_grouped(&mut recvs, *peer, (FrameKind::Data, Tag::of(ctx), into));
                         }
                         Item::Recv {
                             peer,
@@ -416,7 +436,7 @@ impl CpuBackend {
                                 *peer,
                                 (
                                     FrameKind::Data,
-                                    ctx.seq,
+                                    Tag::of(ctx),
                                     RecvInto::Exact(&mut s[..bytes.len()]),
                                 ),
                             );
@@ -488,6 +508,10 @@ impl CpuBackend {
     ) -> Result<()> {
         let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
         let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        // LK-9: the i-th message of a batch in one direction between two
+        // ranks carries the fingerprint of (pair seq, i, dtype, length),
+        // which both ends compute from their own side of the transfer.
+        let (mut nth_send, mut nth_recv) = (vec![0usize; self.size], vec![0usize; self.size]);
         for t in ops.iter_mut() {
             if t.peer >= self.size || t.peer == self.rank {
                 return Err(Error::Internal(format!(
@@ -502,21 +526,29 @@ impl CpuBackend {
             if skip {
                 continue;
             }
+            let nth = if t.send { &mut nth_send } else { &mut nth_recv };
+            let tag = Tag {
+                seq: t.seq,
+                fp: if ctx.fingerprint == 0 {
+                    0
+                } else {
+                    crate::checks::p2p_fingerprint(
+                        ctx.epoch,
+                        t.seq,
+                        nth[t.peer],
+                        t.buf.dtype(),
+                        t.buf.len_bytes(),
+                    )
+                },
+            };
+            nth[t.peer] += 1;
             if t.send {
-                push_grouped(
-                    &mut sends,
-                    t.peer,
-                    (FrameKind::Data, t.seq, t.buf.as_bytes()),
-                );
+                push_grouped(&mut sends, t.peer, (FrameKind::Data, tag, t.buf.as_bytes()));
             } else {
                 push_grouped(
                     &mut recvs,
                     t.peer,
-                    (
-                        FrameKind::Data,
-                        t.seq,
-                        RecvInto::Exact(t.buf.as_bytes_mut()),
-                    ),
+                    (FrameKind::Data, tag, RecvInto::Exact(t.buf.as_bytes_mut())),
                 );
             }
         }
@@ -604,11 +636,19 @@ impl CpuBackend {
                 slot.clone_from(out);
                 continue;
             }
-            push_grouped(&mut sends, *peer, (FrameKind::Header, *seq, &out[..]));
+            push_grouped(
+                &mut sends,
+                *peer,
+                (FrameKind::Header, Tag::seq(*seq), &out[..]),
+            );
             push_grouped(
                 &mut recvs,
                 *peer,
-                (FrameKind::Header, *seq, RecvInto::Bounded(slot, bound)),
+                (
+                    FrameKind::Header,
+                    Tag::seq(*seq),
+                    RecvInto::Bounded(slot, bound),
+                ),
             );
         }
         run_links(
@@ -970,8 +1010,8 @@ async fn run_transfers<'a>(
         send_futs.push(Box::pin(async move {
             // CPU-5: one pacer per (peer, direction), across its frames.
             let mut pace = Pacer::new();
-            for (kind, seq, payload) in frames {
-                w.send_paced(ctx, kind, class, seq, payload, &mut pace)
+            for (kind, tag, payload) in frames {
+                w.send_paced(ctx, kind, class, tag, payload, &mut pace)
                     .await?;
             }
             Ok(())
@@ -986,8 +1026,8 @@ async fn run_transfers<'a>(
         };
         recv_futs.push(Box::pin(async move {
             let mut pace = Pacer::new();
-            for (kind, seq, into) in frames {
-                r.recv_paced(ctx, kind, class, seq, into, &mut pace).await?;
+            for (kind, tag, into) in frames {
+                r.recv_paced(ctx, kind, class, tag, into, &mut pace).await?;
             }
             Ok(())
         }));
@@ -1025,6 +1065,7 @@ impl Backend for CpuBackend {
     fn capabilities(&self) -> crate::backends::Capabilities {
         crate::backends::Capabilities {
             in_place_all_gather: true,
+            in_band_checks: true,
             ..Default::default()
         }
     }
@@ -1061,10 +1102,18 @@ impl Backend for CpuBackend {
         r
     }
 
+    async fn abort_for(&mut self, cause: Option<&Error>, reason: &str, failed: &[usize]) {
+        self.abort_mismatch |= matches!(cause, Some(Error::Mismatch { .. }));
+        self.abort(reason, failed).await;
+    }
+
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
         if matches!(self.state, State::Aborted { .. } | State::Finalized) {
             return;
         }
+        // LK-9: peers learn that this abort is a mismatch.
+        let mismatch =
+            self.abort_mismatch || matches!(self.state, State::Broken(Error::Mismatch { .. }));
         self.windows.close(false).await;
         self.state = State::Aborted {
             reason: reason.to_string(),
@@ -1077,11 +1126,8 @@ impl Backend for CpuBackend {
         let readers: Vec<LinkReader> = self.readers.iter_mut().filter_map(Option::take).collect();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
             if !w.mid_frame() {
-                let sent = tokio::time::timeout(
-                    ABORT_BOUND,
-                    w.write_frame(FrameKind::Abort, FrameClass::Collective, 0, payload),
-                )
-                .await;
+                let sent =
+                    tokio::time::timeout(ABORT_BOUND, w.write_abort(payload, mismatch)).await;
                 if !matches!(sent, Ok(Ok(()))) {
                     tracing::debug!(peer = w.peer(), "could not deliver the abort frame");
                 }
@@ -1117,14 +1163,97 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
+    /// CPU-6: a barrier without a header exchange: the dissemination
+    /// barrier's empty messages, `ceil(log2 N)` rounds.
+    async fn barrier(&mut self, ctx: &OpCtx) -> Result<()> {
+        let class = class_of(ctx);
+        for (to, from) in builders::barrier_rounds(self.rank, self.size) {
+            let mut none: [u8; 0] = [];
+            run_links(
+                &mut self.writers,
+                &mut self.readers,
+                &self.shm,
+                ctx,
+                class,
+                vec![(to, vec![(FrameKind::Data, Tag::of(ctx), &[][..])])],
+                vec![(
+                    from,
+                    vec![(
+                        FrameKind::Data,
+                        Tag::of(ctx),
+                        RecvInto::Exact(&mut none[..]),
+                    )],
+                )],
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// CPU-6: a small op without a header exchange: the direct algorithm of
+    /// its fused plan ([`fused`]), whose messages are exactly the plan's
+    /// non-empty data parts, each one Data frame. `false` when the op has no
+    /// fused plan, and runs its schedule instead.
+    async fn direct(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<bool> {
+        let (rank, size) = (self.rank, self.size);
+        let Some(plan) = fused::plan(rank, size, data) else {
+            return Ok(false);
+        };
+        if self.in_frames.len() < size {
+            self.in_frames.resize_with(size, Vec::new);
+        }
+        let tag = Tag::of(ctx);
+        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
+        for (peer, parts) in plan.send.iter().enumerate() {
+            for part in parts.iter().flatten().filter(|p| !p.is_empty()) {
+                push_grouped(&mut sends, peer, (FrameKind::Data, tag, *part));
+            }
+        }
+        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        for (peer, slot) in self.in_frames.iter_mut().enumerate().take(size) {
+            slot.clear();
+            if let Some(len) = plan.recv[peer].filter(|&l| l > 0) {
+                slot.resize(len, 0);
+                recvs.push((
+                    peer,
+                    vec![(FrameKind::Data, tag, RecvInto::Exact(&mut slot[..]))],
+                ));
+            }
+        }
+        run_links(
+            &mut self.writers,
+            &mut self.readers,
+            &self.shm,
+            ctx,
+            class_of(ctx),
+            sends,
+            recvs,
+        )
+        .await?;
+        drop(plan);
+        let got: Vec<&[u8]> = self.in_frames.iter().take(size).map(|f| &f[..]).collect();
+        fused::apply(rank, size, data, &got, &mut self.fuse_scratch)?;
+        Ok(true)
+    }
+
     async fn execute_inner(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         let mut p2p_done = None;
-        if let Some(c) = self.carried.take().filter(|c| carried_for(c, ctx, data)) {
-            match self.use_carried(ctx, c, data)? {
+        match self.carried.take().filter(|c| carried_for(c, ctx, data)) {
+            Some(c) => match self.use_carried(ctx, c, data)? {
                 AfterCarried::Done => return Ok(()),
                 AfterCarried::Unfused => {}
                 AfterCarried::P2P(s, r) => p2p_done = Some((s, r)),
-            }
+            },
+            // CPU-6: no header exchange ran for this op.
+            None => match data {
+                OpData::Barrier => return self.barrier(ctx).await,
+                OpData::P2P { .. } | OpData::AllToAll { .. } => {}
+                _ => {
+                    if self.direct(ctx, data).await? {
+                        return Ok(());
+                    }
+                }
+            },
         }
         if let OpData::P2P { ops } = data {
             let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();

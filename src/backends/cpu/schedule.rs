@@ -45,6 +45,7 @@
 //! | [`broadcast`] | binomial tree rooted at `root` | `ceil(log2 p)` |
 //! | [`scatter`], [`gather`] | root exchanges with every rank in one step | 1 |
 //! | [`all_to_all`] | pairwise exchange: step `s` sends to `r+s`, receives from `r-s` | `p-1` (1 if `p == 1`) |
+//! | [`barrier_rounds`] | dissemination: round `k` sends to `r+2^k`, receives from `r-2^k` (empty messages) | `ceil(log2 p)` |
 //!
 //! Step counts are upper bounds: steps left empty by zero-length blocks are
 //! dropped. The buffers map onto [`OpData`](crate::backends::OpData) as
@@ -546,6 +547,31 @@ pub fn all_to_all(
         b.recv(from, BufId::Dst, block(&roffs, from), RecvAction::Copy);
     }
     b.finish()
+}
+
+/// The rounds of a dissemination barrier (Hensgen, Finkel and Manber) on
+/// `rank` of `size`: in round `k` this rank sends an empty message to
+/// `rank + 2^k` and waits for one from `rank - 2^k` (mod `size`), so after
+/// `ceil(log2 size)` rounds every rank has heard, directly or through
+/// others, from every rank. Returns `(to, from)` per round; empty for a
+/// single rank or an invalid `rank`. O(log N) rounds and messages per rank.
+///
+/// ```
+/// use chorus::backends::cpu::schedule::barrier_rounds;
+/// assert_eq!(barrier_rounds(0, 5), vec![(1, 4), (2, 3), (4, 1)]);
+/// assert!(barrier_rounds(0, 1).is_empty());
+/// ```
+pub fn barrier_rounds(rank: usize, size: usize) -> Vec<(usize, usize)> {
+    if rank >= size {
+        return Vec::new();
+    }
+    let mut rounds = Vec::new();
+    let mut d = 1;
+    while d < size {
+        rounds.push(((rank + d) % size, (rank + size - d % size) % size));
+        d *= 2;
+    }
+    rounds
 }
 
 /// Block `i` of a layout given by [`offsets`].

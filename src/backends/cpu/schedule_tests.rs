@@ -886,3 +886,31 @@ fn all_reduce_auto_picks_recursive_doubling_only_for_small_power_of_two_worlds()
     // Non-power-of-two sizes fall back to the ring inside all_reduce_small too.
     assert_eq!(all_reduce_small(0, 3, 5), all_reduce(0, 3, 5));
 }
+
+/// Every round of the dissemination barrier pairs up: what rank `r` sends
+/// in round `k` is what its target waits for in that round, and every rank
+/// has heard from every other one, transitively, by the last round.
+#[test]
+fn barrier_rounds_pair_up_and_reach_every_rank() {
+    for size in 1..=33 {
+        let rounds: Vec<Vec<(usize, usize)>> = (0..size).map(|r| barrier_rounds(r, size)).collect();
+        let k = rounds[0].len();
+        assert_eq!(k, (size as f64).log2().ceil() as usize, "size {size}");
+        // heard[r] = the ranks whose arrival r has learned of.
+        let mut heard: Vec<Vec<bool>> = (0..size)
+            .map(|r| (0..size).map(|q| q == r).collect())
+            .collect();
+        for round in 0..k {
+            let before = heard.clone();
+            for (r, (mine, h)) in rounds.iter().zip(heard.iter_mut()).enumerate() {
+                let (to, from) = mine[round];
+                assert_eq!(rounds[to][round].1, r, "size {size} round {round}");
+                assert_ne!(from, r);
+                for (q, b) in h.iter_mut().enumerate() {
+                    *b |= before[from][q];
+                }
+            }
+        }
+        assert!(heard.iter().all(|h| h.iter().all(|&b| b)), "size {size}");
+    }
+}

@@ -1,10 +1,10 @@
 //! Moving frames over shared-memory rings: the progress engine used for
 //! same-host peers.
 //!
-//! A message on a ring is a 24-byte prefix (`kind u8`, `class u8`, the
+//! A message on a ring is a 32-byte prefix (`kind u8`, `class u8`, the
 //! single-copy flag `u8`, the checksum flag `u8` and the payload's CRC32C
-//! `u32` or zeros, `seq u64`, `len u64`, little endian; the same fields as a
-//! TCP frame header), `len` payload bytes, and zero padding to a multiple of 8,
+//! `u32` or zeros, `seq u64`, `len u64`, the op's fingerprint `u64` or zero,
+//! little endian; the same fields as a TCP frame header), `len` payload bytes, and zero padding to a multiple of 8,
 //! so every payload starts 8-aligned in the ring and no element of any dtype
 //! straddles the wrap point. One thread drives every transfer of a step:
 //! it copies send payloads into the peers' rings and copies — or reduces —
@@ -14,8 +14,9 @@
 //!
 //! # Invariants
 //! - SX-1: messages between one ordered pair of ranks are matched in order
-//!   ([SC-3]); a prefix whose kind, class, seq or length is not the expected
-//!   one is a `Mismatch`, checked before any payload byte is used (as LK-3).
+//!   ([SC-3]); a prefix whose kind, class, seq, fingerprint (where this
+//!   rank expects one) or length is not the expected one is a `Mismatch`,
+//!   checked before any payload byte is used (as LK-3 and LK-9).
 //! - SX-6: with `CHORUS_CHECKSUM=1` every message carries the CRC32C of its
 //!   payload, computed by the sender over its buffer before the prefix is
 //!   written; the receiver folds every payload byte it takes out of the ring
@@ -85,7 +86,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto};
+use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto, Tag};
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
@@ -93,7 +94,7 @@ use crate::kernels;
 use crate::pace::Pacer;
 
 /// Bytes of the prefix in front of every message.
-const PREFIX: usize = 24;
+const PREFIX: usize = 32;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
 /// Most bytes one job moves before the engine turns to the next job and
@@ -212,7 +213,7 @@ pub(crate) struct ShmLink {
 fn prefix(
     kind: FrameKind,
     class: FrameClass,
-    seq: u64,
+    tag: Tag,
     len: u64,
     cma: bool,
     crc: Option<u32>,
@@ -225,8 +226,9 @@ fn prefix(
         h[3] = link::FLAG_CRC;
         h[4..8].copy_from_slice(&c.to_le_bytes());
     }
-    h[8..16].copy_from_slice(&seq.to_le_bytes());
+    h[8..16].copy_from_slice(&tag.seq.to_le_bytes());
     h[16..24].copy_from_slice(&len.to_le_bytes());
+    h[24..32].copy_from_slice(&tag.fp.to_le_bytes());
     h
 }
 
@@ -343,7 +345,7 @@ struct RecvJob<'a> {
     peer: usize,
     kind: FrameKind,
     class: FrameClass,
-    seq: u64,
+    tag: Tag,
     into: RecvInto<'a>,
     head: [u8; PREFIX],
     got: usize,
@@ -573,7 +575,7 @@ impl RecvJob<'_> {
             a.copy_from_slice(b);
             u64::from_le_bytes(a)
         };
-        let (seq, len) = (le(&h[8..16]), le(&h[16..24]));
+        let (seq, len, fp) = (le(&h[8..16]), le(&h[16..24]), le(&h[24..32]));
         let peer = self.peer;
         // Bytes 3..8 have the layout of a TCP frame header's (LK-7).
         let mut field = [0u8; 8];
@@ -583,11 +585,28 @@ impl RecvJob<'_> {
         } else {
             link::crc_field(&field)
         };
-        if h[0] != self.kind as u8 || h[1] != self.class as u8 || crc.is_none() || seq != self.seq {
+        if h[0] != self.kind as u8
+            || h[1] != self.class as u8
+            || crc.is_none()
+            || seq != self.tag.seq
+        {
             return Err(ctx.mismatch(format!(
-                "rank {peer} is out of step: expected frame kind {} class {} seq {} on the shared-memory link, got kind {} class {} seq {seq} ({len} bytes)",
-                self.kind as u8, self.class as u8, self.seq, h[0], h[1]
+                "rank {peer} is out of step: expected frame kind {} class {} seq {} on the shared-memory link, got kind {} class {} seq {seq} ({len} bytes){}",
+                self.kind as u8,
+                self.class as u8,
+                self.tag.seq,
+                h[0],
+                h[1],
+                if h[0] == FrameKind::Header as u8 || self.kind == FrameKind::Header {
+                    "; do all ranks use the same CHORUS_CHECKS?"
+                } else {
+                    ""
+                }
             )));
+        }
+        // LK-9: the op's fingerprint, before any payload byte.
+        if self.tag.fp != 0 && fp != self.tag.fp {
+            return Err(link::fingerprint_mismatch(ctx, peer, self.tag.fp, fp));
         }
         self.into
             .accepts(len)
@@ -629,9 +648,9 @@ impl RecvJob<'_> {
 }
 
 /// Per-peer frames to send / receive (as for the TCP links).
-pub(crate) type Sends<'a> = Vec<(usize, Vec<(FrameKind, u64, &'a [u8])>)>;
+pub(crate) type Sends<'a> = Vec<(usize, Vec<(FrameKind, Tag, &'a [u8])>)>;
 /// Per-peer frames to receive.
-pub(crate) type Recvs<'a> = Vec<(usize, Vec<(FrameKind, u64, RecvInto<'a>)>)>;
+pub(crate) type Recvs<'a> = Vec<(usize, Vec<(FrameKind, Tag, RecvInto<'a>)>)>;
 
 /// Run every frame of `sends` and `recvs` over the peers' rings, in order
 /// per (peer, direction), all peers at once. `readers[peer]` is the peer's
@@ -673,12 +692,12 @@ pub(crate) async fn run_shm(
         let l = link(peer)?;
         let q = frames
             .into_iter()
-            .map(|(kind, seq, payload)| {
+            .map(|(kind, tag, payload)| {
                 let cma = receives_too && payload.len() >= cma_min && l.tx.cma_ok();
                 let crc = l.checksum.then(|| crc32c::crc32c(payload));
                 SendJob {
                     ring: &l.tx,
-                    prefix: prefix(kind, class, seq, payload.len() as u64, cma, crc),
+                    prefix: prefix(kind, class, tag, payload.len() as u64, cma, crc),
                     payload,
                     desc: cma.then(|| (payload.as_ptr() as usize as u64).to_le_bytes()),
                     ticket: None,
@@ -693,12 +712,12 @@ pub(crate) async fn run_shm(
         let l = link(peer)?;
         let q = frames
             .into_iter()
-            .map(|(kind, seq, into)| RecvJob {
+            .map(|(kind, tag, into)| RecvJob {
                 ring: &l.rx,
                 peer,
                 kind,
                 class,
-                seq,
+                tag,
                 into,
                 head: [0u8; PREFIX],
                 got: 0,
@@ -826,7 +845,7 @@ pub(crate) async fn run_shm(
                         ctx,
                         FrameKind::Data,
                         class,
-                        ctx.seq,
+                        Tag::of(ctx),
                         RecvInto::Bounded(&mut junk, 0),
                     )
                     .await?;

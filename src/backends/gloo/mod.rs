@@ -510,6 +510,7 @@ impl VendorComm for GlooComm {
         split: super::SplitMode::Reconnect,
         elastic: true,
         in_place_all_gather: false,
+        in_band_checks: false,
     };
 
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {

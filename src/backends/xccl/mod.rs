@@ -1747,6 +1747,7 @@ impl Backend for XcclBackend {
             },
             elastic: true,
             in_place_all_gather: false,
+            in_band_checks: false,
         }
     }
 

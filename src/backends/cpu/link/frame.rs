@@ -10,12 +10,13 @@
 //! |--------|-------|
 //! | 0      | kind: 1 = Header, 2 = Data, 3 = Abort |
 //! | 1      | class: 1 = Collective, 2 = P2P |
-//! | 2      | zero |
+//! | 2      | zero; on an Abort frame, 1 when the sender aborted because the ranks' ops disagree |
 //! | 3      | flags: bit 0 = bytes 4..8 hold a checksum |
 //! | 4..8   | CRC32C (Castagnoli) of the payload, `u32`, or zero |
 //! | 8..16  | epoch `u64` |
 //! | 16..24 | seq `u64` |
 //! | 24..32 | len `u64` |
+//! | 32..40 | the op's fingerprint `u64` ([`crate::checks`]), or zero when unchecked |
 //!
 //! An Abort payload is `count u32`, `count` failed ranks as `u32`, then the
 //! UTF-8 reason. A Header payload is the encoded op header, followed, for
@@ -28,8 +29,10 @@
 //! used (a reduction's bytes are checked before they are combined).
 //!
 //! # Invariants
-//! - LK-3: a frame's kind, class, epoch, seq and length are checked against
-//!   what the reader expects *before* any payload is buffered; Header frames
+//! - LK-3: a frame's kind, class, epoch, seq, fingerprint and length are
+//!   checked against what the reader expects ([`Tag`]) *before* any payload
+//!   is buffered (a fingerprint only where the reader expects a nonzero
+//!   one, LK-9); Header frames
 //!   are at most [`MAX_HEADER_FRAME`] bytes, Abort frames at most
 //!   [`MAX_ABORT_FRAME`]. Anything unexpected is a `Mismatch`, never a panic.
 //! - LK-7: with checksums on, a payload whose CRC32C does not match is
@@ -50,6 +53,12 @@
 //!   piece by piece as it arrives, and a reduction still combines only
 //!   bytes whose checksum was checked (LK-7).
 //!
+//! - LK-9: a frame whose fingerprint differs from the nonzero one the
+//!   reader expects is a fatal `Mismatch` naming the sender, found before a
+//!   payload byte is read; an Abort frame whose byte 2 is 1 becomes a fatal
+//!   `Mismatch` on the reader (the sender found the ranks' ops disagree),
+//!   any other Abort frame `PeerFailed`.
+//!
 //! [PA-1]: crate::backends::cpu::pace#invariants
 //! [PA-2]: crate::backends::cpu::pace#invariants
 
@@ -66,7 +75,60 @@ use crate::pace::Pacer;
 use crate::tensor::DType;
 
 /// Size of a frame header in bytes.
-pub(crate) const FRAME_HEADER_LEN: usize = 32;
+pub(crate) const FRAME_HEADER_LEN: usize = 40;
+/// Byte 2 of an Abort frame sent because the ranks' ops disagree ([LK-9](self#invariants)).
+pub(crate) const ABORT_MISMATCH: u8 = 1;
+
+/// What a Header or Data frame is matched on besides its kind and class:
+/// the op's sequence number (collective, or per peer for point-to-point)
+/// and its fingerprint, 0 when unchecked ([LK-9](self#invariants)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tag {
+    /// Sequence number.
+    pub(crate) seq: u64,
+    /// Fingerprint ([`crate::checks`]); 0: not checked.
+    pub(crate) fp: u64,
+}
+
+impl Tag {
+    /// The tag of a collective's frames: its seq and fingerprint.
+    pub(crate) fn of(ctx: &OpCtx) -> Tag {
+        Tag {
+            seq: ctx.seq,
+            fp: ctx.fingerprint,
+        }
+    }
+
+    /// A tag that checks no fingerprint.
+    pub(crate) const fn seq(seq: u64) -> Tag {
+        Tag { seq, fp: 0 }
+    }
+}
+
+/// The error for a frame or ring message from `peer` whose fingerprint
+/// `got` is not the `want` this rank's op has ([LK-9](self#invariants)).
+pub(crate) fn fingerprint_mismatch(ctx: &OpCtx, peer: usize, want: u64, got: u64) -> Error {
+    let why = if got == 0 {
+        format!("rank {peer} does not check its ops (CHORUS_CHECKS=off there?)")
+    } else if ctx.kind == crate::op::OpKind::P2P {
+        format!(
+            "rank {peer}'s matching transfer has another dtype or length than this rank's \
+             (fingerprint {got:#018x}, this rank's {want:#018x})"
+        )
+    } else {
+        format!(
+            "rank {peer} issued a different op: its kind, dtype, count, root, reduce op or \
+             split sizes differ from this rank's (fingerprint {got:#018x}, this rank's {want:#018x}); \
+             run with CHORUS_CHECKS=strict to have the field named"
+        )
+    };
+    ctx.mismatch(format!(
+        "{} #{} on rank {}: {why}; the communicator is aborted",
+        ctx.kind.name(),
+        ctx.seq,
+        ctx.rank
+    ))
+}
 /// Largest Header frame payload accepted ([LK-3](self#invariants)).
 pub(crate) const MAX_HEADER_FRAME: u64 = 16 << 20;
 /// Largest Abort frame payload accepted ([LK-3](self#invariants)).
@@ -205,7 +267,7 @@ fn encode_frame_header(
     kind: FrameKind,
     class: FrameClass,
     epoch: u64,
-    seq: u64,
+    tag: Tag,
     len: u64,
     crc: Option<u32>,
 ) -> [u8; FRAME_HEADER_LEN] {
@@ -217,8 +279,9 @@ fn encode_frame_header(
         h[4..8].copy_from_slice(&c.to_le_bytes());
     }
     h[8..16].copy_from_slice(&epoch.to_le_bytes());
-    h[16..24].copy_from_slice(&seq.to_le_bytes());
+    h[16..24].copy_from_slice(&tag.seq.to_le_bytes());
     h[24..32].copy_from_slice(&len.to_le_bytes());
+    h[32..40].copy_from_slice(&tag.fp.to_le_bytes());
     h
 }
 
@@ -300,15 +363,44 @@ impl LinkWriter {
 
     /// Write one frame. Not cancel safe: a cancelled write leaves
     /// `mid_frame` set.
+    #[cfg(test)]
     pub(crate) async fn write_frame(
         &mut self,
         kind: FrameKind,
         class: FrameClass,
-        seq: u64,
+        tag: Tag,
         payload: &[u8],
     ) -> std::io::Result<()> {
-        self.write_frame_paced(kind, class, seq, payload, &mut Pacer::new())
+        self.write_frame_paced(kind, class, tag, payload, &mut Pacer::new())
             .await
+    }
+
+    /// Write an Abort frame; `mismatch` marks an abort because the ranks'
+    /// ops disagree ([LK-9](self#invariants)).
+    pub(crate) async fn write_abort(
+        &mut self,
+        payload: &[u8],
+        mismatch: bool,
+    ) -> std::io::Result<()> {
+        let mut hdr = encode_frame_header(
+            FrameKind::Abort,
+            FrameClass::Collective,
+            self.epoch,
+            Tag::seq(0),
+            payload.len() as u64,
+            None,
+        );
+        if mismatch {
+            hdr[2] = ABORT_MISMATCH;
+        }
+        self.mid_frame = true;
+        let buf = &mut self.coalesce;
+        buf.clear();
+        buf.extend_from_slice(&hdr);
+        buf.extend_from_slice(payload);
+        self.half.write_all(buf).await?;
+        self.mid_frame = false;
+        Ok(())
     }
 
     /// [`LinkWriter::write_frame`], counting the work with `pace` ([LK-8](self#invariants)).
@@ -316,7 +408,7 @@ impl LinkWriter {
         &mut self,
         kind: FrameKind,
         class: FrameClass,
-        seq: u64,
+        tag: Tag,
         payload: &[u8],
         pace: &mut Pacer,
     ) -> std::io::Result<()> {
@@ -327,7 +419,7 @@ impl LinkWriter {
         } else {
             None
         };
-        let hdr = encode_frame_header(kind, class, self.epoch, seq, payload.len() as u64, crc);
+        let hdr = encode_frame_header(kind, class, self.epoch, tag, payload.len() as u64, crc);
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
             let buf = &mut self.coalesce;
@@ -353,10 +445,10 @@ impl LinkWriter {
         ctx: &OpCtx,
         kind: FrameKind,
         class: FrameClass,
-        seq: u64,
+        tag: Tag,
         payload: &[u8],
     ) -> Result<()> {
-        self.send_paced(ctx, kind, class, seq, payload, &mut Pacer::new())
+        self.send_paced(ctx, kind, class, tag, payload, &mut Pacer::new())
             .await
     }
 
@@ -366,7 +458,7 @@ impl LinkWriter {
         ctx: &OpCtx,
         kind: FrameKind,
         class: FrameClass,
-        seq: u64,
+        tag: Tag,
         payload: &[u8],
         pace: &mut Pacer,
     ) -> Result<()> {
@@ -374,11 +466,11 @@ impl LinkWriter {
         tracing::trace!(
             peer,
             kind = kind.name(),
-            seq,
+            seq = tag.seq,
             bytes = payload.len(),
             "send frame"
         );
-        self.write_frame_paced(kind, class, seq, payload, pace)
+        self.write_frame_paced(kind, class, tag, payload, pace)
             .await
             .map_err(|e| {
                 ctx.peer_failed(
@@ -467,10 +559,10 @@ impl LinkReader {
         ctx: &OpCtx,
         kind: FrameKind,
         class: FrameClass,
-        seq: u64,
+        tag: Tag,
         into: RecvInto<'_>,
     ) -> Result<()> {
-        self.recv_paced(ctx, kind, class, seq, into, &mut Pacer::new())
+        self.recv_paced(ctx, kind, class, tag, into, &mut Pacer::new())
             .await
     }
 
@@ -504,11 +596,12 @@ impl LinkReader {
         ctx: &OpCtx,
         kind: FrameKind,
         class: FrameClass,
-        seq: u64,
+        tag: Tag,
         into: RecvInto<'_>,
         pace: &mut Pacer,
     ) -> Result<()> {
         let peer = self.peer;
+        let seq = tag.seq;
         let mut hdr = [0u8; FRAME_HEADER_LEN];
         self.half
             .read_exact(&mut hdr)
@@ -517,6 +610,7 @@ impl LinkReader {
         let got_epoch = le_u64(&hdr[8..16]);
         let got_seq = le_u64(&hdr[16..24]);
         let len = le_u64(&hdr[24..32]);
+        let got_fp = le_u64(&hdr[32..40]);
         let got_kind = FrameKind::from_code(hdr[0]);
         if got_kind == Some(FrameKind::Abort) {
             if len > MAX_ABORT_FRAME {
@@ -530,17 +624,24 @@ impl LinkReader {
                 .await
                 .map_err(|e| self.io_error(ctx, e))?;
             let (mut failed, reason) = decode_abort(&payload);
+            if hdr[2] == ABORT_MISMATCH {
+                return Err(ctx.mismatch(format!(
+                    "rank {peer} found that the ranks' ops disagree and aborted the communicator: {reason}"
+                )));
+            }
             if failed.is_empty() {
                 failed.push(peer);
             }
             return Err(ctx.peer_failed(failed, format!("rank {peer} aborted: {reason}")));
         }
-        let expect = format!(
-            "expected a {} {} frame (epoch {}, seq {seq})",
-            FrameClass::name(class as u8),
-            kind.name(),
-            self.epoch
-        );
+        let expect = || {
+            format!(
+                "expected a {} {} frame (epoch {}, seq {seq})",
+                FrameClass::name(class as u8),
+                kind.name(),
+                self.epoch
+            )
+        };
         let crc = crc_field(&hdr);
         if got_kind != Some(kind)
             || hdr[1] != class as u8
@@ -549,10 +650,20 @@ impl LinkReader {
             || got_seq != seq
         {
             return Err(ctx.mismatch(format!(
-                "rank {peer} is out of step: {expect} but got a {} {} frame (epoch {got_epoch}, seq {got_seq}, {len} bytes)",
+                "rank {peer} is out of step: {} but got a {} {} frame (epoch {got_epoch}, seq {got_seq}, {len} bytes){}",
+                expect(),
                 FrameClass::name(hdr[1]),
                 got_kind.map(FrameKind::name).unwrap_or("<invalid kind>"),
+                if got_kind == Some(FrameKind::Header) || kind == FrameKind::Header {
+                    "; do all ranks use the same CHORUS_CHECKS?"
+                } else {
+                    ""
+                }
             )));
+        }
+        // LK-9: the op's fingerprint, before any payload byte.
+        if tag.fp != 0 && got_fp != tag.fp {
+            return Err(fingerprint_mismatch(ctx, peer, tag.fp, got_fp));
         }
         let crc = crc.flatten();
         let required = self.checksum;
@@ -563,8 +674,9 @@ impl LinkReader {
             RecvInto::Exact(buf) => {
                 if len != buf.len() as u64 {
                     return Err(ctx.mismatch(format!(
-                        "rank {peer} sent {len} bytes but this rank expects {} ({expect})",
-                        buf.len()
+                        "rank {peer} sent {len} bytes but this rank expects {} ({})",
+                        buf.len(),
+                        expect()
                     )));
                 }
                 let got = self.read_paced(ctx, buf, fold, pace).await?;
@@ -573,8 +685,9 @@ impl LinkReader {
             RecvInto::Reduce(buf, dtype, op) => {
                 if len != buf.len() as u64 {
                     return Err(ctx.mismatch(format!(
-                        "rank {peer} sent {len} bytes but this rank expects {} ({expect})",
-                        buf.len()
+                        "rank {peer} sent {len} bytes but this rank expects {} ({})",
+                        buf.len(),
+                        expect()
                     )));
                 }
                 let mut tmp = vec![0u8; buf.len()];
@@ -695,18 +808,26 @@ mod tests {
 
     #[test]
     fn frame_header_layout_is_little_endian() {
-        let h = encode_frame_header(FrameKind::Data, FrameClass::P2P, 7, 9, 300, None);
+        let h = encode_frame_header(
+            FrameKind::Data,
+            FrameClass::P2P,
+            7,
+            Tag { seq: 9, fp: 11 },
+            300,
+            None,
+        );
         assert_eq!(h[0], 2);
         assert_eq!(h[1], 2);
         assert_eq!(&h[2..8], &[0u8; 6]);
         assert_eq!(le_u64(&h[8..]), 7);
         assert_eq!(le_u64(&h[16..]), 9);
         assert_eq!(le_u64(&h[24..]), 300);
+        assert_eq!(le_u64(&h[32..]), 11);
         let h = encode_frame_header(
             FrameKind::Data,
             FrameClass::P2P,
             7,
-            9,
+            Tag::seq(9),
             300,
             Some(0xdead_beef),
         );
@@ -728,6 +849,7 @@ mod tests {
             epoch: 0,
             kind: crate::backends::OpKind::Broadcast,
             seq: 4,
+            fingerprint: 0,
             may_block: false,
             order: Default::default(),
         }
@@ -754,7 +876,7 @@ mod tests {
             FrameKind::Data,
             FrameClass::Collective,
             0,
-            4,
+            Tag::seq(4),
             payload.len() as u64,
             Some(crc32c::crc32c(payload)),
         )
@@ -766,7 +888,7 @@ mod tests {
             &ctx(),
             FrameKind::Data,
             FrameClass::Collective,
-            4,
+            Tag::seq(4),
             RecvInto::Bounded(&mut buf, 1 << 20),
         )
         .await
@@ -782,9 +904,14 @@ mod tests {
         let payload: Vec<u8> = (0..100_000u32).map(|i| (i * 7) as u8).collect();
         // Intact, both ends on.
         let (mut r, mut w) = pair(true, true).await;
-        w.write_frame(FrameKind::Data, FrameClass::Collective, 4, &payload)
-            .await
-            .expect("write");
+        w.write_frame(
+            FrameKind::Data,
+            FrameClass::Collective,
+            Tag::seq(4),
+            &payload,
+        )
+        .await
+        .expect("write");
         assert_eq!(recv(&mut r).await.expect("intact"), payload);
 
         // One bit flipped after the checksum was taken.
@@ -801,9 +928,14 @@ mod tests {
 
         // The writer does not checksum; this reader requires it.
         let (mut r, mut w) = pair(true, false).await;
-        w.write_frame(FrameKind::Data, FrameClass::Collective, 4, &payload)
-            .await
-            .expect("write");
+        w.write_frame(
+            FrameKind::Data,
+            FrameClass::Collective,
+            Tag::seq(4),
+            &payload,
+        )
+        .await
+        .expect("write");
         match recv(&mut r).await {
             Err(e @ Error::Mismatch { fatal: true, .. }) => {
                 assert!(e.to_string().contains("CHORUS_CHECKSUM"), "{e}")
@@ -830,9 +962,15 @@ mod tests {
         let mut pace = Pacer::new();
         let sent = payload.clone();
         let writer = tokio::spawn(async move {
-            w.write_frame_paced(FrameKind::Data, FrameClass::Collective, 4, &sent, &mut pace)
-                .await
-                .expect("write");
+            w.write_frame_paced(
+                FrameKind::Data,
+                FrameClass::Collective,
+                Tag::seq(4),
+                &sent,
+                &mut pace,
+            )
+            .await
+            .expect("write");
             w
         });
         let mut got = Vec::new();
@@ -840,7 +978,7 @@ mod tests {
             &ctx(),
             FrameKind::Data,
             FrameClass::Collective,
-            4,
+            Tag::seq(4),
             RecvInto::Bounded(&mut got, 4 << 20),
         )
         .await
@@ -864,7 +1002,7 @@ mod tests {
                 &ctx(),
                 FrameKind::Data,
                 FrameClass::Collective,
-                4,
+                Tag::seq(4),
                 RecvInto::Reduce(&mut acc, DType::U8, ReduceOp::Sum),
             )
             .await;

@@ -26,7 +26,7 @@ use ring::rand::{SecureRandom, SystemRandom};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
-use super::frame::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto};
+use super::frame::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Tag};
 use super::handshake::{self, Auth};
 use crate::backends::cpu::shm::{self, RingConsumer, RingProducer, ShmSegment};
 use crate::backends::{BackendInit, OpCtx};
@@ -130,6 +130,7 @@ pub(crate) async fn setup_shm(
         epoch: init.epoch,
         kind: crate::op::OpKind::Barrier,
         seq: SHM_SETUP_SEQ,
+        fingerprint: 0,
         may_block: false,
         order: Default::default(),
     };
@@ -172,14 +173,14 @@ pub(crate) async fn setup_shm(
                     ctx,
                     FrameKind::Header,
                     FrameClass::Collective,
-                    SHM_SETUP_SEQ,
+                    Tag::seq(SHM_SETUP_SEQ),
                     &offer,
                 ),
                 r.recv(
                     ctx,
                     FrameKind::Header,
                     FrameClass::Collective,
-                    SHM_SETUP_SEQ,
+                    Tag::seq(SHM_SETUP_SEQ),
                     RecvInto::Bounded(&mut theirs, 4096),
                 ),
             )
@@ -214,7 +215,7 @@ pub(crate) async fn setup_shm(
                         ctx,
                         FrameKind::Header,
                         FrameClass::Collective,
-                        SHM_SETUP_SEQ,
+                        Tag::seq(SHM_SETUP_SEQ),
                         RecvInto::Bounded(&mut ack, 1),
                     )
                     .await;
@@ -228,7 +229,7 @@ pub(crate) async fn setup_shm(
                     ctx,
                     FrameKind::Header,
                     FrameClass::Collective,
-                    SHM_SETUP_SEQ,
+                    Tag::seq(SHM_SETUP_SEQ),
                     &ok,
                 ),
                 recv_ack,

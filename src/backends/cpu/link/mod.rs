@@ -8,8 +8,8 @@
 //! | [`handshake`] | the three-message proof of the job secret that opens every link |
 //! | [`mesh`] | the setup of a communicator's full mesh and its shared-memory rings |
 //!
-//! Each module lists its own invariants ([LK-1] and [LK-2] in [`mesh`], [LK-3], [LK-4]
-//! and [LK-7] in [`frame`], [LK-5] and [LK-6] in [`handshake`]).
+//! Each module lists its own invariants ([LK-1] and [LK-2] in [`mesh`], [LK-3], [LK-4],
+//! [LK-7], [LK-8] and [LK-9] in [`frame`], [LK-5] and [LK-6] in [`handshake`]).
 //!
 //! [LK-1]: crate::backends::cpu::link::mesh#invariants
 //! [LK-2]: crate::backends::cpu::link::mesh#invariants
@@ -24,7 +24,8 @@ pub(crate) mod handshake;
 pub(crate) mod mesh;
 
 pub(crate) use frame::{
-    checksum_from_env, crc_field, encode_abort, split_link, verify_crc, FrameClass, FrameKind,
-    LinkReader, LinkWriter, Liveness, RecvInto, FLAG_CRC, MAX_HEADER_FRAME, WORK_UNIT,
+    checksum_from_env, crc_field, encode_abort, fingerprint_mismatch, split_link, verify_crc,
+    FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto, Tag, FLAG_CRC,
+    MAX_HEADER_FRAME, WORK_UNIT,
 };
 pub(crate) use mesh::{connect_mesh, setup_shm};
