@@ -1,7 +1,7 @@
 //! A communicator's options and the types they name: [`Device`],
 //! [`Rendezvous`] and [`CommOptions`]. Every layer may read them (the
 //! bootstrap, the backends); they depend on nothing but the transport's
-//! `Store` trait.
+//! `Store` trait and the [`Checks`] mode.
 //!
 //! Defaults that the environment can change are read by
 //! `CommOptions::default()`: `CHORUS_TIMEOUT_SECONDS` (the op timeout),

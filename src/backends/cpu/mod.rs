@@ -510,8 +510,8 @@ impl CpuBackend {
         let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
         // LK-9: the i-th message of a batch in one direction between two
         // ranks carries the fingerprint of (pair seq, i, dtype, length),
-        // which both ends compute from their own side of the transfer.
-        let (mut nth_send, mut nth_recv) = (vec![0usize; self.size], vec![0usize; self.size]);
+        // which both ends compute from their own side of the transfer; i is
+        // the length of that peer's list so far (no per-op vector of N).
         for t in ops.iter_mut() {
             if t.peer >= self.size || t.peer == self.rank {
                 return Err(Error::Internal(format!(
@@ -526,7 +526,11 @@ impl CpuBackend {
             if skip {
                 continue;
             }
-            let nth = if t.send { &mut nth_send } else { &mut nth_recv };
+            let nth = if t.send {
+                grouped_len(&sends, t.peer)
+            } else {
+                grouped_len(&recvs, t.peer)
+            };
             let tag = Tag {
                 seq: t.seq,
                 fp: if ctx.fingerprint == 0 {
@@ -535,13 +539,12 @@ impl CpuBackend {
                     crate::checks::p2p_fingerprint(
                         ctx.epoch,
                         t.seq,
-                        nth[t.peer],
+                        nth,
                         t.buf.dtype(),
                         t.buf.len_bytes(),
                     )
                 },
             };
-            nth[t.peer] += 1;
             if t.send {
                 push_grouped(&mut sends, t.peer, (FrameKind::Data, tag, t.buf.as_bytes()));
             } else {
@@ -905,6 +908,14 @@ fn class_of(ctx: &OpCtx) -> FrameClass {
     } else {
         FrameClass::Collective
     }
+}
+
+/// How many items the list of `peer` holds so far.
+fn grouped_len<T>(groups: &[(usize, Vec<T>)], peer: usize) -> usize {
+    groups
+        .iter()
+        .find(|(p, _)| *p == peer)
+        .map_or(0, |(_, v)| v.len())
 }
 
 /// Append `item` to the list of `peer`, keeping first-seen peer order.
