@@ -26,7 +26,8 @@
 //!   for measurement.
 //!
 //! The mode comes from [`CommOptions::checks`](crate::CommOptions::checks),
-//! whose default reads `CHORUS_CHECKS` (`strict`, `fingerprint` or `off`).
+//! whose default reads `CHORUS_CHECKS` (`strict`, `fingerprint` or `off`),
+//! else [`Checks::Fingerprint`].
 //! Every rank must use the same mode; ranks that do not are out of step on
 //! their first op with more than one rank (a fatal `Mismatch`).
 //!
@@ -56,10 +57,10 @@ pub const CHECKS_ENV: &str = "CHORUS_CHECKS";
 pub enum Checks {
     /// Every rank's op header reaches every other rank before any data
     /// moves; a mismatch names the field and leaves the communicator usable.
-    #[default]
     Strict,
     /// A 64-bit fingerprint of the op rides on every data message and is
-    /// checked on receipt; a mismatch aborts the communicator.
+    /// checked on receipt; a mismatch aborts the communicator. The default.
+    #[default]
     Fingerprint,
     /// No check (for measurement).
     Off,

@@ -1,6 +1,6 @@
 //! Process-wide counters for tests and diagnostics: how many communicator
 //! actors, backends (each owning its data links) and watchdog tasks are
-//! alive in this process.
+//! alive in this process, and how many messages the cpu backend sent.
 //!
 //! They let a test prove that finalize and abort leave nothing behind
 //! (SV-1: no orphan actor, link or heartbeat task survives its communicator).
@@ -20,6 +20,15 @@ pub(crate) static LIVE_BACKENDS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static LIVE_WATCHDOGS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static SINGLE_COPY_READS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) static LIVE_WINDOWS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static DATA_MESSAGES: AtomicUsize = AtomicUsize::new(0);
+
+/// Messages (Header and Data frames, on TCP links and shared-memory rings)
+/// the cpu backend has sent in this process since it started; Abort frames
+/// are not counted. A test takes the difference around an op to see how
+/// many messages the op's algorithm sent.
+pub fn data_messages_sent() -> usize {
+    DATA_MESSAGES.load(Ordering::Acquire)
+}
 
 /// One-sided windows ([`Comm::new_window`](crate::Comm::new_window)) whose
 /// memory is still allocated in this process; finalize and abort free them.

@@ -204,7 +204,7 @@ pub struct CommOptions {
     pub flight_recorder_dir: Option<PathBuf>,
     /// How the ranks' ops are checked against each other
     /// ([`crate::checks`]): `CHORUS_CHECKS` if set, else
-    /// [`Checks::Strict`]. Every rank must use the same mode.
+    /// [`Checks::Fingerprint`]. Every rank must use the same mode.
     pub checks: Checks,
 }
 

@@ -968,6 +968,7 @@ def new_comm(
     secret=None,
     rank=None,
     size=None,
+    checks=None,
 ):
     """Create a communicator; every rank calls it with the same ``name``.
 
@@ -989,7 +990,10 @@ def new_comm(
 
     Chorus only (keywords): ``connect_timeout`` (bootstrap, 120 s),
     ``secret`` (else ``CHORUS_SECRET``), ``rank`` and ``size`` (else the
-    environment).
+    environment), ``checks``: how the ranks' ops are checked against each
+    other, ``"strict"``, ``"fingerprint"`` or ``"off"`` (else
+    ``CHORUS_CHECKS``, else ``"fingerprint"``; see "Mismatches" in
+    docs/runtime-semantics.md).
     """
     if store is not None and not isinstance(store, str):
         raise TypeError(
@@ -1021,6 +1025,7 @@ def new_comm(
         rank=rank,
         size=size,
         hints={str(k): str(v) for k, v in dict(hints or {}).items()},
+        checks=checks,
     )
     return Comm(native)
 

@@ -1398,7 +1398,7 @@ fn options(
 /// Create a communicator (blocking, without the GIL, until every rank has
 /// joined or `connect_timeout` passed).
 #[pyfunction]
-#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None, hints=None))]
+#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None, hints=None, checks=None))]
 #[allow(clippy::too_many_arguments)]
 fn new_comm(
     py: Python<'_>,
@@ -1412,10 +1412,14 @@ fn new_comm(
     rank: Option<usize>,
     size: Option<usize>,
     hints: Option<BTreeMap<String, String>>,
+    checks: Option<String>,
 ) -> PyResult<PyComm> {
     drain_releases(py);
     let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
-    let opts = options(timeout, connect_timeout, store, secret, rank, size, hints)?;
+    let mut opts = options(timeout, connect_timeout, store, secret, rank, size, hints)?;
+    if let Some(c) = checks {
+        opts.checks = chorus::checks::parse_checks(&c).map_err(|e| chorus_err(py, e))?;
+    }
     py.detach(move || chorus::new_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))

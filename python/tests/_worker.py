@@ -639,8 +639,31 @@ def window(comm):
     win.free()
 
 
+def fingerprint_mismatch(comm):
+    """With fingerprint checks a mismatch fails every rank and aborts."""
+    rank = comm.get_rank()
+    t = np.ones(4 + rank, dtype=np.float32)
+    try:
+        comm.all_reduce(t, ReduceOp.SUM)
+        comm.barrier()
+        raise AssertionError("no mismatch")
+    except chorus.MismatchError as e:
+        assert e.fatal, e
+    try:
+        comm.barrier()
+        raise AssertionError("the communicator was not aborted")
+    except chorus.AbortedError:
+        pass
+    try:
+        chorus.new_comm("cpu", "cpu", "bad-checks", rank=0, size=1, checks="sometimes")
+        raise AssertionError("an unknown checks mode was accepted")
+    except chorus.ConfigError as e:
+        assert "CHORUS_CHECKS" in str(e), e
+
+
 SCENARIOS = {
     "grid": grid,
+    "fingerprint_mismatch": fingerprint_mismatch,
     "buffers": buffers,
     "mismatch": mismatch,
     "split": split,
@@ -666,7 +689,14 @@ def main():
         after_reconfigure(nxt)
         print(f"OK {scenario}", flush=True)
         return
-    comm = chorus.new_comm("cpu", "cpu", f"test-{scenario}", connect_timeout=60)
+    # "mismatch" and "hooks" pin the strict checks' guarantees (a mismatch
+    # leaves the communicator usable).
+    checks = {
+        "mismatch": "strict",
+        "hooks": "strict",
+        "fingerprint_mismatch": "fingerprint",
+    }.get(scenario)
+    comm = chorus.new_comm("cpu", "cpu", f"test-{scenario}", connect_timeout=60, checks=checks)
     SCENARIOS[scenario](comm, *args)
     if not comm.is_aborted():
         comm.finalize()

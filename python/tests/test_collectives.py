@@ -20,6 +20,10 @@ def test_mismatched_counts_raise_mismatch_error_on_every_rank(ranks):
     ranks(3, "mismatch").assert_ok("mismatch")
 
 
+def test_fingerprint_mismatch_aborts_every_rank(ranks):
+    ranks(3, "fingerprint_mismatch").assert_ok("fingerprint_mismatch")
+
+
 def test_split_gives_members_a_subcommunicator_and_others_none(ranks):
     ranks(4, "split").assert_ok("split")
 

@@ -694,6 +694,7 @@ pub(crate) async fn run_shm(
             .into_iter()
             .map(|(kind, tag, payload)| {
                 let cma = receives_too && payload.len() >= cma_min && l.tx.cma_ok();
+                crate::debug::DATA_MESSAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let crc = l.checksum.then(|| crc32c::crc32c(payload));
                 SendJob {
                     ring: &l.tx,

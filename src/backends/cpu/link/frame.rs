@@ -420,6 +420,7 @@ impl LinkWriter {
             None
         };
         let hdr = encode_frame_header(kind, class, self.epoch, tag, payload.len() as u64, crc);
+        crate::debug::DATA_MESSAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
             let buf = &mut self.coalesce;

@@ -1,0 +1,187 @@
+//! With fingerprint checks an op sends only its algorithm's messages: no
+//! header frames, no extra round. Counted on N = 2, 4 and 8 in-process
+//! ranks with [`chorus::debug::data_messages_sent`] (every Header and Data
+//! message of the cpu backend, TCP and shared memory alike).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+
+use chorus::backends::cpu::schedule::{self, Schedule};
+use chorus::{Checks, Comm, CommOptions, ReduceOp, Tensor};
+use common::run_ranks_with;
+
+/// An op every rank runs, as a test case.
+type Op = Box<dyn Fn(&Comm) + Send + Sync>;
+
+fn fingerprint(_rank: usize, o: CommOptions) -> CommOptions {
+    o.with_checks(Checks::Fingerprint)
+}
+
+/// Messages every rank together sends for `op`, counted between thread
+/// barriers once a warm-up barrier has passed on every rank.
+fn messages(n: usize, name: &str, op: impl Fn(&Comm) + Send + Sync + 'static) -> usize {
+    let sync = Arc::new(Barrier::new(n));
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    run_ranks_with(n, name, fingerprint, move |comm| {
+        comm.barrier().expect("warm-up barrier");
+        sync.wait();
+        let before = chorus::debug::data_messages_sent();
+        sync.wait();
+        op(&comm);
+        sync.wait();
+        if comm.rank() == 0 {
+            c.store(
+                chorus::debug::data_messages_sent() - before,
+                Ordering::SeqCst,
+            );
+        }
+        sync.wait();
+    });
+    count.load(Ordering::SeqCst)
+}
+
+/// The sends of every rank's schedule: the algorithm's messages.
+fn sends(n: usize, build: impl Fn(usize) -> Schedule) -> usize {
+    (0..n)
+        .map(|r| {
+            build(r)
+                .steps
+                .iter()
+                .flat_map(|s| s.transfers.iter())
+                .filter(|t| matches!(t, schedule::Transfer::Send { .. }))
+                .count()
+        })
+        .sum()
+}
+
+#[test]
+fn small_ops_send_their_direct_algorithms_messages_and_nothing_else() {
+    for n in [2usize, 4, 8] {
+        let one_to_all = n - 1;
+        let all_to_all = n * (n - 1);
+        let rounds = (n as f64).log2().ceil() as usize;
+        let cases: Vec<(&str, usize, Op)> = vec![
+            (
+                "broadcast",
+                one_to_all,
+                Box::new(|c: &Comm| {
+                    c.broadcast(Tensor::full(1.0f32, 2), 0).expect("broadcast");
+                }),
+            ),
+            (
+                "reduce",
+                one_to_all,
+                Box::new(|c: &Comm| {
+                    c.reduce(Tensor::full(1.0f32, 2), ReduceOp::Sum, 1 % c.size())
+                        .expect("reduce");
+                }),
+            ),
+            (
+                "gather",
+                one_to_all,
+                Box::new(|c: &Comm| {
+                    c.gather(Tensor::full(1.0f32, 2), 0).expect("gather");
+                }),
+            ),
+            (
+                "scatter",
+                one_to_all,
+                Box::new(|c: &Comm| {
+                    let inputs = (c.rank() == 0).then(|| vec![Tensor::full(1.0f32, 2); c.size()]);
+                    c.scatter(Tensor::zeros(chorus::DType::F32, 2), inputs, 0)
+                        .expect("scatter");
+                }),
+            ),
+            (
+                "all_reduce",
+                all_to_all,
+                Box::new(|c: &Comm| {
+                    c.all_reduce(Tensor::full(1.0f32, 2), ReduceOp::Sum)
+                        .expect("all_reduce");
+                }),
+            ),
+            (
+                "all_gather",
+                all_to_all,
+                Box::new(|c: &Comm| {
+                    c.all_gather(Tensor::full(1.0f32, 2)).expect("all_gather");
+                }),
+            ),
+            (
+                "barrier",
+                n * rounds,
+                Box::new(|c: &Comm| c.barrier().expect("barrier")),
+            ),
+        ];
+        for (what, want, op) in cases {
+            let got = messages(n, &format!("mc-{what}-{n}"), op);
+            assert_eq!(
+                got, want,
+                "{what} on {n} ranks: {got} messages, expected {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn large_ops_send_their_schedules_messages_and_nothing_else() {
+    // 1 MiB of f32: above every small-op limit.
+    const COUNT: usize = 1 << 18;
+    for n in [2usize, 4, 8] {
+        let got = messages(n, &format!("mc-bcast-large-{n}"), |c| {
+            c.broadcast(Tensor::full(1.0f32, COUNT), 0)
+                .expect("broadcast");
+        });
+        let want = sends(n, |r| schedule::broadcast(r, n, COUNT, 0));
+        assert_eq!(want, n - 1, "a broadcast tree sends to every rank once");
+        assert_eq!(got, want, "broadcast on {n} ranks");
+        let got = messages(n, &format!("mc-ar-large-{n}"), |c| {
+            c.all_reduce(Tensor::full(1.0f32, COUNT), ReduceOp::Sum)
+                .expect("all_reduce");
+        });
+        let want = sends(n, |r| schedule::all_reduce_auto(r, n, COUNT, 4));
+        assert_eq!(got, want, "all_reduce on {n} ranks");
+        let got = messages(n, &format!("mc-ag-large-{n}"), move |c| {
+            c.all_gather(Tensor::full(1.0f32, COUNT / n))
+                .expect("all_gather");
+        });
+        let want = sends(n, |r| schedule::all_gather(r, n, &vec![COUNT / n; n]));
+        assert_eq!(got, want, "all_gather on {n} ranks");
+    }
+}
+
+/// With strict checks the same broadcast also sends a header from every
+/// rank to every other one: the cost the fingerprint removes.
+#[test]
+fn strict_checks_add_a_header_from_every_rank_to_every_other() {
+    let n = 4;
+    let sync = Arc::new(Barrier::new(n));
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    run_ranks_with(
+        n,
+        "mc-strict",
+        |_r, o| o.with_checks(Checks::Strict),
+        move |comm| {
+            comm.barrier().expect("warm-up barrier");
+            sync.wait();
+            let before = chorus::debug::data_messages_sent();
+            sync.wait();
+            comm.broadcast(Tensor::full(1.0f32, 2), 0)
+                .expect("broadcast");
+            sync.wait();
+            if comm.rank() == 0 {
+                c.store(
+                    chorus::debug::data_messages_sent() - before,
+                    Ordering::SeqCst,
+                );
+            }
+            sync.wait();
+        },
+    );
+    // The small payload rides in the root's headers.
+    assert_eq!(count.load(Ordering::SeqCst), n * (n - 1));
+}
