@@ -44,7 +44,7 @@ if [ ! -x "$MPICH_VENV/bin/mpiexec" ]; then
   python3 -m venv "$MPICH_VENV"
   "$MPICH_VENV/bin/pip" install -q mpich mpi4py numpy matplotlib
 fi
-if ! "$MPICH_VENV/bin/python" -c "import torch.distributed" 2>/dev/null; then
+if [[ " $SYSTEMS " == *" gloo "* ]] && ! "$MPICH_VENV/bin/python" -c "import torch.distributed" 2>/dev/null; then
   # download.pytorch.org (the CPU-only index) is not reachable here, and
   # PyPI's torch wheel refuses to import without its CUDA libraries, so it is
   # installed with all of its dependencies (several GB, ~3 min here).
