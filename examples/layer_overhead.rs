@@ -1,8 +1,9 @@
 //! Overhead of the actor layer: the same all_reduce (f32 sum, 2 ranks in one
 //! process, shared-memory links) through [`Comm`] (blocking calls from plain
 //! threads, and `_async` forms awaited from tasks of a tokio runtime), and
-//! through the cpu backend directly (header exchange + execute, as a turn
-//! calls it).
+//! through the cpu backend directly, as a turn calls it for the check mode
+//! of `CHORUS_CHECKS` (strict: header exchange + execute; fingerprint:
+//! execute with the op's fingerprint; off: execute).
 //!
 //! ```text
 //! cargo run --release --example layer_overhead [iters]
@@ -15,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use chorus::backends::cpu::CpuBackend;
 use chorus::backends::{Backend, BackendInit, OpCtx, OpData};
+use chorus::checks::{fingerprint, Signature};
 use chorus::transport::MemoryStore;
-use chorus::{new_comm, CommOptions, Device, OpKind, ReduceOp, Rendezvous, Tensor};
+use chorus::{new_comm, Checks, CommOptions, Device, OpKind, ReduceOp, Rendezvous, Tensor};
 
 const SIZES: [usize; 3] = [8, 64 << 10, 1 << 20];
 
@@ -57,10 +59,24 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                         .expect("connect");
                     let mut per_size = Vec::new();
                     let mut seq = 0u64;
+                    let checks = CommOptions::default().checks;
                     for bytes in SIZES {
                         let mut buf = Tensor::zeros(chorus::DType::F32, bytes / 4);
                         let mut times = Vec::with_capacity(iters);
                         for i in 0..iters + 10 {
+                            let fingerprint = match checks {
+                                Checks::Fingerprint => fingerprint(&Signature {
+                                    seq,
+                                    epoch: 0,
+                                    kind: OpKind::AllReduce,
+                                    dtype: buf.dtype(),
+                                    redop: ReduceOp::Sum.code(),
+                                    root: u32::MAX,
+                                    count: buf.len() as u64,
+                                    counts: &[],
+                                }),
+                                _ => 0,
+                            };
                             let ctx = OpCtx {
                                 comm: "layers".into(),
                                 rank,
@@ -68,7 +84,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 epoch: 0,
                                 kind: OpKind::AllReduce,
                                 seq,
-                                fingerprint: 0,
+                                fingerprint,
                                 may_block: true,
                                 order: Default::default(),
                             };
@@ -77,15 +93,18 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 buf,
                                 op: ReduceOp::Sum,
                             };
-                            // As a turn calls it: with the op's buffers, so a
-                            // small op's payload travels with the header.
-                            b.exchange_headers_with_data(
-                                &ctx,
-                                vec![(1 - rank, seq, vec![0u8; 48])],
-                                &data,
-                            )
-                            .await
-                            .expect("headers");
+                            // As a turn calls it: with strict checks, with the
+                            // op's buffers, so a small op's payload travels
+                            // with the header.
+                            if checks == Checks::Strict {
+                                b.exchange_headers_with_data(
+                                    &ctx,
+                                    vec![(1 - rank, seq, vec![0u8; 48])],
+                                    &data,
+                                )
+                                .await
+                                .expect("headers");
+                            }
                             b.execute(&ctx, &mut data).await.expect("execute");
                             buf = match data {
                                 OpData::AllReduce { buf, .. } => buf,
