@@ -177,6 +177,14 @@ pub fn fingerprint(s: &Signature<'_>) -> u64 {
     nonzero(h)
 }
 
+/// The history hash after an op: `prev` (the hash after the op before it,
+/// 0 before the first) folded with the op's fingerprint. Two ranks whose
+/// hashes after op `s` agree issued the same ops up to `s`, but with
+/// probability about 2^-64.
+pub fn chain(prev: u64, fp: u64) -> u64 {
+    fold(prev, fp)
+}
+
 /// The fingerprint of the `index`-th message between two ranks in one
 /// point-to-point batch: the pair's sequence number, the epoch, the element
 /// type and the message's length in bytes. The sender and the receiver

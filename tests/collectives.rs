@@ -334,6 +334,7 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
                     elastic: false,
                     in_place_all_gather: false,
                     in_band_checks: false,
+                    headerless_ops: false,
                 }
             ),
             "cpu" => assert_eq!(
@@ -341,6 +342,7 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
                 chorus::Capabilities {
                     in_place_all_gather: true,
                     in_band_checks: true,
+                    headerless_ops: true,
                     ..Default::default()
                 }
             ),

@@ -489,7 +489,8 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
         let beat = || -> u64 {
             futures::executor::block_on(store.get(&hb))
                 .unwrap()
-                .and_then(|v| String::from_utf8(v).ok()?.parse().ok())
+                // The counter, then what the beat announces (if anything).
+                .and_then(|v| String::from_utf8(v).ok()?.split(' ').next()?.parse().ok())
                 .unwrap_or(0)
         };
         let start = beat();

@@ -42,7 +42,7 @@
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
-//! | EX-10 | an op skips the header exchange exactly when the backend checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)), the mode is not strict, and the op is not an all_to_all or a window's creation or release; it then carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode. While such an op runs it is in the watchdog's op log ([`super::stall`]), so a mismatch that sends no message is found from the heartbeats, and such a mismatch revokes the op as itself. |
+//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; it then carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
 //! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
@@ -231,9 +231,9 @@ pub(crate) struct Core {
     /// The backend's device memory, for outputs of device ops sized or
     /// split here (never read on the host, CM-4).
     mem: Option<std::sync::Arc<dyn crate::backends::DeviceMemory>>,
-    /// The backend checks ops in band and the mode asks for no header
-    /// exchange (EX-10): read once, from the backend's capabilities.
-    in_band: bool,
+    /// The mode is not strict and the backend runs ops without the header
+    /// exchange (EX-10): read once, from its capabilities.
+    skip: bool,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -258,10 +258,9 @@ impl Core {
         backend: Box<dyn Backend>,
         watchdog: Option<super::watchdog::Watchdog>,
     ) -> Core {
-        let in_band = info.checks != Checks::Strict && backend.capabilities().in_band_checks;
         Core {
             mem: backend.device_memory(),
-            in_band,
+            skip: info.checks != Checks::Strict && backend.capabilities().headerless_ops,
             p2p_seq: vec![0; info.size],
             info,
             backend,
@@ -344,7 +343,7 @@ impl Core {
             .and_then(|w| w.config.ops.clone())
             .filter(|_| req.kind != OpKind::P2P);
         if let Some(l) = &log {
-            l.begin(ctx.seq, ctx.fingerprint, ctx.kind);
+            l.begin(ctx.seq, self.signature(&req), ctx.kind);
         }
         let outcome = {
             let fut = self.run_inner(&ctx, &mut req).instrument(span);
@@ -558,13 +557,13 @@ impl Core {
     }
 
     /// EX-10: whether an op of `kind` runs without the header exchange:
-    /// the backend checks in band and the mode is not strict, and the op
-    /// is not an all_to_all (the list form's output sizes come from the
-    /// headers; the split sizes of every form agree only pair by pair, and
-    /// a zero-length block sends no message that could carry a check) or
-    /// a window's creation or release.
+    /// the mode is not strict, and the op is not an all_to_all (the list
+    /// form's output sizes come from the headers; the split sizes of every
+    /// form agree only pair by pair, and a zero-length block sends no
+    /// message that could carry a check) or a window's creation or
+    /// release.
     fn skips_headers(&self, kind: OpKind) -> bool {
-        self.in_band
+        self.skip
             && !matches!(
                 kind,
                 OpKind::AllToAll | OpKind::AllToAllSingle | OpKind::NewWindow | OpKind::FreeWindow
@@ -576,11 +575,23 @@ impl Core {
     /// backend fingerprints each message itself ([`crate::checks::p2p_fingerprint`]);
     /// nonzero only says so.
     fn fingerprint(&self, req: &Request) -> u64 {
-        if self.info.checks != Checks::Fingerprint || !self.skips_headers(req.kind) {
+        if !self.skips_headers(req.kind) {
             return 0;
         }
         if req.kind == OpKind::P2P {
-            return 1;
+            return u64::from(self.info.checks == Checks::Fingerprint);
+        }
+        self.signature(req)
+    }
+
+    /// EX-10: the fingerprint of a collective in fingerprint mode, whether
+    /// or not its headers are exchanged (the watchdog's op log records
+    /// every collective, [`super::stall`]); 0 otherwise.
+    fn signature(&self, req: &Request) -> u64 {
+        if self.info.checks != Checks::Fingerprint
+            || matches!(req.kind, OpKind::P2P | OpKind::Window)
+        {
+            return 0;
         }
         checks::fingerprint(&checks::Signature {
             seq: req.seq,
@@ -607,7 +618,7 @@ impl Core {
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         if req.kind == OpKind::P2P {
-            if !self.in_band {
+            if !self.skip {
                 self.p2p_headers(ctx, req).await?;
             }
         } else if !self.skips_headers(req.kind) {
@@ -1059,6 +1070,7 @@ mod tests {
                 elastic: true,
                 in_place_all_gather: false,
                 in_band_checks: false,
+                headerless_ops: false,
             }
         }
         async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {

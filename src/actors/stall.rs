@@ -1,5 +1,5 @@
-//! The stall check: a mismatch that no data message reveals, found through
-//! the heartbeats.
+//! The stall check and the history check: mismatches that no data message
+//! reveals, found through the heartbeats.
 //!
 //! With [`Checks::Fingerprint`](crate::checks::Checks::Fingerprint), a
 //! mismatch is found when a message of one op reaches a rank running
@@ -20,10 +20,25 @@
 //! (one to announce it, one for the other to read it), as long as the peer
 //! is fewer than [`HISTORY`] ops ahead.
 //!
+//! A backend whose library moves the data (`nccl`, `rccl`, `gloo`, `mpi`)
+//! cannot check a fingerprint per message, and a mismatch there may not
+//! stall at all (the ops complete with wrong results, or hang on the
+//! device while the host runs on). For every backend the log also keeps a
+//! *history hash*, every finished op's fingerprint folded into the one
+//! before ([`crate::checks::chain`]); each heartbeat announces the last
+//! finished op's sequence number and hash, and each rank compares what its
+//! peers announce with its own hash after that op. Hashes that agree mean
+//! the same ops up to there; the first difference is a fatal
+//! `Mismatch` on the rank that sees it, within about two heartbeat
+//! intervals after both ranks finished the op that differs, as long as
+//! neither is [`HISTORY`] ops ahead of the other.
+//!
 //! # Invariants
 //! - ST-1: the log costs O(1) per op (one uncontended lock at its start and
 //!   at its end, no allocation after the first [`HISTORY`] ops) and
-//!   O([`HISTORY`]) memory; a heartbeat grows by at most 40 bytes.
+//!   O([`HISTORY`]) memory; a heartbeat grows by at most 80 bytes; a
+//!   comparison scans at most [`HISTORY`] entries, once per peer's
+//!   heartbeat read.
 //! - ST-2: only ops whose fingerprint is nonzero are logged and compared;
 //!   a sequence number this rank has not reached, or has forgotten, is
 //!   never called a mismatch.
@@ -50,8 +65,11 @@ struct Current {
 #[derive(Debug, Default)]
 struct Inner {
     current: Option<Current>,
-    /// `(seq, fingerprint)` of the last finished ops, oldest first.
-    done: VecDeque<(u64, u64)>,
+    /// `(seq, fingerprint, history hash after it)` of the last finished
+    /// ops, oldest first.
+    done: VecDeque<(u64, u64, u64)>,
+    /// The history hash after the last finished op.
+    chain: u64,
 }
 
 /// This rank's recent ops, written by the executor and read by the
@@ -95,7 +113,9 @@ impl OpLog {
             if g.done.len() == HISTORY {
                 g.done.pop_front();
             }
-            g.done.push_back((c.seq, c.fp));
+            g.chain = crate::checks::chain(g.chain, c.fp);
+            let chain = g.chain;
+            g.done.push_back((c.seq, c.fp, chain));
         }
     }
 
@@ -105,6 +125,33 @@ impl OpLog {
             .current
             .filter(|c| c.since.elapsed() >= after)
             .map(|c| (c.seq, c.fp, c.kind))
+    }
+
+    /// The last finished op's sequence number and the history hash after it.
+    pub(crate) fn latest(&self) -> Option<(u64, u64)> {
+        self.lock().done.back().map(|&(s, _, c)| (s, c))
+    }
+
+    /// Compare the history hash `peer` announced after op `seq` with this
+    /// rank's after the same op, if this rank still remembers it.
+    pub(crate) fn check_history(
+        &self,
+        me: usize,
+        peer: usize,
+        seq: u64,
+        chain: u64,
+    ) -> Option<Disagreement> {
+        let g = self.lock();
+        let &(_, _, mine) = g.done.iter().rev().find(|(s, _, _)| *s == seq)?;
+        (mine != chain).then(|| Disagreement {
+            seq,
+            detail: format!(
+                "the ops of rank {peer} and rank {me} up to op #{seq} differ (history hashes \
+                 {chain:#018x} and {mine:#018x}): the ranks issued different ops (kind, dtype, \
+                 count, root, reduce op or split sizes) at or before op #{seq}; run with \
+                 CHORUS_CHECKS=strict to have the op and field named"
+            ),
+        })
     }
 
     /// The op this rank runs now, `(seq, kind)`.
@@ -122,8 +169,8 @@ impl OpLog {
                 .done
                 .iter()
                 .rev()
-                .find(|(s, _)| *s == seq)
-                .map(|&(_, f)| (f, false)),
+                .find(|(s, _, _)| *s == seq)
+                .map(|&(_, f, _)| (f, false)),
         }?;
         (mine.0 != fp).then(|| Disagreement {
             seq,
@@ -139,23 +186,49 @@ impl OpLog {
     }
 }
 
-/// A heartbeat value: the counter, then this rank's stall, if any
-/// (`<counter>` or `<counter> <seq> <fingerprint>`, ASCII).
-pub(crate) fn encode_beat(counter: u64, stall: Option<(u64, u64)>) -> Vec<u8> {
-    match stall {
-        Some((seq, fp)) => format!("{counter} {seq} {fp:x}").into_bytes(),
-        None => counter.to_string().into_bytes(),
-    }
+/// What a heartbeat announces besides its counter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Beat {
+    /// The op the rank has been waiting in for an interval: `(seq, fingerprint)`.
+    pub(crate) stall: Option<(u64, u64)>,
+    /// The last op the rank finished: `(seq, history hash)`.
+    pub(crate) latest: Option<(u64, u64)>,
 }
 
-/// The stall a heartbeat value announces, if any; `None` for a malformed one.
-pub(crate) fn parse_stall(beat: &[u8]) -> Option<(u64, u64)> {
-    let s = std::str::from_utf8(beat).ok()?;
-    let mut it = s.split(' ');
-    let _counter = it.next()?;
-    let seq = it.next()?.parse().ok()?;
-    let fp = u64::from_str_radix(it.next()?, 16).ok()?;
-    Some((seq, fp))
+/// A heartbeat value, ASCII: the counter, then `s <seq> <fingerprint>` for
+/// a stall and `d <seq> <hash>` for the last finished op, each if any.
+pub(crate) fn encode_beat(counter: u64, beat: Beat) -> Vec<u8> {
+    let mut v = counter.to_string();
+    if let Some((seq, fp)) = beat.stall {
+        v.push_str(&format!(" s {seq} {fp:x}"));
+    }
+    if let Some((seq, chain)) = beat.latest {
+        v.push_str(&format!(" d {seq} {chain:x}"));
+    }
+    v.into_bytes()
+}
+
+/// What a heartbeat value announces; nothing for a malformed part.
+pub(crate) fn parse_beat(raw: &[u8]) -> Beat {
+    let mut beat = Beat::default();
+    let Ok(s) = std::str::from_utf8(raw) else {
+        return beat;
+    };
+    let mut it = s.split(' ').skip(1);
+    while let Some(tag) = it.next() {
+        let (Some(seq), Some(h)) = (it.next(), it.next()) else {
+            break;
+        };
+        let (Ok(seq), Ok(h)) = (seq.parse::<u64>(), u64::from_str_radix(h, 16)) else {
+            break;
+        };
+        match tag {
+            "s" => beat.stall = Some((seq, h)),
+            "d" => beat.latest = Some((seq, h)),
+            _ => break,
+        }
+    }
+    beat
 }
 
 #[cfg(test)]
@@ -197,13 +270,46 @@ mod tests {
 
     #[test]
     fn beats_round_trip() {
-        assert_eq!(parse_stall(&encode_beat(7, None)), None);
-        assert_eq!(
-            parse_stall(&encode_beat(7, Some((3, 0xabc)))),
-            Some((3, 0xabc))
-        );
-        assert_eq!(parse_stall(b"7 x y"), None);
-        assert!(encode_beat(u64::MAX, Some((u64::MAX, u64::MAX))).len() <= 20 + 40);
+        let none = Beat::default();
+        assert_eq!(parse_beat(&encode_beat(7, none)), none);
+        let both = Beat {
+            stall: Some((3, 0xabc)),
+            latest: Some((2, 0xdef)),
+        };
+        assert_eq!(parse_beat(&encode_beat(7, both)), both);
+        assert_eq!(parse_beat(b"7 s x y"), none);
+        assert_eq!(parse_beat(b"7 q 1 2"), none);
+        let max = Beat {
+            stall: Some((u64::MAX, u64::MAX)),
+            latest: Some((u64::MAX, u64::MAX)),
+        };
+        assert!(encode_beat(u64::MAX, max).len() <= 20 + 80);
+    }
+
+    /// The history hashes of two ranks agree while they issue the same ops
+    /// and differ from the first op that differs on.
+    #[test]
+    fn histories_agree_until_an_op_differs() {
+        let (a, b) = (OpLog::default(), OpLog::default());
+        for s in 0..5u64 {
+            a.begin(s, 100 + s, OpKind::AllReduce);
+            a.end();
+            // Rank b's op #2 differs.
+            b.begin(s, if s == 2 { 999 } else { 100 + s }, OpKind::AllReduce);
+            b.end();
+        }
+        for s in 0..2 {
+            let (_, _, ha) = a.lock().done[s as usize];
+            assert_eq!(b.check_history(1, 0, s, ha), None, "op {s}");
+        }
+        for s in 2..5 {
+            let (_, _, ha) = a.lock().done[s as usize];
+            let d = b.check_history(1, 0, s, ha).expect("differs");
+            assert!(d.detail.contains(&format!("up to op #{s}")), "{}", d.detail);
+        }
+        assert_eq!(a.latest().map(|l| l.0), Some(4));
+        // Not reached: no verdict.
+        assert_eq!(a.check_history(0, 1, 9, 1), None);
     }
 
     #[test]

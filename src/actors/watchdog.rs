@@ -2,8 +2,9 @@
 //!
 //! Every rank of a communicator with more than one rank runs one watchdog
 //! task, owned by the communicator's executor. Each `heartbeat_interval` it
-//! writes its heartbeat counter to `<prefix>/hb/<rank>` and reads its peers'
-//! counters and the communicator's failure notice `<prefix>/failed` (the
+//! writes its heartbeat counter (followed, with fingerprint checks, by what
+//! [`super::stall`] announces: WD-7) to `<prefix>/hb/<rank>` and reads its
+//! peers' and the communicator's failure notice `<prefix>/failed` (the
 //! prefix is `chorus/<name>/<instance>/epoch/<epoch>`, so every key is
 //! stamped with the epoch). A peer whose counter did not advance for
 //! `heartbeat_timeout` is declared failed: the watchdog publishes a failure
@@ -29,8 +30,9 @@
 //!   executor how long the store has been silent, so a peer's link loss
 //!   seen while the store is down is reported the same way.
 //! - WD-7: with fingerprinted ops, a heartbeat also announces this rank's
-//!   op once it has run for `heartbeat_interval` (a stall), and every stall
-//!   a peer announces is compared with this rank's op of that sequence
+//!   op once it has run for `heartbeat_interval` (a stall) and the history
+//!   hash after its last finished op, and every stall and hash a peer
+//!   announces is compared with this rank's op or history of that sequence
 //!   number ([`super::stall`]); a difference aborts the communicator with a
 //!   fatal [`Error::Mismatch`], like a peer failure. It costs no store
 //!   request of its own.
@@ -50,7 +52,7 @@ use std::time::{Duration, Instant};
 use ractor::ActorRef;
 use tokio_util::sync::CancellationToken;
 
-use super::stall::{self, OpLog};
+use super::stall::{self, Beat, OpLog};
 use super::CommMsg;
 use crate::transport::records::{ranks_in, ranks_out, Record};
 use crate::transport::{CompareSet, Store};
@@ -339,14 +341,13 @@ async fn run(
         counter += 1;
         let now = Instant::now();
         let round = async {
-            // WD-7: a stall rides on the heartbeat.
-            let stall = cfg
-                .ops
-                .as_ref()
-                .and_then(|o| o.stalled(cfg.interval))
-                .map(|(s, f, _)| (s, f));
+            // WD-7: a stall and the history hash ride on the heartbeat.
+            let beat = cfg.ops.as_ref().map_or_else(Beat::default, |o| Beat {
+                stall: o.stalled(cfg.interval).map(|(s, f, _)| (s, f)),
+                latest: o.latest(),
+            });
             cfg.store
-                .set(&my_key, stall::encode_beat(counter, stall))
+                .set(&my_key, stall::encode_beat(counter, beat))
                 .await?;
             let notice = cfg.store.get(&nkey).await?;
             let mut beats = Vec::with_capacity(cfg.size);
@@ -374,11 +375,16 @@ async fn run(
                         format!("failure notice from rank {}: {}", n.by, n.detail),
                     ));
                 }
-                // WD-7: compare the stalls peers announce with this rank's ops.
+                // WD-7: compare the stalls and histories peers announce
+                // with this rank's ops.
                 let disagree = cfg.ops.as_ref().and_then(|o| {
                     beats.iter().enumerate().find_map(|(p, b)| {
-                        let (seq, fp) = stall::parse_stall(b.as_deref()?)?;
-                        o.check(me, p, seq, fp)
+                        let beat = stall::parse_beat(b.as_deref()?);
+                        let stalled = beat.stall.and_then(|(seq, fp)| o.check(me, p, seq, fp));
+                        stalled.or_else(|| {
+                            let (seq, chain) = beat.latest?;
+                            o.check_history(me, p, seq, chain)
+                        })
                     })
                 });
                 if let Some(d) = disagree {

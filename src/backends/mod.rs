@@ -43,9 +43,10 @@
 //! - BE-1: `execute` is only called after `exchange_headers` (or
 //!   `exchange_headers_with_data`) succeeded for the
 //!   same op on every participant, with buffers whose sizes match the headers;
-//!   or, for a backend whose [`Capabilities::in_band_checks`] is true and a
+//!   or, for a backend whose [`Capabilities::headerless_ops`] is true and a
 //!   communicator whose checks are not strict, without any exchange, with
-//!   the op's fingerprint in [`OpCtx::fingerprint`] (see [`crate::checks`]).
+//!   the op's fingerprint in [`OpCtx::fingerprint`] (see
+//!   [`crate::checks`]); such a backend's barrier synchronises by itself.
 //! - BE-2: after `execute` or `exchange_headers` returns a fatal error
 //!   ([`Error::is_fatal`]), or its future is dropped, the executor calls
 //!   `abort` before anything else. A non-fatal error (`UnsupportedOp`,
@@ -352,16 +353,21 @@ pub struct Capabilities {
     pub in_place_all_gather: bool,
     /// Whether the backend carries the op's fingerprint
     /// ([`OpCtx::fingerprint`]) on every data message and checks it on
-    /// every message it receives before using a byte, and runs every op
-    /// without a prior header exchange: barrier, broadcast and the rest
-    /// by their own algorithm. With [`Checks::Fingerprint`] or
-    /// [`Checks::Off`] the executor then skips the header exchange
-    /// (but for the list form of all_to_all, whose output sizes come from
-    /// the peers' headers, and window creation and release).
+    /// every message it receives before using a byte.
+    pub in_band_checks: bool,
+    /// Whether the backend runs every op without the header exchange: a
+    /// barrier synchronises by itself, and nothing else depends on the
+    /// exchange having run. With [`Checks::Fingerprint`] or [`Checks::Off`]
+    /// the executor then skips the exchange (but for all_to_all, whose
+    /// split sizes agree only pair by pair, and window creation and
+    /// release); a backend that does not also check in band is checked
+    /// asynchronously, by the history hashes its ranks announce with their
+    /// heartbeats. A backend that leaves this false keeps the exchange in
+    /// every mode.
     ///
     /// [`Checks::Fingerprint`]: crate::checks::Checks::Fingerprint
     /// [`Checks::Off`]: crate::checks::Checks::Off
-    pub in_band_checks: bool,
+    pub headerless_ops: bool,
 }
 
 impl Default for Capabilities {
@@ -372,6 +378,7 @@ impl Default for Capabilities {
             elastic: true,
             in_place_all_gather: false,
             in_band_checks: false,
+            headerless_ops: false,
         }
     }
 }

@@ -465,6 +465,10 @@ impl<C: VendorComm> Backend for VendorBackend<C> {
     }
 
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        self.abort_for(None, reason, failed).await;
+    }
+
+    async fn abort_for(&mut self, cause: Option<&Error>, reason: &str, failed: &[usize]) {
         if self.stopped.is_none() {
             self.stopped = Some(Error::Aborted {
                 comm: self.comm.clone(),
@@ -474,7 +478,8 @@ impl<C: VendorComm> Backend for VendorBackend<C> {
                 reason: format!("the {} communicator was aborted: {reason}", C::NAME),
             });
         }
-        self.ctrl.abort(reason, failed).await;
+        // The control links tell the peers when the cause is a mismatch.
+        self.ctrl.abort_for(cause, reason, failed).await;
         self.worker.stop(true).await;
     }
 
@@ -580,6 +585,7 @@ mod tests {
             elastic: true,
             in_place_all_gather: false,
             in_band_checks: false,
+            headerless_ops: false,
         };
 
         fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {

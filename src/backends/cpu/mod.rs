@@ -1077,6 +1077,7 @@ impl Backend for CpuBackend {
         crate::backends::Capabilities {
             in_place_all_gather: true,
             in_band_checks: true,
+            headerless_ops: true,
             ..Default::default()
         }
     }

@@ -511,6 +511,9 @@ impl VendorComm for GlooComm {
         elastic: true,
         in_place_all_gather: false,
         in_band_checks: false,
+        // Not yet: the library's ops back to back without the header
+        // exchange failed the shared suite (docs/backends.md, "Control mesh").
+        headerless_ops: false,
     };
 
     fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {

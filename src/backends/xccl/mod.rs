@@ -1686,6 +1686,10 @@ impl Backend for XcclBackend {
     }
 
     async fn abort(&mut self, reason: &str, failed: &[usize]) {
+        self.abort_for(None, reason, failed).await;
+    }
+
+    async fn abort_for(&mut self, cause: Option<&Error>, reason: &str, failed: &[usize]) {
         // XT-1: the completion thread lets go of the communicator first.
         self.done.stop();
         self.abort_comm();
@@ -1698,7 +1702,8 @@ impl Backend for XcclBackend {
             self.flavor.name(),
             self.comm_name
         )));
-        self.ctrl.abort(reason, failed).await;
+        // The control links tell the peers when the cause is a mismatch.
+        self.ctrl.abort_for(cause, reason, failed).await;
     }
 
     async fn finalize(&mut self) {
@@ -1748,6 +1753,9 @@ impl Backend for XcclBackend {
             elastic: true,
             in_place_all_gather: false,
             in_band_checks: false,
+            // Not yet: the library's ops back to back without the header
+            // exchange failed the shared suite (docs/backends.md, "Control mesh").
+            headerless_ops: false,
         }
     }
 
