@@ -20,8 +20,13 @@
 //!   algorithm's messages. A disagreement is a fatal
 //!   [`Error::Mismatch`]: the rank that finds it
 //!   aborts the communicator, and the abort reaches its peers over the data
-//!   links as a mismatch. Backends that cannot carry the fingerprint keep
-//!   the header exchange in this mode.
+//!   links as a mismatch. Every rank also announces a hash of its op
+//!   history with its heartbeats, and a mismatch that no message reveals
+//!   is found there (see "Mismatches" in docs/runtime-semantics.md). A backend that does not
+//!   run ops without the exchange
+//!   ([`Capabilities::headerless_ops`]) keeps it in this mode.
+//!
+//! [`Capabilities::headerless_ops`]: crate::backends::Capabilities::headerless_ops
 //! - [`Checks::Off`]: no check at all (frames carry a zero fingerprint),
 //!   for measurement.
 //!

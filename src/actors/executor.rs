@@ -12,9 +12,10 @@
 //!    participants and checks them ([`crate::op`]); the backend sees the
 //!    op's buffers as it does ([`Backend::exchange_headers_with_data`]), so
 //!    a small op's payload may travel with them, unused until the check
-//!    passed ([BE-5]). With fingerprint checks on a backend that checks in
-//!    band, the op's fingerprint goes to the backend in [`OpCtx`] instead
-//!    and no header is sent (EX-10, [`crate::checks`]);
+//!    passed ([BE-5]). With fingerprint (or no) checks on a backend that
+//!    runs ops without the exchange, no header is sent and the op's
+//!    fingerprint goes to the backend in [`OpCtx`] instead (EX-10,
+//!    [`crate::checks`]);
 //! 3. sizes outputs that depend on peers (the list form of all_to_all);
 //! 4. runs the transfer on the backend;
 //! 5. post-processes (`Avg`) and completes the [`Work`](crate::Work).
@@ -42,8 +43,8 @@
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
-//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; it then carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
 //! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
+//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; it then carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
 //! [BE-5]: crate::backends#invariants
@@ -145,8 +146,9 @@ impl Fatal {
 
 /// The error an op completes with when the abort `cause` revokes it: a
 /// peer failure as itself (every rank then names the same ranks, AC-5), the
-/// loss of the store as itself, a mismatch found by the stall check as
-/// itself (EX-10), anything else as `Aborted` carrying the cause.
+/// loss of the store as itself, a mismatch found by the heartbeats' stall
+/// or history check as itself (EX-10), anything else as `Aborted` carrying
+/// the cause.
 pub(crate) fn revoked_error(info: &CommInfo, cause: Option<&Error>) -> Error {
     match cause {
         Some(
@@ -305,6 +307,7 @@ impl Core {
             return TurnEnd::Done;
         };
         self.stamp(&mut req);
+        let signature = self.signature(&req);
         completer.started(match &req.data {
             OpData::P2P { ops } => Some(ops.first().map(|t| t.seq).unwrap_or(0)),
             // One-sided window ops take no sequence number.
@@ -318,7 +321,7 @@ impl Core {
             epoch: self.info.epoch,
             kind: req.kind,
             seq: req.seq,
-            fingerprint: self.fingerprint(&req),
+            fingerprint: self.fingerprint(&req, signature),
             may_block,
             order: crate::backends::StreamOrder {
                 // WK-4: a fence only for ops ordered with a stream.
@@ -343,7 +346,7 @@ impl Core {
             .and_then(|w| w.config.ops.clone())
             .filter(|_| req.kind != OpKind::P2P);
         if let Some(l) = &log {
-            l.begin(ctx.seq, self.signature(&req), ctx.kind);
+            l.begin(ctx.seq, signature, ctx.kind);
         }
         let outcome = {
             let fut = self.run_inner(&ctx, &mut req).instrument(span);
@@ -570,18 +573,19 @@ impl Core {
             )
     }
 
-    /// EX-10: the fingerprint the op's messages carry: nonzero only when
-    /// it skips the header exchange with checks on. For point-to-point the
-    /// backend fingerprints each message itself ([`crate::checks::p2p_fingerprint`]);
+    /// EX-10: the fingerprint the op's messages carry (`signature` is
+    /// the op's, from [`Core::signature`]): nonzero only when it skips the
+    /// header exchange with checks on. For point-to-point the backend
+    /// fingerprints each message itself ([`crate::checks::p2p_fingerprint`]);
     /// nonzero only says so.
-    fn fingerprint(&self, req: &Request) -> u64 {
+    fn fingerprint(&self, req: &Request, signature: u64) -> u64 {
         if !self.skips_headers(req.kind) {
             return 0;
         }
         if req.kind == OpKind::P2P {
             return u64::from(self.info.checks == Checks::Fingerprint);
         }
-        self.signature(req)
+        signature
     }
 
     /// EX-10: the fingerprint of a collective in fingerprint mode, whether
