@@ -15,17 +15,25 @@ use common::run_ranks_with;
 /// An op every rank runs, as a test case.
 type Op = Box<dyn Fn(&Comm) + Send + Sync>;
 
-fn fingerprint(_rank: usize, o: CommOptions) -> CommOptions {
-    o.with_checks(Checks::Fingerprint)
+/// Messages every rank together sends for `op` with fingerprint checks,
+/// counted between thread barriers once a warm-up barrier has passed on
+/// every rank.
+fn messages(n: usize, name: &str, op: impl Fn(&Comm) + Send + Sync + 'static) -> usize {
+    messages_with(n, name, Checks::Fingerprint, op)
 }
 
-/// Messages every rank together sends for `op`, counted between thread
-/// barriers once a warm-up barrier has passed on every rank.
-fn messages(n: usize, name: &str, op: impl Fn(&Comm) + Send + Sync + 'static) -> usize {
+/// [`messages`] with the given checks.
+fn messages_with(
+    n: usize,
+    name: &str,
+    checks: Checks,
+    op: impl Fn(&Comm) + Send + Sync + 'static,
+) -> usize {
     let sync = Arc::new(Barrier::new(n));
     let count = Arc::new(AtomicUsize::new(0));
     let c = count.clone();
-    run_ranks_with(n, name, fingerprint, move |comm| {
+    let opts = move |_rank: usize, o: CommOptions| o.with_checks(checks);
+    run_ranks_with(n, name, opts, move |comm| {
         comm.barrier().expect("warm-up barrier");
         sync.wait();
         let before = chorus::debug::data_messages_sent();
@@ -158,30 +166,9 @@ fn large_ops_send_their_schedules_messages_and_nothing_else() {
 #[test]
 fn strict_checks_add_a_header_from_every_rank_to_every_other() {
     let n = 4;
-    let sync = Arc::new(Barrier::new(n));
-    let count = Arc::new(AtomicUsize::new(0));
-    let c = count.clone();
-    run_ranks_with(
-        n,
-        "mc-strict",
-        |_r, o| o.with_checks(Checks::Strict),
-        move |comm| {
-            comm.barrier().expect("warm-up barrier");
-            sync.wait();
-            let before = chorus::debug::data_messages_sent();
-            sync.wait();
-            comm.broadcast(Tensor::full(1.0f32, 2), 0)
-                .expect("broadcast");
-            sync.wait();
-            if comm.rank() == 0 {
-                c.store(
-                    chorus::debug::data_messages_sent() - before,
-                    Ordering::SeqCst,
-                );
-            }
-            sync.wait();
-        },
-    );
+    let got = messages_with(n, "mc-strict", Checks::Strict, |c| {
+        c.broadcast(Tensor::full(1.0f32, 2), 0).expect("broadcast");
+    });
     // The small payload rides in the root's headers.
-    assert_eq!(count.load(Ordering::SeqCst), n * (n - 1));
+    assert_eq!(got, n * (n - 1));
 }
