@@ -597,11 +597,7 @@ impl RecvJob<'_> {
                 self.tag.seq,
                 h[0],
                 h[1],
-                if h[0] == FrameKind::Header as u8 || self.kind == FrameKind::Header {
-                    "; do all ranks use the same CHORUS_CHECKS?"
-                } else {
-                    ""
-                }
+                link::checks_hint(h[0], self.kind)
             )));
         }
         // LK-9: the op's fingerprint, before any payload byte.

@@ -105,6 +105,18 @@ impl Tag {
     }
 }
 
+/// A hint for an out-of-step error where one side sent or expected a
+/// Header frame (code `got` arrived, `want` was expected): ranks that
+/// disagree on `CHORUS_CHECKS` meet that way (one exchanges headers, the
+/// other not).
+pub(crate) fn checks_hint(got: u8, want: FrameKind) -> &'static str {
+    if got == FrameKind::Header as u8 || want == FrameKind::Header {
+        "; do all ranks use the same CHORUS_CHECKS?"
+    } else {
+        ""
+    }
+}
+
 /// The error for a frame or ring message from `peer` whose fingerprint
 /// `got` is not the `want` this rank's op has ([LK-9](self#invariants)).
 pub(crate) fn fingerprint_mismatch(ctx: &OpCtx, peer: usize, want: u64, got: u64) -> Error {
@@ -393,14 +405,7 @@ impl LinkWriter {
         if mismatch {
             hdr[2] = ABORT_MISMATCH;
         }
-        self.mid_frame = true;
-        let buf = &mut self.coalesce;
-        buf.clear();
-        buf.extend_from_slice(&hdr);
-        buf.extend_from_slice(payload);
-        self.half.write_all(buf).await?;
-        self.mid_frame = false;
-        Ok(())
+        self.write_raw(&hdr, payload, &mut Pacer::new()).await
     }
 
     /// [`LinkWriter::write_frame`], counting the work with `pace` ([LK-8](self#invariants)).
@@ -421,16 +426,28 @@ impl LinkWriter {
         };
         let hdr = encode_frame_header(kind, class, self.epoch, tag, payload.len() as u64, crc);
         crate::debug::DATA_MESSAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.write_raw(&hdr, payload, pace).await
+    }
+
+    /// Write `hdr` and `payload` as one frame: together in one `write` up to
+    /// [`COALESCE_LIMIT`], else [`SOCKET_UNIT`] at a time; `mid_frame` is set
+    /// while it is under way ([LK-4](self#invariants)).
+    async fn write_raw(
+        &mut self,
+        hdr: &[u8; FRAME_HEADER_LEN],
+        payload: &[u8],
+        pace: &mut Pacer,
+    ) -> std::io::Result<()> {
         self.mid_frame = true;
         if payload.len() <= COALESCE_LIMIT {
             let buf = &mut self.coalesce;
             buf.clear();
-            buf.extend_from_slice(&hdr);
+            buf.extend_from_slice(hdr);
             buf.extend_from_slice(payload);
             self.half.write_all(buf).await?;
             pace.account(buf.len()).await;
         } else {
-            self.half.write_all(&hdr).await?;
+            self.half.write_all(hdr).await?;
             for piece in payload.chunks(SOCKET_UNIT) {
                 self.half.write_all(piece).await?;
                 pace.account(piece.len()).await;
@@ -655,11 +672,7 @@ impl LinkReader {
                 expect(),
                 FrameClass::name(hdr[1]),
                 got_kind.map(FrameKind::name).unwrap_or("<invalid kind>"),
-                if got_kind == Some(FrameKind::Header) || kind == FrameKind::Header {
-                    "; do all ranks use the same CHORUS_CHECKS?"
-                } else {
-                    ""
-                }
+                checks_hint(hdr[0], kind)
             )));
         }
         // LK-9: the op's fingerprint, before any payload byte.

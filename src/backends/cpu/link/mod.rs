@@ -24,8 +24,8 @@ pub(crate) mod handshake;
 pub(crate) mod mesh;
 
 pub(crate) use frame::{
-    checksum_from_env, crc_field, encode_abort, fingerprint_mismatch, split_link, verify_crc,
-    FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto, Tag, FLAG_CRC,
+    checks_hint, checksum_from_env, crc_field, encode_abort, fingerprint_mismatch, split_link,
+    verify_crc, FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto, Tag, FLAG_CRC,
     MAX_HEADER_FRAME, WORK_UNIT,
 };
 pub(crate) use mesh::{connect_mesh, setup_shm};
