@@ -85,6 +85,7 @@ fn backend_direct(iters: usize) -> Vec<f64> {
                                 kind: OpKind::AllReduce,
                                 seq,
                                 fingerprint,
+                                headers: checks == Checks::Strict,
                                 may_block: true,
                                 order: Default::default(),
                             };

@@ -79,6 +79,7 @@ fn ctx(rank: usize, size: usize, kind: OpKind, seq: u64) -> OpCtx {
         kind,
         seq,
         fingerprint: 0,
+        headers: true,
         // These tests drive several ranks from one task: a wait must yield.
         may_block: false,
         order: Default::default(),

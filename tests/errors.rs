@@ -10,6 +10,9 @@ use chorus::transport::{MemoryStore, Store};
 use chorus::{
     new_comm, Checks, Comm, CommOptions, DType, Device, Error, P2POp, ReduceOp, Rendezvous, Tensor,
 };
+use common::mismatch::{
+    collective_mismatches, fingerprint, mismatch_reaches_every_rank, MismatchedOp,
+};
 use common::{opts, run_ranks, run_ranks_with};
 
 /// The strict checks these mismatch tests were written for: every rank
@@ -257,129 +260,41 @@ fn p2p_length_mismatch_errors_both_ends_and_comm_stays_usable() {
     });
 }
 
-/// How long a mismatch may take to reach every rank with fingerprint
-/// checks: in band at once, through a stall in about two heartbeat
-/// intervals (100 ms here), with room for a loaded CI machine.
-const MISMATCH_BOUND: Duration = Duration::from_secs(8);
-
-/// Fingerprint checks, heartbeats every 100 ms (the stall check rides on
-/// them), and an op timeout far above [`MISMATCH_BOUND`], so that a
-/// mismatch found by the timeout fails the test.
-fn fingerprint(_rank: usize, o: CommOptions) -> CommOptions {
-    o.with_checks(Checks::Fingerprint)
-        .with_heartbeat(Duration::from_millis(100), Duration::from_secs(20))
-        .with_timeout(Duration::from_secs(60))
-}
-
-/// On `size` ranks with fingerprint checks, every rank runs `op` (each with
-/// its own arguments) and then a barrier: on every rank the first of the
-/// two that fails fails with a fatal `Mismatch`, within [`MISMATCH_BOUND`],
-/// and the communicator is aborted after it.
-fn fingerprint_mismatch_reaches_every_rank(
-    size: usize,
-    name: &str,
-    op: impl Fn(&Comm) -> chorus::Result<()> + Send + Sync + 'static,
-) {
-    let what = name.to_string();
-    run_ranks_with(size, name, fingerprint, move |comm| {
-        let r = comm.rank();
-        let start = Instant::now();
-        let first = op(&comm).err().or_else(|| comm.barrier().err());
-        let e = first.unwrap_or_else(|| panic!("{what}, rank {r}: no error"));
-        assert!(
-            matches!(e, Error::Mismatch { fatal: true, .. }),
-            "{what}, rank {r}: {e}"
-        );
-        assert!(
-            start.elapsed() < MISMATCH_BOUND,
-            "{what}, rank {r}: took {:?}",
-            start.elapsed()
-        );
-        let e = comm.barrier().unwrap_err();
-        assert!(matches!(e, Error::Aborted { .. }), "{what}, rank {r}: {e}");
-    });
-}
-
 /// Every kind of mismatch the strict tests above cover, with fingerprint
 /// checks: found in band where a message of the op reaches a rank that
 /// runs another op, through the heartbeats where the ranks only wait for
 /// each other (the roots of a broadcast or gather).
 #[test]
 fn fingerprint_mismatches_fail_every_rank_with_mismatch_and_abort_the_comm() {
-    fingerprint_mismatch_reaches_every_rank(3, "fp-count", |c| {
-        let n = if c.rank() == 1 { 5 } else { 4 };
-        c.all_reduce(Tensor::full(1.0f32, n), ReduceOp::Sum)
-            .map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(3, "fp-count-large", |c| {
-        let n = if c.rank() == 1 { 8193 } else { 8192 };
-        c.all_reduce(Tensor::full(1.0f32, n), ReduceOp::Sum)
-            .map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(3, "fp-small-large", |c| {
-        let n = if c.rank() == 1 { 8192 } else { 4 };
-        c.all_gather(Tensor::full(1.0f32, n)).map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(4, "fp-dtype", |c| {
-        let d = if c.rank() == 3 {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        c.all_reduce(Tensor::zeros(d, 8), ReduceOp::Sum).map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(4, "fp-op", |c| {
-        let op = if c.rank() == 2 {
-            ReduceOp::Max
-        } else {
-            ReduceOp::Sum
-        };
-        c.all_reduce(Tensor::zeros(DType::I32, 8), op).map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(4, "fp-bcast-root", |c| {
-        let root = if c.rank() == 0 { 1 } else { 2 };
-        c.broadcast(Tensor::zeros(DType::I32, 8), root).map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(3, "fp-gather-root", |c| {
-        let root = if c.rank() == 0 { 0 } else { 1 };
-        c.gather(Tensor::full(1.0f32, 4), root).map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(4, "fp-reduce-root", |c| {
-        let root = if c.rank() == 0 { 1 } else { 2 };
-        c.reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum, root)
-            .map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(4, "fp-split-sizes", |c| {
-        let counts = if c.rank() == 0 {
-            vec![1, 1, 1, 1]
-        } else {
-            vec![2, 0, 1, 1]
-        };
-        c.reduce_scatter_v(Tensor::zeros(DType::I32, 4), &counts, ReduceOp::Sum)
-            .map(drop)
-    });
-    fingerprint_mismatch_reaches_every_rank(3, "fp-kind", |c| {
-        if c.rank() == 0 {
-            c.all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
-                .map(drop)
-        } else {
-            c.broadcast(Tensor::full(1.0f32, 4), 0).map(drop)
-        }
-    });
-    fingerprint_mismatch_reaches_every_rank(2, "fp-p2p-len", |c| {
-        if c.rank() == 0 {
-            c.send(Tensor::full(1i32, 10), 1).map(drop)
-        } else {
-            c.recv(Tensor::zeros(DType::I32, 9), 0).map(drop)
-        }
-    });
-    fingerprint_mismatch_reaches_every_rank(2, "fp-p2p-dtype", |c| {
-        if c.rank() == 0 {
-            c.send(Tensor::full(1i32, 4), 1).map(drop)
-        } else {
-            c.recv(Tensor::zeros(DType::F32, 4), 0).map(drop)
-        }
-    });
+    let backend = common::test_backend();
+    for (size, name, op) in collective_mismatches() {
+        mismatch_reaches_every_rank(&backend, size, name, op);
+    }
+    let p2p: Vec<(&str, MismatchedOp)> = vec![
+        (
+            "fp-p2p-len",
+            Box::new(|c: &Comm| {
+                if c.rank() == 0 {
+                    c.send(Tensor::full(1i32, 10), 1).map(drop)
+                } else {
+                    c.recv(Tensor::zeros(DType::I32, 9), 0).map(drop)
+                }
+            }),
+        ),
+        (
+            "fp-p2p-dtype",
+            Box::new(|c: &Comm| {
+                if c.rank() == 0 {
+                    c.send(Tensor::full(1i32, 4), 1).map(drop)
+                } else {
+                    c.recv(Tensor::zeros(DType::F32, 4), 0).map(drop)
+                }
+            }),
+        ),
+    ];
+    for (name, op) in p2p {
+        mismatch_reaches_every_rank(&backend, 2, name, op);
+    }
 }
 
 /// all_to_all keeps its size exchange with fingerprint checks (its split

@@ -471,6 +471,7 @@ fn failure_notice_of_an_older_epoch_is_rejected_by_the_new_epoch() {
                         by: 9,
                         failed_ranks: vec![1],
                         detail: "forged notice from an older epoch".into(),
+                        mismatch: false,
                     }
                     .encode(),
                 ),

@@ -43,6 +43,7 @@ struct Counters {
     freed_in_use: u64,
     in_use_allocs: u64,
     live_windows: u64,
+    mismatched_collectives: u64,
 }
 
 struct Fake {
@@ -1502,4 +1503,98 @@ fn nccl_window_wait_for_a_dead_peer_fails_and_frees_the_window() {
         "leaked after the peer died: {:?} (before {before:?})",
         f.counters()
     );
+}
+
+/// Control-link messages (cpu Header and Data frames) sent in this process
+/// while every rank runs `ops`, counted between two meetings of the rank
+/// threads, so no rank's earlier or later traffic is included.
+fn control_messages_during(
+    comm: &chorus::Comm,
+    meet: &std::sync::Barrier,
+    ops: impl FnOnce(&chorus::Comm),
+) -> usize {
+    meet.wait();
+    let before = chorus::debug::data_messages_sent();
+    meet.wait();
+    ops(comm);
+    meet.wait();
+    let after = chorus::debug::data_messages_sent();
+    meet.wait();
+    after - before
+}
+
+/// With fingerprint checks a collective launches with no host message: on
+/// 2 and 4 ranks, every collective (an async all_reduce among them) sends
+/// nothing on the control links, a barrier sends the dissemination
+/// barrier's N * ceil(log2 N) messages, and with strict checks the same
+/// all_reduce sends its N(N-1) headers (so the counter does see the
+/// control links).
+#[test]
+fn fingerprint_collectives_launch_with_no_control_message() {
+    let (_g, _f) = setup();
+    for flavor in flavors() {
+        for n in [2usize, 4] {
+            for checks in [chorus::Checks::Fingerprint, chorus::Checks::Strict] {
+                let meet = Arc::new(std::sync::Barrier::new(n));
+                let counts = run_ranks_on(
+                    flavor.name(),
+                    n,
+                    &format!("xf-launch-{n}-{checks:?}"),
+                    move |_, o| o.with_checks(checks),
+                    move |comm| {
+                        let r = comm.rank();
+                        let x = || input(DType::F32, r, 8);
+                        let async_ar = control_messages_during(&comm, &meet, |c| {
+                            let w = c.all_reduce_async(x(), ReduceOp::Sum);
+                            w.wait().unwrap();
+                        });
+                        let others = control_messages_during(&comm, &meet, |c| {
+                            c.broadcast(x(), 1).unwrap();
+                            c.reduce(x(), ReduceOp::Max, 0).unwrap();
+                            c.all_gather(x()).unwrap();
+                            c.reduce_scatter(input(DType::F32, r, 8 * n), ReduceOp::Sum)
+                                .unwrap();
+                            c.gather(x(), 0).unwrap();
+                            let parts = (r == 1).then(|| (0..n).map(|_| x()).collect());
+                            c.scatter(Tensor::zeros(DType::F32, 8), parts, 1).unwrap();
+                            c.all_reduce(input(DType::F32, r, 1 << 16), ReduceOp::Sum)
+                                .unwrap();
+                        });
+                        let barrier = control_messages_during(&comm, &meet, |c| {
+                            c.barrier().unwrap();
+                        });
+                        (async_ar, others, barrier)
+                    },
+                );
+                let (async_ar, others, barrier) = counts[0];
+                let rounds = n.next_power_of_two().trailing_zeros() as usize;
+                let what = format!("{} {checks:?} on {n} ranks", flavor.name());
+                if checks == chorus::Checks::Fingerprint {
+                    assert_eq!(async_ar, 0, "{what}: async all_reduce");
+                    assert_eq!(others, 0, "{what}: other collectives");
+                    assert_eq!(barrier, n * rounds, "{what}: barrier");
+                } else {
+                    assert_eq!(async_ar, n * (n - 1), "{what}: async all_reduce");
+                    assert_eq!(barrier, n * (n - 1), "{what}: barrier");
+                }
+            }
+        }
+    }
+}
+
+/// Every collective mismatch kind, with fingerprint checks, on the fake:
+/// the library is reached (NCCL has no check of its own; the fake hangs,
+/// as NCCL does when sizes disagree), and the heartbeats' stall and
+/// history checks end it as a fatal `Mismatch` on every rank within the
+/// bound the cpu backend meets.
+#[test]
+fn fingerprint_mismatches_reach_every_rank_through_the_heartbeats() {
+    let (_g, f) = setup();
+    let flavor = flavors()[0];
+    let before = f.counters().mismatched_collectives;
+    for (size, name, op) in common::mismatch::collective_mismatches() {
+        common::mismatch::mismatch_reaches_every_rank(flavor.name(), size, name, op);
+    }
+    let seen = f.counters().mismatched_collectives - before;
+    assert!(seen > 0, "no mismatched collective reached the fake");
 }

@@ -38,15 +38,16 @@
 //! | EX-1 | every request a turn receives completes exactly once (by the turn, or by the actor for a fatal outcome). |
 //! | EX-2 | after a fatal error (timeout, peer failure, desynchronised ranks, abort) the backend is aborted before anything else touches it, and no later turn runs. |
 //! | EX-3 | a non-fatal mismatch leaves the communicator usable: it is found before any payload moves. |
-//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background); a failure naming the rank that hosts the store (store on rank 0) does not wait at all, since the store died with it. When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead ([WD-5]). |
+//! | EX-4 | a peer failure this rank's backend found is published as the epoch's failure notice; the op adopts the notice that won when the store answers within `NOTICE_ADOPT`, and never waits longer for it (publishing goes on in the background); a failure naming the rank that hosts the store (store on rank 0) does not wait at all, since the store died with it. When no notice came and the store has been silent for several heartbeat rounds, the op completes with `StoreUnreachable` instead ([WD-5]). A fatal mismatch is published too, as a mismatch notice ([WD-8]); a peer failure that names no rank (a vendor library's remote error) reads the notice instead of publishing one, and a mismatch notice turns a peer failure into that `Mismatch`. |
 //! | EX-5 | the watchdog task is stopped before the backend is closed. |
 //! | EX-6 | sequence numbers are stamped when a turn starts, so they follow the order in which turns run, which is the order the actor started them. |
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
 //! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
-//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; it then carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
+//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; a point-to-point op skips its pairwise exchange only where the backend also checks in band or checks are off. [`OpCtx::headers`] says which happened. A skipping op carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
+//! [WD-8]: crate::actors::watchdog#invariants
 //! [BE-5]: crate::backends#invariants
 
 use std::sync::atomic::Ordering;
@@ -236,6 +237,11 @@ pub(crate) struct Core {
     /// The mode is not strict and the backend runs ops without the header
     /// exchange (EX-10): read once, from its capabilities.
     skip: bool,
+    /// Point-to-point ops skip their pairwise exchange too: `skip`, and
+    /// either the backend checks every message in band or checks are off
+    /// (a p2p op has no place in the op log, since its peers differ per
+    /// rank, so nothing else would find a size or dtype mismatch).
+    skip_p2p: bool,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -263,6 +269,9 @@ impl Core {
         Core {
             mem: backend.device_memory(),
             skip: info.checks != Checks::Strict && backend.capabilities().headerless_ops,
+            skip_p2p: info.checks != Checks::Strict
+                && backend.capabilities().headerless_ops
+                && (backend.capabilities().in_band_checks || info.checks == Checks::Off),
             p2p_seq: vec![0; info.size],
             info,
             backend,
@@ -322,6 +331,7 @@ impl Core {
             kind: req.kind,
             seq: req.seq,
             fingerprint: self.fingerprint(&req, signature),
+            headers: req.kind != OpKind::Window && !self.skips_headers(req.kind),
             may_block,
             order: crate::backends::StreamOrder {
                 // WK-4: a fence only for ops ordered with a stream.
@@ -389,7 +399,7 @@ impl Core {
                 TurnEnd::Done
             }
             Some(Err(e)) => {
-                let e = self.adopt_notice(e).await;
+                let e = self.adopt_notice(e, ctx.seq).await;
                 TurnEnd::Fatal(Box::new(Fatal {
                     cause: e.clone(),
                     error: e,
@@ -405,25 +415,53 @@ impl Core {
     /// close its links (because that survivor aborted after seeing the real
     /// failure) must not blame the survivor. A store that does not answer in
     /// time (it may be on the dead rank) delays nothing: publishing goes on
-    /// in the background.
-    pub(crate) async fn adopt_notice(&mut self, mut e: Error) -> Error {
+    /// in the background. A fatal mismatch is published too, marked as one
+    /// ([WD-8]); a peer failure that names no rank (a vendor library's
+    /// remote error) reads the notice instead, and a notice that says the
+    /// ranks issued different ops turns any peer failure into that
+    /// mismatch (`seq`: the op that failed, or the last one when idle).
+    ///
+    /// [WD-8]: super::watchdog#invariants
+    pub(crate) async fn adopt_notice(&mut self, mut e: Error, seq: u64) -> Error {
         tracing::warn!(error = %e, "fatal error; aborting communicator");
-        let (
+        let Some(w) = &self.watchdog else {
+            return e;
+        };
+        let config = w.config.clone();
+        let (failed_ranks, detail, op) = match &mut e {
+            Error::Mismatch {
+                fatal: true,
+                detail,
+                ..
+            } => {
+                let detail = detail.clone();
+                let publish = tokio::spawn(async move { config.publish_mismatch(detail).await });
+                let _ = tokio::time::timeout(NOTICE_ADOPT, publish).await;
+                return e;
+            }
             Error::PeerFailed {
                 failed_ranks,
                 detail,
                 op,
                 ..
-            },
-            Some(w),
-        ) = (&mut e, &self.watchdog)
-        else {
-            return e;
+            } => (failed_ranks, detail, *op),
+            _ => return e,
         };
         if failed_ranks.is_empty() {
-            return e;
+            let read = tokio::spawn(async move { config.notice().await });
+            return match tokio::time::timeout(NOTICE_ADOPT, read).await {
+                Ok(Ok(Some(n))) if n.mismatch => self.mismatch_notice(op, seq, detail, &n),
+                Ok(Ok(Some(n))) => {
+                    *detail = format!(
+                        "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                        n.by, n.failed_ranks, n.detail
+                    );
+                    *failed_ranks = n.failed_ranks;
+                    e
+                }
+                _ => e,
+            };
         }
-        let config = w.config.clone();
         let (ranks, text) = (failed_ranks.clone(), detail.clone());
         let down = config.clone();
         let host_lost = config.store_host.is_some_and(|h| failed_ranks.contains(&h));
@@ -436,6 +474,7 @@ impl Core {
             return e;
         }
         match tokio::time::timeout(NOTICE_ADOPT, publish).await {
+            Ok(Ok(Some(n))) if n.mismatch => self.mismatch_notice(op, seq, detail, &n),
             Ok(Ok(Some(n))) => {
                 if n.failed_ranks != *failed_ranks {
                     *detail = format!(
@@ -471,6 +510,32 @@ impl Core {
         }
     }
 
+    /// [WD-8]: the fatal mismatch a failure notice reports, for an op that
+    /// failed with a peer failure (`seen`) because a peer aborted over it.
+    ///
+    /// [WD-8]: super::watchdog#invariants
+    fn mismatch_notice(
+        &self,
+        op: &'static str,
+        seq: u64,
+        seen: &str,
+        n: &super::watchdog::Notice,
+    ) -> Error {
+        Error::Mismatch {
+            comm: self.info.name.clone(),
+            rank: self.info.rank,
+            op,
+            seq,
+            epoch: self.info.epoch,
+            detail: format!(
+                "the epoch's failure notice (from rank {}) says the ranks issued different ops: \
+                 {}; this rank saw: {seen}; the communicator is aborted",
+                n.by, n.detail
+            ),
+            fatal: true,
+        }
+    }
+
     /// EX-7: poll the backend for an error found while no op runs. `Some`
     /// is fatal.
     pub(crate) async fn poll_idle(&mut self) -> Option<Error> {
@@ -485,7 +550,7 @@ impl Core {
         };
         match self.backend.poll_async_error(&ctx) {
             Ok(()) => None,
-            Err(e) => Some(self.adopt_notice(e).await),
+            Err(e) => Some(self.adopt_notice(e, self.coll_seq.saturating_sub(1)).await),
         }
     }
 
@@ -564,8 +629,11 @@ impl Core {
     /// form's output sizes come from the headers; the split sizes of every
     /// form agree only pair by pair, and a zero-length block sends no
     /// message that could carry a check) or a window's creation or
-    /// release.
+    /// release; point-to-point by `skip_p2p`.
     fn skips_headers(&self, kind: OpKind) -> bool {
+        if kind == OpKind::P2P {
+            return self.skip_p2p;
+        }
         self.skip
             && !matches!(
                 kind,
@@ -622,7 +690,7 @@ impl Core {
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         if req.kind == OpKind::P2P {
-            if !self.skip {
+            if !self.skip_p2p {
                 self.p2p_headers(ctx, req).await?;
             }
         } else if !self.skips_headers(req.kind) {
@@ -1173,10 +1241,10 @@ mod tests {
             Some(crate::actors::watchdog::Watchdog::detached(config)),
         );
         let t0 = tokio::time::Instant::now();
-        let e = core.adopt_notice(peer_failed(0)).await;
+        let e = core.adopt_notice(peer_failed(0), 0).await;
         assert_eq!(t0.elapsed(), Duration::ZERO, "waited on a dead store");
         assert_eq!(e.failed_ranks(), [0]);
-        let e = core.adopt_notice(peer_failed(2)).await;
+        let e = core.adopt_notice(peer_failed(2), 0).await;
         assert_eq!(t0.elapsed(), super::NOTICE_ADOPT);
         assert_eq!(e.failed_ranks(), [2]);
     }

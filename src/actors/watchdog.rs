@@ -36,6 +36,12 @@
 //!   number ([`super::stall`]); a difference aborts the communicator with a
 //!   fatal [`Error::Mismatch`], like a peer failure. It costs no store
 //!   request of its own.
+//! - WD-8: a mismatch is also published as the epoch's failure notice
+//!   (marked as a mismatch, naming no failed rank) before this rank aborts;
+//!   a rank that reads such a notice fails its op with a fatal
+//!   [`Error::Mismatch`] and aborts, and a rank whose backend reports a
+//!   peer failure that names no rank (a vendor library's remote error)
+//!   adopts the notice's mismatch as the cause (the executor's EX-4).
 //! - WD-6: every peer heartbeat that was seen vanishing at once means the
 //!   epoch's keys were deleted (the next epoch formed without this rank, or
 //!   it is over): this rank declares itself out (`failed_ranks == [me]`) and
@@ -73,6 +79,9 @@ pub struct Notice {
     pub failed_ranks: Vec<usize>,
     /// What was observed.
     pub detail: String,
+    /// The ranks issued different ops: no rank failed, and `failed_ranks`
+    /// is empty.
+    pub mismatch: bool,
 }
 
 impl Notice {
@@ -83,6 +92,7 @@ impl Notice {
             by: self.by as u64,
             failed_ranks: ranks_out(&self.failed_ranks),
             detail: self.detail.clone(),
+            mismatch: self.mismatch,
         }
         .encode()
     }
@@ -95,6 +105,7 @@ impl Notice {
             by,
             failed_ranks,
             detail,
+            mismatch,
         } = Record::decode(raw)?
         else {
             return None;
@@ -104,6 +115,7 @@ impl Notice {
             by: usize::try_from(by).ok()?,
             failed_ranks: ranks_in(&failed_ranks)?,
             detail,
+            mismatch,
         })
     }
 }
@@ -206,12 +218,43 @@ impl WatchdogConfig {
     ///
     /// [WD-2]: self#invariants
     pub(crate) async fn publish(&self, failed_ranks: Vec<usize>, detail: String) -> Option<Notice> {
-        let mine = Notice {
+        self.publish_notice(Notice {
             epoch: self.epoch,
             by: self.rank,
             failed_ranks,
             detail,
-        };
+            mismatch: false,
+        })
+        .await
+    }
+
+    /// Publish that the ranks issued different ops ([WD-8]; first wins,
+    /// [WD-2]) and return the winning notice.
+    ///
+    /// [WD-2]: self#invariants
+    /// [WD-8]: self#invariants
+    pub(crate) async fn publish_mismatch(&self, detail: String) -> Option<Notice> {
+        self.publish_notice(Notice {
+            epoch: self.epoch,
+            by: self.rank,
+            failed_ranks: vec![],
+            detail,
+            mismatch: true,
+        })
+        .await
+    }
+
+    /// The epoch's failure notice, if one was published; `None` also when
+    /// the store did not answer within the heartbeat timeout.
+    pub(crate) async fn notice(&self) -> Option<Notice> {
+        let key = notice_key(&self.prefix);
+        match tokio::time::timeout(self.timeout, self.store.get(&key)).await {
+            Ok(Ok(Some(raw))) => Notice::parse(&raw, self.epoch),
+            _ => None,
+        }
+    }
+
+    async fn publish_notice(&self, mine: Notice) -> Option<Notice> {
         let key = notice_key(&self.prefix);
         let r = tokio::time::timeout(
             self.timeout,
@@ -306,6 +349,10 @@ enum Verdict {
     ///
     /// [WD-7]: self#invariants
     Mismatch(stall::Disagreement),
+    /// A peer published that the ranks issued different ops ([WD-8]).
+    ///
+    /// [WD-8]: self#invariants
+    MismatchNotice(Notice),
 }
 
 async fn run(
@@ -370,6 +417,10 @@ async fn run(
                 store_ok = Instant::now();
                 cfg.health.ok();
                 if let Some(n) = notice.and_then(|raw| Notice::parse(&raw, cfg.epoch)) {
+                    if n.mismatch {
+                        // WD-8: a peer found that the ranks issued different ops.
+                        break Some(Verdict::MismatchNotice(n));
+                    }
                     break Some(Verdict::Peers(
                         n.failed_ranks,
                         format!("failure notice from rank {}: {}", n.by, n.detail),
@@ -464,24 +515,51 @@ async fn run(
             }
         }
     };
+    // WD-7, WD-8: the op this rank runs (or the last it ran) fails with the
+    // mismatch, and the communicator is aborted.
+    let raise_mismatch = |fallback_seq: u64, detail: String| {
+        let info = &home.info;
+        let (seq, op) = cfg
+            .ops
+            .as_ref()
+            .and_then(|o| o.current())
+            .map_or((fallback_seq, "watchdog"), |(s, k)| (s, k.name()));
+        home.signal.raise(crate::error::Error::Mismatch {
+            comm: info.name.clone(),
+            rank: info.rank,
+            op,
+            seq,
+            epoch: info.epoch,
+            detail: format!("{detail}; the communicator is aborted"),
+            fatal: true,
+        });
+        let _ = actor.send_message(CommMsg::Abort { done: None });
+    };
     match verdict {
         Some(Verdict::Mismatch(d)) => {
-            let info = &home.info;
-            let (seq, op) = cfg
+            // WD-8: the notice goes out before the abort, so a peer whose
+            // library call fails because this rank's backend aborted
+            // finds the mismatch as the cause, not a peer failure. The
+            // store gets NOTICE_ADOPT; past that the notice is published
+            // in the background.
+            let publish = {
+                let cfg = cfg.clone();
+                let detail = d.detail.clone();
+                tokio::spawn(async move { cfg.publish_mismatch(detail).await })
+            };
+            let _ = tokio::time::timeout(super::executor::NOTICE_ADOPT, publish).await;
+            raise_mismatch(d.seq, d.detail);
+        }
+        Some(Verdict::MismatchNotice(n)) => {
+            let seq = cfg
                 .ops
                 .as_ref()
-                .and_then(|o| o.current())
-                .map_or((d.seq, "watchdog"), |(s, k)| (s, k.name()));
-            home.signal.raise(crate::error::Error::Mismatch {
-                comm: info.name.clone(),
-                rank: info.rank,
-                op,
+                .and_then(|o| o.latest())
+                .map_or(0, |(s, _)| s);
+            raise_mismatch(
                 seq,
-                epoch: info.epoch,
-                detail: format!("{}; the communicator is aborted", d.detail),
-                fatal: true,
-            });
-            let _ = actor.send_message(CommMsg::Abort { done: None });
+                format!("failure notice from rank {}: {}", n.by, n.detail),
+            );
         }
         Some(Verdict::Store(after, detail)) => {
             let info = &home.info;
@@ -533,6 +611,7 @@ mod tests {
             by: 1,
             failed_ranks: vec![2, 5],
             detail: "no heartbeat | really".into(),
+            mismatch: false,
         };
         let raw = n.encode();
         assert_eq!(Notice::parse(&raw, 3), Some(n));

@@ -227,6 +227,11 @@ pub struct OpCtx {
     /// nonzero means each message carries its own
     /// [`crate::checks::p2p_fingerprint`].
     pub fingerprint: u64,
+    /// Whether the header exchange ran for this op
+    /// ([`Backend::exchange_headers`]): every rank had reached it. When
+    /// false, a backend whose op relied on that for synchronisation (a
+    /// barrier that moves no data) must synchronise the ranks itself.
+    pub headers: bool,
     /// Whether the op may sleep in the kernel while it waits (a futex on a
     /// shared-memory ring). True when the turn runs on a thread that may
     /// block: a worker of Chorus's own runtime, or a caller blocked in a

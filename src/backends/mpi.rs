@@ -776,6 +776,7 @@ mod tests {
             kind: OpKind::AllGather,
             seq: 4,
             fingerprint: 0,
+            headers: true,
             may_block: false,
             order: Default::default(),
         };

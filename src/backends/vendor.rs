@@ -622,6 +622,7 @@ mod tests {
             kind,
             seq,
             fingerprint: 0,
+            headers: true,
             may_block: false,
             order: Default::default(),
         }

@@ -23,6 +23,9 @@ pub(crate) enum Record {
         failed_ranks: Vec<u64>,
         /// What was observed.
         detail: String,
+        /// The ranks issued different ops (no rank failed): the notice
+        /// ends the epoch with a mismatch.
+        mismatch: bool,
     },
     /// The membership decision that closes an epoch.
     Closed {
@@ -85,6 +88,14 @@ mod tests {
                 by: 1,
                 failed_ranks: vec![2, 0],
                 detail: "heartbeat | lost, with commas".into(),
+                mismatch: false,
+            },
+            Record::Notice {
+                epoch: 4,
+                by: 0,
+                failed_ranks: vec![],
+                detail: "ranks issued different ops".into(),
+                mismatch: true,
             },
             Record::Closed {
                 quorum: true,

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod memnet;
+pub mod mismatch;
 
 use std::sync::mpsc;
 use std::sync::Arc;

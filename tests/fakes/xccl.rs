@@ -113,6 +113,7 @@ struct Counters {
     freed_in_use: AtomicU64,
     windows_registered: AtomicU64,
     windows_released: AtomicU64,
+    mismatched_collectives: AtomicU64,
 }
 
 static COUNTERS: Counters = Counters {
@@ -135,6 +136,7 @@ static COUNTERS: Counters = Counters {
     freed_in_use: AtomicU64::new(0),
     windows_registered: AtomicU64::new(0),
     windows_released: AtomicU64::new(0),
+    mismatched_collectives: AtomicU64::new(0),
 };
 
 /// `trafficClass` as the last `ncclCommInitRankConfig`/`ncclCommSplit` saw
@@ -1064,15 +1066,33 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
             .unwrap_or_else(|p| p.into_inner())
             .0;
     }
-    let slot = st.colls.get_mut(&seq).expect("slot");
-    if slot.mismatch {
-        drop(st);
-        comm.fail(
-            NCCL_INVALID_USAGE,
-            "ranks issued different collectives".into(),
-        );
+    if st.colls.get(&seq).is_some_and(|s| s.mismatch) {
+        // NCCL has no check here: ranks that issued different collectives
+        // wait for bytes that never come (or, when the sizes happen to
+        // agree, compute garbage). The fake hangs, until this rank is
+        // aborted or a peer is, which is what Chorus must detect.
+        COUNTERS.mismatched_collectives.fetch_add(1, SeqCst);
+        while !comm.aborted.load(SeqCst) {
+            if let Some(d) = st.dead.iter().copied().find(|&d| d != comm.rank) {
+                drop(st);
+                comm.fail(
+                    NCCL_REMOTE_ERROR,
+                    format!(
+                        "rank {d} aborted while rank {} hung in a mismatched collective",
+                        comm.rank
+                    ),
+                );
+                return;
+            }
+            st = cl
+                .cv
+                .wait_timeout(st, RECHECK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
         return;
     }
+    let slot = st.colls.get_mut(&seq).expect("slot");
     let ins: Vec<&[u8]> = slot
         .inputs
         .iter()
@@ -2107,6 +2127,9 @@ pub struct FakeCounters {
     /// Windows registered and not yet deregistered (nor released by an
     /// abort or destroy of their communicator).
     pub live_windows: u64,
+    /// Collectives whose ranks disagreed (kind, count, dtype, op or root);
+    /// each rank of one counts once, and hangs until aborted.
+    pub mismatched_collectives: u64,
 }
 
 #[no_mangle]
@@ -2135,6 +2158,7 @@ pub unsafe extern "C" fn fake_xccl_counters(out: *mut FakeCounters) {
         freed_in_use: c.freed_in_use.load(SeqCst),
         in_use_allocs: lock(&IN_USE).len() as u64,
         live_windows: c.windows_registered.load(SeqCst) - c.windows_released.load(SeqCst),
+        mismatched_collectives: c.mismatched_collectives.load(SeqCst),
     };
 }
 

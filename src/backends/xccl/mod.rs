@@ -37,9 +37,15 @@
 //! - XC-5: after an error the communicator is unusable until `abort`
 //!   ([BE-2]), which calls `ncclCommAbort`; `Drop` aborts (never destroys,
 //!   which could block) and never panics.
-//! - XC-6: header exchange, abort notices and finalize run over a
-//!   [`CpuBackend`] control mesh, so mismatch detection is the same as on
-//!   every other backend.
+//! - XC-6: abort notices, finalize, barriers and (with strict checks, or
+//!   for ops that always exchange them) op headers run over a
+//!   [`CpuBackend`] control mesh. With fingerprint checks a collective
+//!   launches with no message on it: NCCL cannot carry a fingerprint in its
+//!   data, so a mismatch (which hangs the op, or gives wrong results) is
+//!   found off the critical path by the heartbeats' stall and history
+//!   checks (`crate::actors`' op log) and aborts every rank with
+//!   `Mismatch`. Point-to-point keeps its pairwise exchange, since the op
+//!   log cannot see it.
 //! - XC-7: while no op runs, the executor polls `ncclCommGetAsyncError`
 //!   ([BE-3]): an error NCCL finds between ops (a lost peer, a device fault)
 //!   aborts the communicator and reaches `health()` without waiting for the
@@ -1664,6 +1670,16 @@ impl Backend for XcclBackend {
 
     async fn execute(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         self.usable()?;
+        if matches!(data, OpData::Barrier) {
+            // XC-6: a barrier moves no data. After a header exchange the
+            // ranks have met already; without one the control links
+            // synchronise them (ceil(log2 N) rounds, fingerprinted).
+            return if ctx.headers {
+                Ok(())
+            } else {
+                self.ctrl.execute(ctx, data).await
+            };
+        }
         // Reject unsupported reductions before touching the device (XP-3).
         if let (dt, Some(op)) = op_of(data) {
             if on_device(data) {
@@ -1752,10 +1768,11 @@ impl Backend for XcclBackend {
             },
             elastic: true,
             in_place_all_gather: false,
+            // NCCL's messages cannot carry a fingerprint; a mismatch hangs
+            // the op or gives wrong results, which the heartbeats' stall
+            // and history checks find (XC-6).
             in_band_checks: false,
-            // Not yet: the library's ops back to back without the header
-            // exchange failed the shared suite (docs/backends.md, "Control mesh").
-            headerless_ops: false,
+            headerless_ops: true,
         }
     }
 

@@ -864,6 +864,7 @@ mod tests {
             kind: crate::backends::OpKind::Broadcast,
             seq: 4,
             fingerprint: 0,
+            headers: true,
             may_block: false,
             order: Default::default(),
         }

@@ -131,6 +131,7 @@ pub(crate) async fn setup_shm(
         kind: crate::op::OpKind::Barrier,
         seq: SHM_SETUP_SEQ,
         fingerprint: 0,
+        headers: true,
         may_block: false,
         order: Default::default(),
     };
