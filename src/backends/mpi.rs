@@ -444,8 +444,10 @@ impl VendorComm for MpiComm {
         elastic: false,
         in_place_all_gather: false,
         in_band_checks: false,
-        // Not yet: the library's ops back to back without the header
-        // exchange failed the shared suite (docs/backends.md, "Control mesh").
+        // The exchange stays, as a guard: with its default error handler
+        // (MPI_ERRORS_ARE_FATAL) Open MPI ends the job on MPI_ERR_TRUNCATE,
+        // so ranks whose sizes disagree must be stopped before MPI is
+        // called (docs/backends.md, "Control mesh").
         headerless_ops: false,
     };
 

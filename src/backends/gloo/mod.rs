@@ -511,8 +511,10 @@ impl VendorComm for GlooComm {
         elastic: true,
         in_place_all_gather: false,
         in_band_checks: false,
-        // Not yet: the library's ops back to back without the header
-        // exchange failed the shared suite (docs/backends.md, "Control mesh").
+        // The exchange stays, as a guard: Gloo's TCP pair calls
+        // std::terminate when a message is longer than the receive posted
+        // for it, so ranks whose sizes disagree must be stopped before
+        // Gloo is called (docs/backends.md, "Control mesh").
         headerless_ops: false,
     };
 
