@@ -1099,3 +1099,18 @@ fn reduce_premul_sum_leaves_the_non_root_input_unchanged_world_2() {
         );
     });
 }
+
+/// Every collective mismatch kind, with fingerprint checks, on the backend
+/// under test: on every rank the op, or the barrier after it, fails with
+/// `Mismatch` within the bound. On cpu it is found in the op's messages or
+/// through the heartbeats, on nccl/rccl through the heartbeats (fatal: the
+/// communicator is aborted); gloo and mpi keep the header exchange, so
+/// there it is found before the library is called and the communicator
+/// stays usable. Under mpirun only the cases for the job's size run.
+#[test]
+fn fingerprint_mismatches_end_as_mismatch_on_every_rank() {
+    let backend = common::test_backend();
+    for (size, name, op) in common::mismatch::collective_mismatches() {
+        common::mismatch::mismatch_reaches_every_rank(&backend, size, name, op);
+    }
+}
