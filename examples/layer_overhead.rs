@@ -9,7 +9,9 @@
 //! cargo run --release --example layer_overhead [iters]
 //! ```
 //!
-//! Prints the median time per op of each layer for 8 B, 64 KiB and 1 MiB.
+//! Prints the median time per op of each layer for 8 B, 64 KiB and 1 MiB,
+//! and of the same blocking op on a world of one rank (the layers alone:
+//! that backend moves nothing).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -237,38 +239,65 @@ fn through_comm(iters: usize) -> Vec<f64> {
     max_median(&res)
 }
 
+/// The layers alone: the same blocking all_reduce on a world of one rank,
+/// where the backend moves nothing, so what is timed is the `Comm`, the
+/// ordering gate, the turn, hooks and flight recorder, and the completion.
+fn world_of_one(iters: usize) -> Vec<f64> {
+    let comm = new_comm("cpu", Device::Cpu, "layers-one", CommOptions::single()).expect("new_comm");
+    let per_size = SIZES
+        .iter()
+        .map(|bytes| {
+            let mut t = Tensor::zeros(chorus::DType::F32, bytes / 4);
+            let mut times = Vec::with_capacity(iters);
+            for i in 0..iters + 10 {
+                let start = Instant::now();
+                t = comm.all_reduce(t, ReduceOp::Sum).expect("all_reduce");
+                if i >= 10 {
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+            median(times)
+        })
+        .collect();
+    comm.finalize().expect("finalize");
+    per_size
+}
+
 fn main() {
     let iters: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(200);
     // Interleave the layers so machine load hits them alike.
-    let (mut direct, mut comm, mut own, mut callers) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut direct, mut comm, mut own, mut callers, mut one) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
+        one.push(world_of_one(iters));
         direct.push(backend_direct(iters));
         comm.push(through_comm(iters));
         own.push(awaited(iters, false));
         callers.push(awaited(iters, true));
     }
     println!(
-        "{:>10} {:>13} {:>11} {:>13} {:>15} {:>11} {:>11}",
+        "{:>10} {:>13} {:>11} {:>13} {:>15} {:>11} {:>11} {:>13}",
         "bytes",
         "backend (us)",
         "block (us)",
         "await, own rt",
         "await, caller's",
         "own/block",
-        "caller/block"
+        "caller/block",
+        "world of 1"
     );
     let med = |v: &[Vec<f64>], s: usize| median(v.iter().map(|v| v[s]).collect()) * 1e6;
     for (s, bytes) in SIZES.iter().enumerate() {
         let (d, c) = (med(&direct, s), med(&comm, s));
         let (a, b) = (med(&own, s), med(&callers, s));
         println!(
-            "{bytes:>10} {d:>13.2} {c:>11.2} {a:>13.2} {b:>15.2} {:>11.2} {:>11.2}",
+            "{bytes:>10} {d:>13.2} {c:>11.2} {a:>13.2} {b:>15.2} {:>11.2} {:>11.2} {:>13.2}",
             a / c,
-            b / c
+            b / c,
+            med(&one, s)
         );
     }
 }

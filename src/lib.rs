@@ -471,3 +471,16 @@ pub(crate) async fn start_with_backend(
     });
     Ok(Comm::from_shared(shared))
 }
+
+/// `span`, or [`tracing::Span::none`] when no subscriber wants it. A
+/// disabled span still does work on every enter and exit of an
+/// instrumented future (tracing's `log` compatibility, which quinn's `log`
+/// feature turns on, checks the `log` crate each time); `Span::none` does
+/// none, which matters on the per-op path.
+pub(crate) fn active_span(span: tracing::Span) -> tracing::Span {
+    if span.is_disabled() {
+        tracing::Span::none()
+    } else {
+        span
+    }
+}

@@ -51,6 +51,7 @@
 //! [BE-5]: crate::backends#invariants
 
 use std::sync::atomic::Ordering;
+use std::task::Poll;
 use std::time::Duration;
 
 use tracing::Instrument;
@@ -347,8 +348,15 @@ impl Core {
             completer: Some(completer),
         };
         let bytes = req.count * req.dtype.size();
-        let span = tracing::debug_span!("op", op = req.kind.name(), seq = req.seq, bytes);
+        let span = crate::active_span(tracing::debug_span!(
+            "op",
+            op = req.kind.name(),
+            seq = req.seq,
+            bytes
+        ));
         let timeout = req.timeout;
+        // Read before the op runs: the timeout counts from here.
+        let start = tokio::time::Instant::now();
         // EX-10: the stall check sees this op while it runs.
         let log = self
             .watchdog
@@ -359,21 +367,36 @@ impl Core {
             l.begin(ctx.seq, signature, ctx.kind);
         }
         let outcome = {
-            let fut = self.run_inner(&ctx, &mut req).instrument(span);
-            tokio::select! {
-                biased;
-                _ = signal.raised() => None,
-                r = tokio::time::timeout(timeout, fut) => Some(match r {
-                    Ok(r) => r,
-                    Err(_) => Err(Error::Timeout {
-                        comm: ctx.comm.clone(),
-                        rank: ctx.rank,
-                        op: ctx.kind.name(),
-                        seq: ctx.seq,
-                        epoch: ctx.epoch,
-                        after: timeout,
+            let mut fut = std::pin::pin!(self.run_inner(&ctx, &mut req).instrument(span));
+            // An op that finishes in its first poll (a small op, or one on a
+            // thread that may block) needs neither the abort signal's waker
+            // nor a timer: both are armed only if it has to wait. An abort
+            // asked for before the turn still wins over the op.
+            if signal.is_raised() {
+                None
+            } else if let Poll::Ready(r) = futures::poll!(fut.as_mut()) {
+                Some(r)
+            } else {
+                // As `tokio::time::timeout` does with a duration too long
+                // for the clock: no deadline.
+                let deadline = start
+                    .checked_add(timeout)
+                    .unwrap_or_else(|| start + Duration::from_secs(86_400 * 365 * 30));
+                tokio::select! {
+                    biased;
+                    _ = signal.raised() => None,
+                    r = tokio::time::timeout_at(deadline, fut) => Some(match r {
+                        Ok(r) => r,
+                        Err(_) => Err(Error::Timeout {
+                            comm: ctx.comm.clone(),
+                            rank: ctx.rank,
+                            op: ctx.kind.name(),
+                            seq: ctx.seq,
+                            epoch: ctx.epoch,
+                            after: timeout,
+                        }),
                     }),
-                }),
+                }
             }
         };
         if let Some(l) = &log {

@@ -248,7 +248,9 @@ impl CpuBackend {
         op: ReduceOp,
     ) -> Result<()> {
         let bytes = dst.len_bytes();
-        let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes);
+        let span = crate::active_span(
+            tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes),
+        );
         self.enter(ctx)?;
         let r = self
             .schedule_inner(ctx, schedule, src, dst, op)
@@ -1269,7 +1271,9 @@ impl CpuBackend {
         }
         if let OpData::P2P { ops } = data {
             let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();
-            let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes);
+            let span = crate::active_span(
+                tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes),
+            );
             return self.p2p_inner(ctx, ops, p2p_done).instrument(span).await;
         }
         let Some(plan) = self.op_buffers(data)? else {
@@ -1283,7 +1287,9 @@ impl CpuBackend {
             copy_out,
         } = plan;
         let bytes = dst.len_bytes();
-        let span = tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len());
+        let span = crate::active_span(
+            tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len()),
+        );
         self.schedule_inner(ctx, &schedule, src, dst, op)
             .instrument(span)
             .await?;
