@@ -19,8 +19,10 @@
 //!
 //! Store keys are scoped by communicator name, instance and epoch
 //! (`chorus/<job>/<name>/<instance>/epoch/<epoch>/…`), where `instance` counts the
-//! communicators of that name this rank created — never a process-wide
-//! counter, so ranks that create different subgroups stay in step.
+//! calls to create a communicator of that name on this rank, failed ones
+//! included (a call takes its number before anything can fail) — never a
+//! process-wide counter, so ranks that create different subgroups, or
+//! whose call failed on one rank only, stay in step.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};

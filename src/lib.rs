@@ -169,7 +169,6 @@ pub use work::{DeviceStream, FenceSlot, StreamFence, Work};
 /// [`Error::PeerFailed`] if a peer never connects; [`Error::WouldBlock`] on
 /// a current-thread tokio runtime.
 pub fn new_comm(backend: &str, device: Device, name: &str, options: CommOptions) -> Result<Comm> {
-    backends::check_name(backend)?;
     let (backend, name) = (backend.to_string(), name.to_string());
     let rt = runtime::handle_for(&options);
     runtime::block_on("new_comm", &rt, create(backend, device, name, options))?
@@ -199,6 +198,13 @@ async fn create(
     options: CommOptions,
 ) -> Result<Comm> {
     let (rank, size) = bootstrap::rank_size(&options)?;
+    // Every call takes its instance number first, whether or not it fails
+    // on this rank: a call that fails here alone (an unknown backend, a
+    // device the backend cannot use, a store it cannot reach) must not
+    // leave this rank's count behind its peers', whose next communicator
+    // of this name would then wait under other keys than this rank's.
+    let instance = bootstrap::next_instance(&name, rank, size);
+    backends::check_name(&backend)?;
     options::check_env()?;
     hints::Hints::parse(options.hints.clone(), &name, rank)?;
     if let Err(reason) = backends::check_device(&backend, device) {
@@ -229,7 +235,6 @@ async fn create(
     )
     .await?;
     drop(_g);
-    let instance = bootstrap::next_instance(&name, rank, size);
     let job = if connected.shared {
         let role = if rank == 0 {
             bootstrap::JobRole::Rank0

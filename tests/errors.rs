@@ -490,3 +490,40 @@ fn distinct_communicators_share_one_store_without_interfering() {
         assert_eq!((x, y, z), (vec![2, 2], vec![20, 20], vec![200, 200]));
     }
 }
+
+/// A `new_comm` that fails on one rank alone (here an unknown backend)
+/// still takes its instance number there, so the ranks' next
+/// communicator of that name meets under the same store keys instead of
+/// each waiting for the other under its own.
+#[test]
+fn a_new_comm_failing_on_one_rank_keeps_the_next_one_in_step() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let (tx, rx) = std::sync::mpsc::channel();
+    for rank in 0..2 {
+        let (store, tx) = (store.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let quick = opts(&store, rank, 2).with_connect_timeout(Duration::from_millis(500));
+            let backend = if rank == 1 { "no-such-backend" } else { "cpu" };
+            let first = new_comm(backend, Device::Cpu, "in-step", quick).map(drop);
+            let second =
+                new_comm("cpu", Device::Cpu, "in-step", opts(&store, rank, 2)).and_then(|c| {
+                    let out = c.all_reduce(Tensor::full(1.0f32, 2), ReduceOp::Sum)?;
+                    c.finalize()?;
+                    Ok(out.to_vec::<f32>())
+                });
+            let _ = tx.send((rank, first, second));
+        });
+    }
+    drop(tx);
+    for _ in 0..2 {
+        let (rank, first, second) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a rank hung");
+        assert!(first.is_err(), "rank {rank}: the first new_comm succeeded");
+        assert_eq!(
+            second.expect("second new_comm"),
+            vec![2.0; 2],
+            "rank {rank}"
+        );
+    }
+}
