@@ -205,6 +205,7 @@ async fn create(
     // of this name would then wait under other keys than this rank's.
     let instance = bootstrap::next_instance(&name, rank, size);
     backends::check_name(&backend)?;
+    bootstrap::raise_fd_limit();
     options::check_env()?;
     hints::Hints::parse(options.hints.clone(), &name, rank)?;
     if let Err(reason) = backends::check_device(&backend, device) {

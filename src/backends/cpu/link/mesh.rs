@@ -15,6 +15,13 @@
 //!   continues, so a stranger cannot break setup.
 //! - LK-2: setup finishes within `connect_timeout` (plus a short grace), with
 //!   `PeerFailed` naming the ranks that never connected when it does not.
+//! - LK-10: a failed accept pauses accepting (5 ms, doubling to 500 ms)
+//!   instead of spinning; when setup then runs out of time and an accept
+//!   failed because this process had no file descriptor left, the error is
+//!   `Config`, saying so and naming the limit, not `PeerFailed` blaming
+//!   peers that tried to connect. (The process's soft open-file limit is
+//!   raised to its hard limit when the first communicator is created,
+//!   `crate::bootstrap::raise_fd_limit`.)
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -40,6 +47,50 @@ const SETUP_GRACE: Duration = Duration::from_millis(250);
 const HANDSHAKE_BOUND: Duration = Duration::from_secs(5);
 /// Pause between connection attempts to a published address.
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
+/// The first pause of accepting after a failed accept (LK-10).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(5);
+/// The longest pause of accepting after failed accepts (LK-10).
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_millis(500);
+
+/// LK-10: how long accepting pauses after each failed accept, and the
+/// last failure that said this process was out of file descriptors
+/// (`EMFILE`, `ENFILE`). O(1).
+#[derive(Debug)]
+struct AcceptBackoff {
+    next: Duration,
+    out_of_fds: Option<std::io::Error>,
+}
+
+impl Default for AcceptBackoff {
+    fn default() -> AcceptBackoff {
+        AcceptBackoff {
+            next: ACCEPT_BACKOFF,
+            out_of_fds: None,
+        }
+    }
+}
+
+impl AcceptBackoff {
+    /// An accept failed with `e`: how long to pause before the next one.
+    fn failed(&mut self, e: std::io::Error) -> Duration {
+        if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
+            self.out_of_fds = Some(e);
+        }
+        let pause = self.next;
+        self.next = (self.next * 2).min(ACCEPT_BACKOFF_MAX);
+        pause
+    }
+
+    /// An accept succeeded: the next failure pauses briefly again.
+    fn succeeded(&mut self) {
+        self.next = ACCEPT_BACKOFF;
+    }
+
+    /// The last accept failure for want of file descriptors, if any.
+    fn out_of_fds(&self) -> Option<&std::io::Error> {
+        self.out_of_fds.as_ref()
+    }
+}
 
 /// The store key under which `rank` publishes its listener address.
 pub(crate) fn addr_key(prefix: &str, rank: usize) -> String {
@@ -341,11 +392,20 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
     };
     let give_up = tokio::time::sleep_until(deadline + SETUP_GRACE);
     tokio::pin!(give_up);
+    // LK-10: after a failed accept (out of file descriptors, most often),
+    // accepting pauses, for ACCEPT_BACKOFF doubling up to its cap, instead
+    // of failing again at once for the rest of the connect timeout.
+    let mut backoff = AcceptBackoff::default();
+    let resume = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(resume);
+    let mut paused = false;
     while !missing(&streams).is_empty() {
         let need_accept = streams[me + 1..].iter().any(Option::is_none);
         tokio::select! {
-            acc = listener.accept(), if need_accept => match acc {
+            _ = &mut resume, if paused => paused = false,
+            acc = listener.accept(), if need_accept && !paused => match acc {
                 Ok((mut stream, from)) => {
+                    backoff.succeeded();
                     let auth = auth.clone();
                     accepting.push(async move {
                         let r = tokio::time::timeout(
@@ -359,7 +419,12 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
                         (from, stream, r)
                     });
                 }
-                Err(e) => tracing::debug!(error = %e, "accept failed"),
+                Err(e) => {
+                    tracing::warn!(rank = me, error = %e, "accept failed; pausing accepts");
+                    let pause = backoff.failed(e);
+                    resume.as_mut().reset(tokio::time::Instant::now() + pause);
+                    paused = true;
+                }
             },
             Some(res) = connects.next(), if !connects.is_empty() => {
                 let (peer, stream) = res?;
@@ -384,6 +449,20 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
             }
             _ = &mut give_up => {
                 let failed = missing(&streams);
+                // This rank could not take connections: say so, rather than
+                // blaming peers that may well have tried.
+                if let Some(e) = backoff.out_of_fds() {
+                    return Err(Error::Config(format!(
+                        "communicator {:?}, rank {me}: data links to ranks {failed:?} were not \
+                         established within {:?} because this process ran out of file \
+                         descriptors ({e}; open-file limit {}); raise it (`ulimit -n`) or run \
+                         fewer ranks per host",
+                        init.comm,
+                        init.connect_timeout,
+                        crate::bootstrap::fd_limit()
+                            .map_or_else(|| "unknown".to_string(), |(soft, _)| soft.to_string()),
+                    )));
+                }
                 return Err(Error::PeerFailed {
                     comm: init.comm.clone(),
                     rank: me,
@@ -402,4 +481,35 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
     drop(listener);
     tracing::debug!(rank = me, size, elapsed = ?start.elapsed(), "data-link mesh connected");
     Ok(streams)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lk10_failed_accepts_pause_doubling_to_a_cap_and_a_success_resets() {
+        let mut b = AcceptBackoff::default();
+        let other = || std::io::Error::from_raw_os_error(libc::ECONNABORTED);
+        let pauses: Vec<u64> = (0..9)
+            .map(|_| b.failed(other()).as_millis() as u64)
+            .collect();
+        assert_eq!(pauses, [5, 10, 20, 40, 80, 160, 320, 500, 500]);
+        assert!(
+            b.out_of_fds().is_none(),
+            "ECONNABORTED is not fd exhaustion"
+        );
+        b.succeeded();
+        assert_eq!(b.failed(other()), ACCEPT_BACKOFF);
+    }
+
+    #[test]
+    fn lk10_fd_exhaustion_is_remembered_for_the_error() {
+        for errno in [libc::EMFILE, libc::ENFILE] {
+            let mut b = AcceptBackoff::default();
+            b.failed(std::io::Error::from_raw_os_error(errno));
+            b.failed(std::io::Error::from_raw_os_error(libc::ECONNABORTED));
+            assert_eq!(b.out_of_fds().and_then(|e| e.raw_os_error()), Some(errno));
+        }
+    }
 }
