@@ -34,6 +34,8 @@ const SLACK: Duration = Duration::from_secs(3);
 #[derive(Default)]
 struct Faults {
     mute_heartbeats: AtomicBool,
+    /// Heartbeat reads this rank made (`get` of a `/hb/` key).
+    heartbeat_reads: std::sync::atomic::AtomicUsize,
     partitioned: AtomicBool,
     /// The shared store, unwrapped (to forge keys).
     store: std::sync::Mutex<Option<Arc<dyn Store>>>,
@@ -68,6 +70,9 @@ impl Store for FaultyStore {
     }
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
         self.check()?;
+        if key.contains("/hb/") {
+            self.faults.heartbeat_reads.fetch_add(1, Ordering::Relaxed);
+        }
         self.inner.get(key).await
     }
     async fn wait(
@@ -207,6 +212,57 @@ fn hung_rank_without_heartbeats_fails_every_survivor_with_peer_failed_then_recon
         Some(map.size)
     });
     assert_eq!(out, vec![Some(3), Some(3), None, Some(3)]);
+}
+
+/// On 8 ranks each rank reads only its four ring neighbours' heartbeats,
+/// yet a hung rank is reported to every survivor, watcher or not (the
+/// others through the failure notice), naming it, within the bound.
+#[test]
+fn a_hung_rank_among_eight_reaches_every_survivor_while_each_reads_four_heartbeats() {
+    const HUNG: usize = 5;
+    let out = run_faulty(8, "hang-8", |comm, faults| {
+        let r = comm.rank();
+        comm.barrier().unwrap();
+        let reads0 = faults.heartbeat_reads.load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        if r == HUNG {
+            faults.mute_heartbeats.store(true, Ordering::Release);
+            wait_inactive(&comm);
+            return None;
+        }
+        let (e, took) = reduce_until_error(&comm);
+        let reads = faults.heartbeat_reads.load(Ordering::Relaxed) - reads0;
+        let rounds = t0.elapsed().as_secs_f64() / HB.as_secs_f64();
+        match &e {
+            Error::PeerFailed { failed_ranks, .. } => {
+                assert_eq!(failed_ranks, &vec![HUNG], "rank {r}: {e}")
+            }
+            other => panic!("rank {r}: expected PeerFailed, got {other}"),
+        }
+        assert!(
+            took < HB_TIMEOUT + SLACK,
+            "rank {r}: detected after {took:?}"
+        );
+        // Four heartbeats a round, and a round or two of slack for the
+        // rounds that were under way at either end of the measurement.
+        assert!(
+            reads as f64 <= 4.0 * (rounds + 2.0),
+            "rank {r}: {reads} heartbeat reads in {rounds:.1} rounds"
+        );
+        Some(failed_ranks_of(&e))
+    });
+    for (r, o) in out.iter().enumerate() {
+        if r != HUNG {
+            assert_eq!(o.as_deref(), Some(&[HUNG][..]), "rank {r}");
+        }
+    }
+}
+
+fn failed_ranks_of(e: &Error) -> Vec<usize> {
+    match e {
+        Error::PeerFailed { failed_ranks, .. } => failed_ranks.clone(),
+        _ => vec![],
+    }
 }
 
 /// A lent turn that can never finish is fatal: rank 0 issues an

@@ -4,7 +4,7 @@
 //! task, owned by the communicator's executor. Each `heartbeat_interval` it
 //! writes its heartbeat counter (followed, with fingerprint checks, by what
 //! [`super::stall`] announces: WD-7) to `<prefix>/hb/<rank>` and reads its
-//! peers' and the communicator's failure notice `<prefix>/failed` (the
+//! watched neighbours' (WD-9) and the communicator's failure notice `<prefix>/failed` (the
 //! prefix is `chorus/<name>/<instance>/epoch/<epoch>`, so every key is
 //! stamped with the epoch). A peer whose counter did not advance for
 //! `heartbeat_timeout` is declared failed: the watchdog publishes a failure
@@ -42,6 +42,15 @@
 //!   [`Error::Mismatch`] and aborts, and a rank whose backend reports a
 //!   peer failure that names no rank (a vendor library's remote error)
 //!   adopts the notice's mismatch as the cause (the executor's EX-4).
+//! - WD-9: a rank reads the heartbeats of its nearest neighbours only
+//!   ([`watched`]: two on each side around the ring of ranks), plus the
+//!   failure notice, so a round costs each rank at most six store requests
+//!   whatever the size of the job, O(N) for the whole job. A failed rank
+//!   is declared by the ranks that watch it (within `heartbeat_timeout`
+//!   and one interval); the others learn it from the notice on their next
+//!   round. The stall and history checks (WD-7) compare along the same
+//!   neighbours, which is enough: if every rank agrees with its neighbours
+//!   on an op, all ranks agree on it.
 //! - WD-6: every peer heartbeat that was seen vanishing at once means the
 //!   epoch's keys were deleted (the next epoch formed without this rank, or
 //!   it is over): this rank declares itself out (`failed_ranks == [me]`) and
@@ -337,6 +346,28 @@ impl Watchdog {
     }
 }
 
+/// How far each way around the ring of ranks a rank watches ([WD-9]).
+///
+/// [WD-9]: self#invariants
+const WATCH_RADIUS: usize = 2;
+
+/// The ranks whose heartbeats rank `me` of `size` reads ([WD-9]): the
+/// nearest [`WATCH_RADIUS`] on each side around the ring of ranks, so every
+/// rank is watched by as many others, and a job of up to
+/// `2 * WATCH_RADIUS + 1` ranks watches every peer. Ascending; O(1) in
+/// `size`.
+///
+/// [WD-9]: self#invariants
+pub(crate) fn watched(me: usize, size: usize) -> Vec<usize> {
+    let mut w: Vec<usize> = (1..=WATCH_RADIUS.min(size / 2))
+        .flat_map(|d| [(me + d) % size, (me + size - d) % size])
+        .filter(|&p| p != me)
+        .collect();
+    w.sort_unstable();
+    w.dedup();
+    w
+}
+
 /// Why a watchdog ended the communicator.
 enum Verdict {
     /// These ranks failed.
@@ -371,8 +402,10 @@ async fn run(
     let nkey = notice_key(&cfg.prefix);
     let start = Instant::now();
     let mut last: Vec<(Option<Vec<u8>>, Instant)> = vec![(None, start); cfg.size];
-    let mut done = vec![false; cfg.size];
-    done[me] = true;
+    // WD-9: only the watched neighbours' heartbeats are read; the others
+    // count as done from the start, so they are neither fetched nor judged.
+    let watched = watched(me, cfg.size);
+    let mut done: Vec<bool> = (0..cfg.size).map(|p| !watched.contains(&p)).collect();
     let mut store_ok = start;
     let mut counter: u64 = 0;
     let mut tick = tokio::time::interval(cfg.interval);
@@ -603,6 +636,30 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wd9_each_rank_watches_its_ring_neighbours_and_is_watched_as_often() {
+        assert_eq!(watched(0, 1), Vec::<usize>::new());
+        assert_eq!(watched(0, 2), vec![1]);
+        assert_eq!(watched(1, 3), vec![0, 2]);
+        assert_eq!(watched(2, 5), vec![0, 1, 3, 4]);
+        assert_eq!(watched(0, 4096), vec![1, 2, 4094, 4095]);
+        for size in [2, 3, 4, 5, 6, 7, 64, 4096] {
+            let mut watchers = vec![0usize; size];
+            for me in 0..size {
+                let w = watched(me, size);
+                assert!(w.len() <= 2 * WATCH_RADIUS && !w.contains(&me));
+                for p in w {
+                    watchers[p] += 1;
+                }
+            }
+            let want = (size - 1).min(2 * WATCH_RADIUS);
+            assert!(
+                watchers.iter().all(|&c| c == want),
+                "size {size}: {watchers:?}"
+            );
+        }
+    }
 
     #[test]
     fn wd1_notice_of_another_epoch_is_rejected() {
