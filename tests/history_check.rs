@@ -69,8 +69,8 @@ fn register() {
 /// completes, each with its own result, and no message tells a rank. The
 /// history hashes the ranks announce with their heartbeats (every 100 ms
 /// here) differ from that op on, so every rank's communicator is aborted
-/// with a fatal `Mismatch` within a few intervals, and its next op fails
-/// with that cause.
+/// with a fatal `Mismatch` within a few intervals; its next op fails with
+/// that `Mismatch`, and later ones with `Aborted` carrying it.
 #[test]
 fn a_mismatch_no_message_reveals_aborts_every_rank_through_the_history_hashes() {
     register();
@@ -107,6 +107,15 @@ fn a_mismatch_no_message_reveals_aborts_every_rank_through_the_history_hashes() 
                 "rank {r}: {cause}"
             );
             assert!(cause.to_string().contains("op #0"), "rank {r}: {cause}");
+            // The next op is told the mismatch itself, the one after that
+            // that the communicator was aborted by it.
+            let e = comm
+                .all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                .unwrap_err();
+            assert!(
+                matches!(e, Error::Mismatch { fatal: true, .. }),
+                "rank {r}: {e}"
+            );
             let e = comm
                 .all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
                 .unwrap_err();

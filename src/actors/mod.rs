@@ -359,7 +359,9 @@ impl Home {
                 None
             }
             Issue::Closed(item) => {
-                item.refuse(closed_error(&self.info, &self.status));
+                let error = closed_error(&self.info, &self.status);
+                self.status.told(&error);
+                item.refuse(error);
                 None
             }
         }
@@ -371,7 +373,11 @@ impl Home {
         match self.gate.issue(item, false) {
             Issue::Queued { wake: true } => self.wake_actor(),
             Issue::Queued { wake: false } => {}
-            Issue::Closed(item) => item.refuse(closed_error(&self.info, &self.status)),
+            Issue::Closed(item) => {
+                let error = closed_error(&self.info, &self.status);
+                self.status.told(&error);
+                item.refuse(error)
+            }
             Issue::Lend(core, item) => {
                 // `issue` never lends what may not be lent: never reached.
                 self.put_back(core, false);
@@ -409,9 +415,12 @@ impl Home {
     fn close(&self) -> Option<Box<Core>> {
         let (core, queued) = self.gate.close();
         self.complete_fatal();
-        let error = closed_error(&self.info, &self.status);
-        for item in queued {
-            item.refuse(error.clone());
+        if !queued.is_empty() {
+            let error = closed_error(&self.info, &self.status);
+            self.status.told(&error);
+            for item in queued {
+                item.refuse(error.clone());
+            }
         }
         core
     }
@@ -420,6 +429,7 @@ impl Home {
     fn complete_fatal(&self) {
         if let Some(f) = self.fatal().take() {
             if let Some(c) = f.completer {
+                self.status.told(&f.error);
                 c.complete(Err(f.error));
             }
         }
@@ -666,6 +676,7 @@ impl CommState {
             self.home.obs.aborted(&cause).await;
         }
         if let Some(c) = completer {
+            self.status.told(&error);
             c.complete(Err(error));
         }
         self.shutdown(myself, core, cause).await;

@@ -18,11 +18,13 @@
 //! | [SU-2] | the cause is set together with the move to `Aborted` and never changes afterwards. |
 //! | [SU-3] | the first cause raised on an `AbortSignal` wins; a child's signal is cancelled with its parent's, and then reports the parent's cause. |
 //! | [SU-4] | asking whether an abort was raised ([`AbortSignal::is_raised`], and every poll of [`AbortSignal::raised`] after its first) reads atomic flags only, never the cancellation token's mutex: each signal sets its flag before it cancels its token, and a child reads its own flag and then its ancestors' (a chain as deep as the splits). |
+//! | [SU-5] | when the cause is a fatal `Mismatch`, the first op to complete after the ranks' ops disagreed fails with that `Mismatch`: the op that found it, an op revoked or refused by it, or, when the communicator was aborted while idle (the heartbeats found it, or a peer's notice said so), the next op issued. Every later op gets `Aborted` carrying it. |
 //!
 //! [SU-1]: crate::actors::status#invariants
 //! [SU-2]: crate::actors::status#invariants
 //! [SU-3]: crate::actors::status#invariants
 //! [SU-4]: crate::actors::status#invariants
+//! [SU-5]: crate::actors::status#invariants
 
 use std::future::Future;
 use std::pin::Pin;
@@ -79,6 +81,10 @@ pub struct ChildFailure {
 struct Cell {
     state: AtomicU8,
     cause: OnceLock<Error>,
+    /// An op has failed with the abort's cause, a fatal mismatch ([SU-5]).
+    ///
+    /// [SU-5]: crate::actors::status#invariants
+    mismatch_told: AtomicBool,
     child_failures: Mutex<Vec<ChildFailure>>,
 }
 
@@ -127,9 +133,27 @@ impl StatusReader {
             .clone()
     }
 
+    /// Record that an op completes with `error`: a fatal mismatch told to
+    /// one op is not told again ([SU-5]).
+    ///
+    /// [SU-5]: crate::actors::status#invariants
+    pub(crate) fn told(&self, error: &Error) {
+        told(&self.0, error);
+    }
+
     /// The error of an op that reaches a communicator that no longer runs
-    /// ops: `Aborted` carrying the cause, or `Finalized`.
+    /// ops: `Aborted` carrying the cause, or `Finalized`; the cause itself
+    /// when it is a fatal mismatch that no op was told yet ([SU-5]).
+    ///
+    /// [SU-5]: crate::actors::status#invariants
     pub(crate) fn closed_error(&self, name: &str, rank: usize, epoch: u64) -> Error {
+        if self.state() == State::Aborted {
+            if let Some(e @ Error::Mismatch { fatal: true, .. }) = self.0.cause.get() {
+                if !self.0.mismatch_told.swap(true, Ordering::AcqRel) {
+                    return e.clone();
+                }
+            }
+        }
         match self.state() {
             State::Finalized | State::Active => Error::Finalized {
                 comm: name.to_string(),
@@ -172,7 +196,21 @@ pub(crate) fn aborted_error(name: &str, rank: usize, epoch: u64, cause: Option<&
     }
 }
 
+/// [SU-5]: note that an op was failed with a fatal mismatch.
+fn told(cell: &Cell, error: &Error) {
+    if matches!(error, Error::Mismatch { fatal: true, .. }) {
+        cell.mismatch_told.store(true, Ordering::Release);
+    }
+}
+
 impl StatusWriter {
+    /// Record that an op completes with `error` ([SU-5]).
+    ///
+    /// [SU-5]: crate::actors::status#invariants
+    pub(crate) fn told(&self, error: &Error) {
+        told(&self.0, error);
+    }
+
     /// The current state.
     pub(crate) fn state(&self) -> State {
         State::from_u8(self.0.state.load(Ordering::Acquire))
