@@ -554,12 +554,14 @@ async fn stranger_with_a_bad_hello_does_not_break_setup() {
         let prefix = "comm/stranger#0/epoch/3";
         let t = Duration::from_secs(10);
         let r0 = tokio::spawn(CpuBackend::connect(init(&store, prefix, 0, 2, b"s", t)));
-        let addr = store
-            .wait(&[format!("{prefix}/cpu/addr/0")], t)
+        // Rank 0's bootstrap record: its listener address, then its host id.
+        let record = store
+            .wait(&[format!("{prefix}/cpu/rank/0")], t)
             .await
             .unwrap()
             .remove(0);
-        let addr = String::from_utf8(addr).unwrap();
+        let record = String::from_utf8(record).unwrap();
+        let addr = record.lines().next().unwrap().to_string();
         // One stranger sends garbage, another connects and stays silent.
         let mut garbage = tokio::net::TcpStream::connect(&addr).await.unwrap();
         garbage.write_all(&[0xAB; 72]).await.unwrap();
@@ -601,20 +603,24 @@ async fn wrong_secret_on_one_rank_fails_setup_with_an_error_not_a_hang() {
 }
 
 #[tokio::test]
-async fn missing_rank_times_out_with_a_store_error() {
+async fn missing_rank_times_out_as_a_peer_failure_naming_it() {
     bounded(async {
         let store = Arc::new(MemoryStore::new());
-        // Rank 1 of 2 waits for rank 0, which never starts.
-        let r = CpuBackend::connect(init(
-            &store,
-            "comm/missing#0/epoch/3",
-            1,
-            2,
-            b"s",
-            Duration::from_millis(300),
-        ))
-        .await;
-        assert!(matches!(r, Err(Error::Transport(_))), "{r:?}");
+        // Rank 1 of 3 waits for the records of ranks 0 and 2; rank 2
+        // publishes one (and then gives up too), rank 0 never starts.
+        let t = Duration::from_millis(300);
+        let start = Instant::now();
+        let (r1, r2) = tokio::join!(
+            CpuBackend::connect(init(&store, "comm/missing#0/epoch/3", 1, 3, b"s", t)),
+            CpuBackend::connect(init(&store, "comm/missing#0/epoch/3", 2, 3, b"s", t)),
+        );
+        for r in [r1, r2] {
+            match r {
+                Err(Error::PeerFailed { failed_ranks, .. }) => assert_eq!(failed_ranks, vec![0]),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(3));
     })
     .await;
 }

@@ -4,8 +4,9 @@
 //!
 //! The rank runs in a child process (this test binary re-executed, the
 //! ignored test `out_of_fds_rank`), since it lowers its own open-file limit
-//! and then uses up every descriptor. Bounded in time; the child is killed
-//! on failure.
+//! and then uses up every descriptor; the test plays its peer (a record in
+//! the store, then a bare TCP connection). Bounded in time; the child is
+//! killed on failure.
 
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -93,19 +94,26 @@ fn out_of_fds_rank() {
         let r = new_comm("cpu", Device::Cpu, "fd-limit", opts).map(drop);
         (r, start.elapsed())
     });
-    // Rank 0's listener address, once published.
+    // Rank 0's listener address, once its bootstrap record is published.
     let published = Instant::now();
     let addr = loop {
         let key = store
             .keys()
             .into_iter()
-            .find(|k| k.ends_with("/cpu/addr/0"));
+            .find(|k| k.ends_with("/cpu/rank/0"));
         if let Some(k) = key {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .build()
                 .expect("runtime");
             let v = rt.block_on(store.get(&k)).expect("get").expect("address");
-            break String::from_utf8(v).expect("utf-8");
+            // The peer's record, so that rank 0 goes on to accept (it never
+            // connects to rank 1 itself: it accepts from higher ranks).
+            let peer = format!("{}1", k.trim_end_matches('0'));
+            rt.block_on(store.set(&peer, b"127.0.0.1:9\nanother-host".to_vec()))
+                .expect("set");
+            // The record: the listener address, then the host id.
+            let record = String::from_utf8(v).expect("utf-8");
+            break record.lines().next().expect("an address").to_string();
         }
         assert!(
             published.elapsed() < Duration::from_secs(20),

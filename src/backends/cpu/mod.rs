@@ -190,7 +190,7 @@ impl CpuBackend {
     /// or if a peer could not prove the job secret to this rank.
     pub async fn connect(init: BackendInit) -> Result<CpuBackend> {
         let span = tracing::debug_span!("cpu_connect", comm = %init.comm, rank = init.rank, size = init.size, epoch = init.epoch);
-        let streams = link::connect_mesh(&init).instrument(span).await?;
+        let link::Mesh { streams, hosts } = link::connect_mesh(&init).instrument(span).await?;
         let mut writers = Vec::with_capacity(init.size);
         let mut readers = Vec::with_capacity(init.size);
         let checksum = link::checksum_from_env();
@@ -208,7 +208,7 @@ impl CpuBackend {
             }
         }
         let windows = window::Windows::new(&init);
-        let shm = link::setup_shm(&init, &mut writers, &mut readers)
+        let shm = link::setup_shm(&init, &hosts, &mut writers, &mut readers)
             .await?
             .into_iter()
             .map(|p| p.map(|(tx, rx)| ShmLink { tx, rx, checksum }))

@@ -1,13 +1,13 @@
 //! Setting up a communicator's data links: the full TCP mesh and, for
 //! same-host pairs, the shared-memory rings.
 //!
-//! Every rank binds a listener on `(bind_ip, 0)` and publishes its address in
-//! the store under `{key_prefix}/cpu/addr/{rank}`, and its host id under
-//! `{key_prefix}/cpu/host/{rank}`. Rank `r` connects to every rank below it
-//! and accepts from every rank above it; each connection is authenticated by
-//! [`handshake`] before it carries frames. Once the mesh
-//! is up, same-host pairs set up shared-memory rings over their link
-//! ([`setup_shm`]).
+//! Every rank binds a listener on `(bind_ip, 0)` and publishes one record,
+//! its address and its host id, under `{key_prefix}/cpu/rank/{rank}`, then
+//! reads every rank's record with one batched wait. Rank `r` connects to
+//! every rank below it and accepts from every rank above it; each
+//! connection is authenticated by [`handshake`] before it carries frames.
+//! Once the mesh is up, same-host pairs set up shared-memory rings over
+//! their link ([`setup_shm`]).
 //!
 //! # Invariants
 //! - LK-1: a connection is used for frames only after its handshake
@@ -15,6 +15,10 @@
 //!   continues, so a stranger cannot break setup.
 //! - LK-2: setup finishes within `connect_timeout` (plus a short grace), with
 //!   `PeerFailed` naming the ranks that never connected when it does not.
+//! - LK-11: bootstrap costs each rank two store requests (one record
+//!   written, every record read in one wait), so O(N) requests for the job
+//!   (O(N) bytes read per rank); a rank whose record does not appear
+//!   within `connect_timeout` is named in the `PeerFailed` of every rank.
 //! - LK-10: a failed accept pauses accepting (5 ms, doubling to 500 ms)
 //!   instead of spinning; when setup then runs out of time and an accept
 //!   failed because this process had no file descriptor left, the error is
@@ -92,14 +96,35 @@ impl AcceptBackoff {
     }
 }
 
-/// The store key under which `rank` publishes its listener address.
-pub(crate) fn addr_key(prefix: &str, rank: usize) -> String {
-    format!("{prefix}/cpu/addr/{rank}")
+/// The store key of `rank`'s one bootstrap record ([LK-11]): its
+/// listener address and its host id (see [`host_id`]).
+///
+/// [LK-11]: self#invariants
+pub(crate) fn record_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/cpu/rank/{rank}")
 }
 
-/// The store key under which `rank` publishes its host id (see [`host_id`]).
-pub(crate) fn host_key(prefix: &str, rank: usize) -> String {
-    format!("{prefix}/cpu/host/{rank}")
+/// A rank's bootstrap record as stored: `<listener address>\n<host id>`.
+fn encode_record(addr: SocketAddr, host: &str) -> Vec<u8> {
+    format!("{addr}\n{host}").into_bytes()
+}
+
+/// The listener address and host id of a stored record; `None` if it is
+/// not one.
+fn decode_record(raw: &[u8]) -> Option<(SocketAddr, String)> {
+    let text = std::str::from_utf8(raw).ok()?;
+    let (addr, host) = text.split_once('\n')?;
+    Some((addr.parse().ok()?, host.to_string()))
+}
+
+/// What the data links' setup learnt of every rank: the authenticated
+/// stream per peer (`None` at this rank's own index) and every rank's host
+/// id (from its record, [LK-11]), which decides the shared-memory pairs.
+///
+/// [LK-11]: self#invariants
+pub(crate) struct Mesh {
+    pub(crate) streams: Vec<Option<TcpStream>>,
+    pub(crate) hosts: Vec<String>,
 }
 
 /// This host's identity for choosing shared-memory links: `/etc/machine-id`
@@ -146,19 +171,20 @@ const SHM_SETUP_SEQ: u64 = u64::MAX - 1;
 /// store does not answer.
 pub(crate) async fn setup_shm(
     init: &BackendInit,
+    hosts: &[String],
     writers: &mut [Option<LinkWriter>],
     readers: &mut [Option<LinkReader>],
 ) -> Result<Vec<Option<(RingProducer, RingConsumer)>>> {
     let (me, size) = (init.rank, init.size);
     let mut out: Vec<Option<(RingProducer, RingConsumer)>> = (0..size).map(|_| None).collect();
-    let mine = host_id();
-    if size <= 1 || mine.is_empty() {
+    let Some(mine) = hosts.get(me).filter(|h| !h.is_empty()) else {
+        return Ok(out);
+    };
+    if size <= 1 {
         return Ok(out);
     }
-    let keys: Vec<String> = (0..size).map(|r| host_key(&init.key_prefix, r)).collect();
-    let hosts = init.store.wait(&keys, init.connect_timeout).await?;
     let same: Vec<usize> = (0..size)
-        .filter(|&r| r != me && hosts.get(r).is_some_and(|h| h == mine.as_bytes()))
+        .filter(|&r| r != me && hosts.get(r) == Some(mine))
         .collect();
     if same.is_empty() {
         return Ok(out);
@@ -318,13 +344,16 @@ fn cma_enabled() -> bool {
     std::env::var("CHORUS_SHM_CMA").map_or(true, |v| v != "0")
 }
 
-/// Connect the full mesh for `init`: returns one authenticated stream per
-/// peer (`None` at this rank's own index). See the [invariants](self#invariants).
-pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStream>>> {
+/// Connect the full mesh for `init`: one authenticated stream per peer,
+/// and every rank's host id. See the [invariants](self#invariants).
+pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
     let (me, size, epoch) = (init.rank, init.size, init.epoch);
     let mut streams: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     if size <= 1 {
-        return Ok(streams);
+        return Ok(Mesh {
+            streams,
+            hosts: vec![host_id()],
+        });
     }
     let start = Instant::now();
     let deadline = start + init.connect_timeout;
@@ -338,37 +367,57 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
     let local = listener
         .local_addr()
         .map_err(|e| Error::Transport(TransportError::Io(format!("listener address: {e}"))))?;
+    // LK-11: one record per rank, and one read of every rank's.
     init.store
         .set(
-            &addr_key(&init.key_prefix, me),
-            local.to_string().into_bytes(),
+            &record_key(&init.key_prefix, me),
+            encode_record(local, &host_id()),
         )
         .await?;
-    init.store
-        .set(&host_key(&init.key_prefix, me), host_id().into_bytes())
-        .await?;
     tracing::debug!(comm = %init.comm, rank = me, addr = %local, "data-link listener published");
+    let keys: Vec<String> = (0..size).map(|r| record_key(&init.key_prefix, r)).collect();
+    let records = match init
+        .store
+        .wait(&keys, deadline.saturating_duration_since(Instant::now()))
+        .await
+    {
+        Ok(r) => r,
+        Err(TransportError::WaitTimeout { keys: missing, .. }) => {
+            let failed: Vec<usize> = (0..size).filter(|&r| missing.contains(&keys[r])).collect();
+            return Err(Error::PeerFailed {
+                comm: init.comm.clone(),
+                rank: me,
+                epoch,
+                op: "connect",
+                detail: format!(
+                    "ranks {failed:?} did not publish their data-link address within {:?}: \
+                     they did not start, or died",
+                    init.connect_timeout
+                ),
+                failed_ranks: failed,
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mut addrs = Vec::with_capacity(size);
+    let mut hosts = Vec::with_capacity(size);
+    for (r, raw) in records.iter().enumerate() {
+        let (addr, host) = decode_record(raw).ok_or_else(|| {
+            Error::Transport(TransportError::Malformed(format!(
+                "store key {} holds {:?}, not a data-link record",
+                keys[r],
+                String::from_utf8_lossy(raw)
+            )))
+        })?;
+        addrs.push(addr);
+        hosts.push(host);
+    }
 
     // Connector side: one future per lower rank.
     let mut connects = FuturesUnordered::new();
-    for peer in 0..me {
+    for (peer, &addr) in addrs.iter().enumerate().take(me) {
         let auth = auth.clone();
-        let store = init.store.clone();
-        let key = addr_key(&init.key_prefix, peer);
         connects.push(async move {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            let vals = store.wait(std::slice::from_ref(&key), remaining).await?;
-            let text = vals
-                .first()
-                .map(|v| String::from_utf8_lossy(v).into_owned());
-            let addr: SocketAddr =
-                text.as_deref()
-                    .and_then(|t| t.parse().ok())
-                    .ok_or_else(|| {
-                        Error::Transport(TransportError::Malformed(format!(
-                            "store key {key} holds {text:?}, not a socket address"
-                        )))
-                    })?;
             let mut stream = loop {
                 match TcpStream::connect(addr).await {
                     Ok(s) => break s,
@@ -480,7 +529,7 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Vec<Option<TcpStr
     }
     drop(listener);
     tracing::debug!(rank = me, size, elapsed = ?start.elapsed(), "data-link mesh connected");
-    Ok(streams)
+    Ok(Mesh { streams, hosts })
 }
 
 #[cfg(test)]

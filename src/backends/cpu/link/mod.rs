@@ -28,4 +28,4 @@ pub(crate) use frame::{
     verify_crc, FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto, Tag, FLAG_CRC,
     MAX_HEADER_FRAME, WORK_UNIT,
 };
-pub(crate) use mesh::{connect_mesh, setup_shm};
+pub(crate) use mesh::{connect_mesh, setup_shm, Mesh};

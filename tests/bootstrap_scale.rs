@@ -1,0 +1,133 @@
+//! What bootstrap costs the rendezvous store, counted: a store that counts
+//! every request its ranks make, on 4, 8 and 12 in-process ranks.
+//! Bootstrap costs each rank two requests (its data-link record written,
+//! every rank's read in one wait), so the total grows linearly with the
+//! number of ranks.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chorus::transport::{CompareSet, MemoryStore, Store, TransportError};
+use chorus::{new_comm, Device, ReduceOp, Rendezvous, Tensor};
+
+/// A store that counts the requests made through it.
+struct Counting {
+    inner: Arc<dyn Store>,
+    requests: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    fn count(&self) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[async_trait]
+impl Store for Counting {
+    async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), TransportError> {
+        self.count();
+        self.inner.set(key, value).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
+        self.count();
+        self.inner.get(key).await
+    }
+    async fn wait(
+        &self,
+        keys: &[String],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.count();
+        self.inner.wait(keys, timeout).await
+    }
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, TransportError> {
+        self.count();
+        self.inner.add(key, delta).await
+    }
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<Vec<u8>>,
+        desired: Vec<u8>,
+    ) -> Result<CompareSet, TransportError> {
+        self.count();
+        self.inner.compare_set(key, expected, desired).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, TransportError> {
+        self.count();
+        self.inner.delete(key).await
+    }
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
+        self.count();
+        self.inner.delete_prefix(prefix).await
+    }
+}
+
+/// Store requests made by `size` ranks' `new_comm` (heartbeats off), and
+/// the same ranks' first all_reduce checked.
+fn bootstrap_requests(size: usize) -> usize {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let created = Arc::new(Barrier::new(size));
+    let (tx, rx) = std::sync::mpsc::channel();
+    for rank in 0..size {
+        let (store, requests, created, tx) =
+            (store.clone(), requests.clone(), created.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let counting: Arc<dyn Store> = Arc::new(Counting {
+                inner: store.clone(),
+                requests: requests.clone(),
+            });
+            let o = common::opts(&store, rank, size)
+                .with_rendezvous(Rendezvous::Store(counting))
+                .with_heartbeat(Duration::ZERO, Duration::from_secs(10));
+            let comm = new_comm("cpu", Device::Cpu, "boot-scale", o).expect("new_comm");
+            created.wait();
+            let at_bootstrap = requests.load(Ordering::Relaxed);
+            let out = comm
+                .all_reduce(Tensor::full(1.0f32, 4), ReduceOp::Sum)
+                .expect("all_reduce");
+            assert_eq!(out.to_vec::<f32>(), vec![size as f32; 4]);
+            created.wait();
+            comm.finalize().expect("finalize");
+            let _ = tx.send(at_bootstrap);
+        });
+    }
+    drop(tx);
+    let counts: Vec<usize> = (0..size)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("a rank hung")
+        })
+        .collect();
+    // Every rank read the counter after all had created theirs.
+    counts[0]
+}
+
+#[test]
+fn bootstrap_store_requests_grow_linearly_with_the_ranks() {
+    let per_rank: Vec<(usize, usize)> = [4usize, 8, 12]
+        .into_iter()
+        .map(|n| (n, bootstrap_requests(n)))
+        .collect();
+    for &(n, total) in &per_rank {
+        // Two per rank (its record written, every record read in one
+        // wait) and rank 0's pointer to the newest epoch: 2n + 1.
+        assert!(
+            total <= 2 * n + 2,
+            "{n} ranks made {total} store requests at bootstrap: {per_rank:?}"
+        );
+    }
+    // Linear, not quadratic: three times the ranks, at most about three
+    // times the requests (with a wait per lower rank's address and a key
+    // per record field it was 19, 53 and 103 requests for 4, 8 and 12).
+    let (small, large) = (per_rank[0].1, per_rank[2].1);
+    assert!(
+        large <= 3 * small + 4,
+        "4 ranks: {small}, 12 ranks: {large} store requests"
+    );
+}
