@@ -44,7 +44,7 @@
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
 //! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
-//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; a point-to-point op skips its pairwise exchange only where the backend also checks in band or checks are off. [`OpCtx::headers`] says which happened. A skipping op carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
+//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; a point-to-point op skips its pairwise exchange only where the backend also checks in band or checks are off. [`OpCtx::headers`] says which happened. A skipping op carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and, if it completed, after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
 //! [WD-8]: crate::actors::watchdog#invariants
@@ -400,7 +400,7 @@ impl Core {
             }
         };
         if let Some(l) = &log {
-            l.end();
+            l.end(matches!(outcome, Some(Ok(_))));
         }
         match outcome {
             None => {

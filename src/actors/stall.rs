@@ -42,6 +42,10 @@
 //! - ST-2: only ops whose fingerprint is nonzero are logged and compared;
 //!   a sequence number this rank has not reached, or has forgotten, is
 //!   never called a mismatch.
+//! - ST-3: only ops that completed enter the history; an op that failed
+//!   without ending the communicator failed alike on every rank (a
+//!   mismatch its header exchange found, an op every rank refused), and
+//!   its signatures may differ between ranks.
 //!
 //! [`HISTORY`]: HISTORY
 
@@ -106,10 +110,14 @@ impl OpLog {
         });
     }
 
-    /// The executor finished its current op, however it ended.
-    pub(crate) fn end(&self) {
+    /// The executor finished its current op. Only an op that `completed`
+    /// enters the history ([ST-3](self#invariants)): one that failed without ending the
+    /// communicator (a mismatch the header exchange found before any data
+    /// moved, an op every rank refused) failed alike on every rank, and
+    /// its signatures may differ between ranks.
+    pub(crate) fn end(&self, completed: bool) {
         let mut g = self.lock();
-        if let Some(c) = g.current.take() {
+        if let Some(c) = g.current.take().filter(|_| completed) {
             if g.done.len() == HISTORY {
                 g.done.pop_front();
             }
@@ -239,7 +247,7 @@ mod tests {
     fn st_2_a_stall_is_compared_with_the_current_or_a_remembered_op_only() {
         let log = OpLog::default();
         log.begin(0, 11, OpKind::Broadcast);
-        log.end();
+        log.end(true);
         log.begin(1, 22, OpKind::Barrier);
         // Current op, same and different.
         assert_eq!(log.check(0, 1, 1, 22), None);
@@ -251,9 +259,29 @@ mod tests {
         // Not reached yet.
         assert_eq!(log.check(0, 1, 5, 1), None);
         // Unchecked ops are not logged.
-        log.end();
+        log.end(true);
         log.begin(2, 0, OpKind::Barrier);
         assert_eq!(log.current(), None);
+    }
+
+    /// Ops that failed alike on every rank without ending the
+    /// communicator stay out of the history, so differing signatures of
+    /// such an op do not make the histories differ.
+    #[test]
+    fn st_3_an_op_that_did_not_complete_stays_out_of_the_history() {
+        let (a, b) = (OpLog::default(), OpLog::default());
+        a.begin(0, 11, OpKind::ReduceScatter);
+        a.end(false);
+        b.begin(0, 12, OpKind::ReduceScatter);
+        b.end(false);
+        for l in [&a, &b] {
+            l.begin(1, 33, OpKind::Barrier);
+            l.end(true);
+        }
+        let (seq, chain) = a.latest().expect("op 1");
+        assert_eq!(seq, 1);
+        assert_eq!(b.check_history(1, 0, seq, chain), None);
+        assert_eq!(b.check(1, 0, 0, 11), None, "op 0 is not remembered");
     }
 
     #[test]
@@ -261,7 +289,7 @@ mod tests {
         let log = OpLog::default();
         for s in 0..(HISTORY as u64 + 10) {
             log.begin(s, s + 1, OpKind::AllReduce);
-            log.end();
+            log.end(true);
         }
         assert_eq!(log.lock().done.len(), HISTORY);
         assert_eq!(log.check(0, 1, 0, 999), None, "forgotten");
@@ -293,10 +321,10 @@ mod tests {
         let (a, b) = (OpLog::default(), OpLog::default());
         for s in 0..5u64 {
             a.begin(s, 100 + s, OpKind::AllReduce);
-            a.end();
+            a.end(true);
             // Rank b's op #2 differs.
             b.begin(s, if s == 2 { 999 } else { 100 + s }, OpKind::AllReduce);
-            b.end();
+            b.end(true);
         }
         for s in 0..2 {
             let (_, _, ha) = a.lock().done[s as usize];
