@@ -61,6 +61,9 @@ pub const CLOSE_MALFORMED: u32 = 0x4302;
 pub const CLOSE_PROTOCOL: u32 = 0x4303;
 /// Application close code: the server is shutting down.
 pub const CLOSE_SHUTDOWN: u32 = 0x4304;
+/// Application close code: the peer did not finish authenticating in time.
+/// Not a wrong secret: a busy server, or a slow path (a client retries).
+pub const CLOSE_AUTH_TIMEOUT: u32 = 0x4305;
 
 /// Connections with no traffic for this long are closed.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -259,6 +262,17 @@ pub fn connection_error(peer: &str, err: &ConnectionError) -> TransportError {
             TransportError::ConnectionLost {
                 addr: peer.to_string(),
                 detail: "the rendezvous server shut down".to_string(),
+            }
+        }
+        ConnectionError::ApplicationClosed(close)
+            if close.error_code == VarInt::from_u32(CLOSE_AUTH_TIMEOUT) =>
+        {
+            TransportError::ConnectionLost {
+                addr: peer.to_string(),
+                detail: "the rendezvous server closed the connection before the secret \
+                         check finished (it is busy, or the path to it is slow; this is not \
+                         a wrong secret)"
+                    .to_string(),
             }
         }
         other => TransportError::ConnectionLost {

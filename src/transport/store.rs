@@ -22,6 +22,11 @@
 //! - ST-6: an unauthenticated connection holds its slot for at most
 //!   [`PRE_AUTH_DEADLINE`], and one source IP holds at most
 //!   [`MAX_PENDING_PER_SOURCE`] slots, so a flood cannot deny the store.
+//! - ST-7: a client whose authentication the server did not see finish
+//!   within [`PRE_AUTH_DEADLINE`] is closed with its own code
+//!   ([`quic::CLOSE_AUTH_TIMEOUT`]), which the client retries until its
+//!   connect timeout and never reports as a wrong secret; only a failed
+//!   secret check is `AuthFailed`.
 //! - ST-5: binding a port that a just-dropped server still holds is retried
 //!   for at most [`BIND_RETRY`], so a communicator re-created at once works.
 
@@ -36,7 +41,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::quic::{self, CLOSE_AUTH_FAILED, CLOSE_MALFORMED, CLOSE_NORMAL, CLOSE_SHUTDOWN};
+use super::quic::{
+    self, CLOSE_AUTH_FAILED, CLOSE_AUTH_TIMEOUT, CLOSE_MALFORMED, CLOSE_NORMAL, CLOSE_SHUTDOWN,
+};
 use super::wire::{self, ErrorKind, FrameError, Request, Response};
 use super::{CompareSet, MemoryStore, Store, TransportError};
 
@@ -317,10 +324,12 @@ async fn serve_connection(
             return;
         }
         Err(_) => {
+            // Slow is not wrong: the client retries on this code, and
+            // never reports it as a wrong secret (ST-7).
             tracing::warn!("client did not authenticate in time");
             conn.close(
-                VarInt::from_u32(CLOSE_AUTH_FAILED),
-                b"authentication timed out",
+                VarInt::from_u32(CLOSE_AUTH_TIMEOUT),
+                b"authentication not finished in time",
             );
             return;
         }
@@ -729,6 +738,15 @@ fn classify_connect_error(addr: SocketAddr, e: ConnectionError) -> Attempt {
         {
             Attempt::Retry(e.to_string())
         }
+        // ST-7: a busy server that timed out our secret check.
+        ConnectionError::ApplicationClosed(close)
+            if close.error_code == VarInt::from_u32(CLOSE_AUTH_TIMEOUT) =>
+        {
+            Attempt::Retry(format!(
+                "the server timed out the secret check (busy): {}",
+                String::from_utf8_lossy(&close.reason)
+            ))
+        }
         ConnectionError::ApplicationClosed(close)
             if close.error_code == VarInt::from_u32(CLOSE_AUTH_FAILED) =>
         {
@@ -878,6 +896,28 @@ impl Store for StoreClient {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn st7_a_timed_out_secret_check_is_retried_and_never_blames_the_secret() {
+        let addr: SocketAddr = "127.0.0.1:9".parse().expect("addr");
+        let closed = |code: u32| {
+            ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+                error_code: VarInt::from_u32(code),
+                reason: b"closed by the test".to_vec().into(),
+            })
+        };
+        assert!(matches!(
+            classify_connect_error(addr, closed(CLOSE_AUTH_TIMEOUT)),
+            Attempt::Retry(_)
+        ));
+        assert!(matches!(
+            classify_connect_error(addr, closed(CLOSE_AUTH_FAILED)),
+            Attempt::Fatal(TransportError::AuthFailed { .. })
+        ));
+        let e = quic::connection_error("store", &closed(CLOSE_AUTH_TIMEOUT));
+        assert!(matches!(e, TransportError::ConnectionLost { .. }), "{e}");
+        assert!(e.to_string().contains("not a wrong secret"), "{e}");
+    }
+
     use super::*;
 
     const T: Duration = Duration::from_secs(30);
