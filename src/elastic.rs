@@ -27,6 +27,13 @@
 //!   joiners in ticket order.
 //! - EL-5: every key, heartbeat and data link of epoch `N+1` is scoped by the
 //!   new epoch; data frames and failure notices of epoch `N` are rejected.
+//! - EL-6: while the membership is open, only its coordinator (the lowest
+//!   old rank not known to have failed) reads the members' keys, every
+//!   20 ms; every other rank waits for the closed record, one store
+//!   request per [`MEMBERSHIP_SLICE`], and looks again at who failed
+//!   between slices (the coordinator may be among them). At the deadline
+//!   every rank closes. So an open membership costs the store O(N)
+//!   requests per 20 ms, not O(N²).
 
 use std::net::IpAddr;
 use std::sync::atomic::Ordering;
@@ -43,6 +50,10 @@ use crate::options::{CommOptions, Device};
 use crate::tensor::Tensor;
 use crate::transport::records::{ranks_in, ranks_out, Record};
 use crate::transport::{CompareSet, Store, TransportError};
+
+/// How long a rank other than the coordinator waits for the membership to
+/// close before it looks again at who failed ([EL-6](self#invariants)).
+const MEMBERSHIP_SLICE: Duration = Duration::from_millis(250);
 
 /// What split and reconfigure need to build related communicators.
 pub(crate) struct CommCtx {
@@ -805,6 +816,34 @@ impl Comm {
                 break Closed::parse(&raw).ok_or_else(|| {
                     Error::Internal(format!("malformed membership record at {closed_key}"))
                 })?;
+            }
+            // EL-6: only the coordinator, the lowest rank expected to
+            // arrive, polls the members; the others wait for the closed
+            // record (one store request per slice), looking again at who
+            // failed between slices, and every rank closes at the deadline.
+            if expected.first() != Some(&me) {
+                let now = Instant::now();
+                if now < deadline {
+                    match store
+                        .wait(
+                            std::slice::from_ref(&closed_key),
+                            MEMBERSHIP_SLICE.min(deadline - now),
+                        )
+                        .await
+                    {
+                        Ok(_) | Err(TransportError::WaitTimeout { .. }) => {}
+                        Err(e) => return Err(transport(e)),
+                    }
+                    let now_failed = self.known_failed().await;
+                    if now_failed != failed {
+                        if now_failed.contains(&me) {
+                            return Err(excluded());
+                        }
+                        failed = now_failed;
+                        expected = (0..n).filter(|r| !failed.contains(r)).collect();
+                    }
+                    continue;
+                }
             }
             let mut present = vec![];
             for r in 0..n {

@@ -1,8 +1,9 @@
-//! What bootstrap costs the rendezvous store, counted: a store that counts
-//! every request its ranks make, on 4, 8 and 12 in-process ranks.
-//! Bootstrap costs each rank two requests (its data-link record written,
-//! every rank's read in one wait), so the total grows linearly with the
-//! number of ranks.
+//! What bootstrap and an elastic membership cost the rendezvous store,
+//! counted: a store that counts the requests its ranks make. Bootstrap
+//! costs each rank two requests (its data-link record written, every
+//! rank's read in one wait), so the total grows linearly with the number
+//! of ranks; while a reconfigure's membership is open, only its
+//! coordinator reads the members' keys.
 
 mod common;
 
@@ -14,10 +15,12 @@ use async_trait::async_trait;
 use chorus::transport::{CompareSet, MemoryStore, Store, TransportError};
 use chorus::{new_comm, Device, ReduceOp, Rendezvous, Tensor};
 
-/// A store that counts the requests made through it.
+/// A store that counts the requests made through it, and the reads of
+/// membership keys among them.
 struct Counting {
     inner: Arc<dyn Store>,
     requests: Arc<AtomicUsize>,
+    member_reads: Arc<AtomicUsize>,
 }
 
 impl Counting {
@@ -34,6 +37,9 @@ impl Store for Counting {
     }
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
         self.count();
+        if key.contains("/member/") {
+            self.member_reads.fetch_add(1, Ordering::Relaxed);
+        }
         self.inner.get(key).await
     }
     async fn wait(
@@ -81,6 +87,7 @@ fn bootstrap_requests(size: usize) -> usize {
             let counting: Arc<dyn Store> = Arc::new(Counting {
                 inner: store.clone(),
                 requests: requests.clone(),
+                member_reads: Arc::default(),
             });
             let o = common::opts(&store, rank, size)
                 .with_rendezvous(Rendezvous::Store(counting))
@@ -130,4 +137,52 @@ fn bootstrap_store_requests_grow_linearly_with_the_ranks() {
         large <= 3 * small + 4,
         "4 ranks: {small}, 12 ranks: {large} store requests"
     );
+}
+
+/// While a reconfigure's membership is open, only its coordinator (the
+/// lowest rank still expected) reads the members' keys; the other ranks
+/// wait for the closed record. On 5 ranks with nobody failed, rank 0
+/// coordinates and the others never read a member key.
+#[test]
+fn only_the_coordinator_reads_the_members_of_an_open_membership() {
+    let size = 5;
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let (tx, rx) = std::sync::mpsc::channel();
+    for rank in 0..size {
+        let (store, tx) = (store.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let member_reads = Arc::new(AtomicUsize::new(0));
+            let counting: Arc<dyn Store> = Arc::new(Counting {
+                inner: store.clone(),
+                requests: Arc::default(),
+                member_reads: member_reads.clone(),
+            });
+            let o = common::opts(&store, rank, size).with_rendezvous(Rendezvous::Store(counting));
+            let comm = new_comm("cpu", Device::Cpu, "membership-2", o).expect("new_comm");
+            let (next, map) = comm
+                .reconfigure(chorus::ReconfigureOptions {
+                    timeout: Duration::from_secs(20),
+                    ..Default::default()
+                })
+                .expect("reconfigure");
+            assert_eq!(map.size, size);
+            let s = next
+                .all_reduce(Tensor::full(1.0f32, 2), ReduceOp::Sum)
+                .expect("all_reduce in the new epoch");
+            assert_eq!(s.to_vec::<f32>(), vec![size as f32; 2]);
+            next.finalize().expect("finalize");
+            let _ = tx.send((rank, member_reads.load(Ordering::Relaxed)));
+        });
+    }
+    drop(tx);
+    for _ in 0..size {
+        let (rank, reads) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a rank hung");
+        if rank == 0 {
+            assert!(reads >= size, "the coordinator read {reads} member keys");
+        } else {
+            assert_eq!(reads, 0, "rank {rank} read member keys");
+        }
+    }
 }
