@@ -214,19 +214,7 @@ fn through_comm(iters: usize) -> Vec<f64> {
                     .with_secret(b"layers".to_vec())
                     .with_rendezvous(Rendezvous::Store(store));
                 let comm = new_comm("cpu", Device::Cpu, "layers", opts).expect("new_comm");
-                let mut per_size = Vec::new();
-                for bytes in SIZES {
-                    let mut t = Tensor::zeros(chorus::DType::F32, bytes / 4);
-                    let mut times = Vec::with_capacity(iters);
-                    for i in 0..iters + 10 {
-                        let start = Instant::now();
-                        t = comm.all_reduce(t, ReduceOp::Sum).expect("all_reduce");
-                        if i >= 10 {
-                            times.push(start.elapsed().as_secs_f64());
-                        }
-                    }
-                    per_size.push(times);
-                }
+                let per_size = blocking_times(&comm, iters);
                 comm.finalize().expect("finalize");
                 per_size
             })
@@ -244,7 +232,18 @@ fn through_comm(iters: usize) -> Vec<f64> {
 /// ordering gate, the turn, hooks and flight recorder, and the completion.
 fn world_of_one(iters: usize) -> Vec<f64> {
     let comm = new_comm("cpu", Device::Cpu, "layers-one", CommOptions::single()).expect("new_comm");
-    let per_size = SIZES
+    let per_size = blocking_times(&comm, iters)
+        .into_iter()
+        .map(median)
+        .collect();
+    comm.finalize().expect("finalize");
+    per_size
+}
+
+/// Per size, the seconds of each of `iters` blocking all_reduces on
+/// `comm`, after 10 not timed.
+fn blocking_times(comm: &chorus::Comm, iters: usize) -> Vec<Vec<f64>> {
+    SIZES
         .iter()
         .map(|bytes| {
             let mut t = Tensor::zeros(chorus::DType::F32, bytes / 4);
@@ -256,11 +255,9 @@ fn world_of_one(iters: usize) -> Vec<f64> {
                     times.push(start.elapsed().as_secs_f64());
                 }
             }
-            median(times)
+            times
         })
-        .collect();
-    comm.finalize().expect("finalize");
-    per_size
+        .collect()
 }
 
 fn main() {

@@ -817,6 +817,18 @@ impl Comm {
                     Error::Internal(format!("malformed membership record at {closed_key}"))
                 })?;
             }
+            // A failure found after this rank's own op failed (a death in a
+            // split's child bootstrap shows here as a transport error; the
+            // heartbeats name the dead rank a little later) stops the wait
+            // for it, and may make this rank the coordinator.
+            let now_failed = self.known_failed().await;
+            if now_failed != failed {
+                if now_failed.contains(&me) {
+                    return Err(excluded());
+                }
+                failed = now_failed;
+                expected = (0..n).filter(|r| !failed.contains(r)).collect();
+            }
             // EL-6: only the coordinator, the lowest rank expected to
             // arrive, polls the members; the others wait for the closed
             // record (one store request per slice), looking again at who
@@ -834,14 +846,6 @@ impl Comm {
                         Ok(_) | Err(TransportError::WaitTimeout { .. }) => {}
                         Err(e) => return Err(transport(e)),
                     }
-                    let now_failed = self.known_failed().await;
-                    if now_failed != failed {
-                        if now_failed.contains(&me) {
-                            return Err(excluded());
-                        }
-                        failed = now_failed;
-                        expected = (0..n).filter(|r| !failed.contains(r)).collect();
-                    }
                     continue;
                 }
             }
@@ -857,17 +861,6 @@ impl Comm {
                 }
             }
             let joiners = store.add(&joiners_key, 0).await.map_err(transport)?.max(0) as usize;
-            // A failure found after this rank's own op failed (a death in a
-            // split's child bootstrap shows here as a transport error; the
-            // heartbeats name the dead rank a little later) stops the wait for it.
-            let now_failed = self.known_failed().await;
-            if now_failed != failed {
-                if now_failed.contains(&me) {
-                    return Err(excluded());
-                }
-                failed = now_failed;
-                expected = (0..n).filter(|r| !failed.contains(r)).collect();
-            }
             let all_here = expected.iter().all(|r| present.contains(r));
             if (all_here && joiners >= opts.wait_joiners) || Instant::now() >= deadline {
                 let size = present.len() + joiners;

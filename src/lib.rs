@@ -114,6 +114,7 @@ pub mod flight_recorder;
 pub mod hints;
 pub mod hooks;
 pub mod kernels;
+mod limits;
 mod mesh;
 pub mod op;
 mod options;
@@ -205,7 +206,7 @@ async fn create(
     // of this name would then wait under other keys than this rank's.
     let instance = bootstrap::next_instance(&name, rank, size);
     backends::check_name(&backend)?;
-    bootstrap::raise_fd_limit();
+    limits::raise_fd_limit();
     options::check_env()?;
     hints::Hints::parse(options.hints.clone(), &name, rank)?;
     if let Err(reason) = backends::check_device(&backend, device) {

@@ -25,7 +25,7 @@
 //!   `Config`, saying so and naming the limit, not `PeerFailed` blaming
 //!   peers that tried to connect. (The process's soft open-file limit is
 //!   raised to its hard limit when the first communicator is created,
-//!   `crate::bootstrap::raise_fd_limit`.)
+//!   `crate::limits::raise_fd_limit`.)
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -344,6 +344,22 @@ fn cma_enabled() -> bool {
     std::env::var("CHORUS_SHM_CMA").map_or(true, |v| v != "0")
 }
 
+/// LK-2: setup of `init` gives up on the links to `failed`, for the reason
+/// `why`.
+fn not_connected(init: &BackendInit, failed: Vec<usize>, why: &str) -> Error {
+    Error::PeerFailed {
+        comm: init.comm.clone(),
+        rank: init.rank,
+        epoch: init.epoch,
+        op: "connect",
+        detail: format!(
+            "data links to ranks {failed:?} were not established within {:?}: {why}",
+            init.connect_timeout
+        ),
+        failed_ranks: failed,
+    }
+}
+
 /// Connect the full mesh for `init`: one authenticated stream per peer,
 /// and every rank's host id. See the [invariants](self#invariants).
 pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
@@ -383,19 +399,12 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
     {
         Ok(r) => r,
         Err(TransportError::WaitTimeout { keys: missing, .. }) => {
-            let failed: Vec<usize> = (0..size).filter(|&r| missing.contains(&keys[r])).collect();
-            return Err(Error::PeerFailed {
-                comm: init.comm.clone(),
-                rank: me,
-                epoch,
-                op: "connect",
-                detail: format!(
-                    "ranks {failed:?} did not publish their data-link address within {:?}: \
-                     they did not start, or died",
-                    init.connect_timeout
-                ),
-                failed_ranks: failed,
-            });
+            let failed = (0..size).filter(|&r| missing.contains(&keys[r])).collect();
+            return Err(not_connected(
+                init,
+                failed,
+                "they never published their address: they did not start, or died",
+            ));
         }
         Err(e) => return Err(e.into()),
     };
@@ -508,22 +517,15 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
                          fewer ranks per host",
                         init.comm,
                         init.connect_timeout,
-                        crate::bootstrap::fd_limit()
+                        crate::limits::fd_limit()
                             .map_or_else(|| "unknown".to_string(), |(soft, _)| soft.to_string()),
                     )));
                 }
-                return Err(Error::PeerFailed {
-                    comm: init.comm.clone(),
-                    rank: me,
-                    epoch,
-                    op: "connect",
-                    detail: format!(
-                        "data links to ranks {failed:?} were not established within {:?}; \
-                         they did not start, died, or use a different job secret",
-                        init.connect_timeout
-                    ),
-                    failed_ranks: failed,
-                });
+                return Err(not_connected(
+                    init,
+                    failed,
+                    "they did not start, died, or use a different job secret",
+                ));
             }
         }
     }
