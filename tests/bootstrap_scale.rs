@@ -11,66 +11,27 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use chorus::transport::{CompareSet, MemoryStore, Store, TransportError};
+use chorus::transport::{MemoryStore, Store};
 use chorus::{new_comm, Device, ReduceOp, Rendezvous, Tensor};
+use common::hooked::{Hooked, Req};
 
-/// A store that counts the requests made through it, and the reads of
-/// membership keys among them.
-struct Counting {
+/// A store that counts the requests made through it in `requests`, and
+/// the reads of membership keys among them in `member_reads`.
+fn counting(
     inner: Arc<dyn Store>,
     requests: Arc<AtomicUsize>,
     member_reads: Arc<AtomicUsize>,
-}
-
-impl Counting {
-    fn count(&self) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-#[async_trait]
-impl Store for Counting {
-    async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), TransportError> {
-        self.count();
-        self.inner.set(key, value).await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
-        self.count();
-        if key.contains("/member/") {
-            self.member_reads.fetch_add(1, Ordering::Relaxed);
-        }
-        self.inner.get(key).await
-    }
-    async fn wait(
-        &self,
-        keys: &[String],
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        self.count();
-        self.inner.wait(keys, timeout).await
-    }
-    async fn add(&self, key: &str, delta: i64) -> Result<i64, TransportError> {
-        self.count();
-        self.inner.add(key, delta).await
-    }
-    async fn compare_set(
-        &self,
-        key: &str,
-        expected: Option<Vec<u8>>,
-        desired: Vec<u8>,
-    ) -> Result<CompareSet, TransportError> {
-        self.count();
-        self.inner.compare_set(key, expected, desired).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, TransportError> {
-        self.count();
-        self.inner.delete(key).await
-    }
-    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
-        self.count();
-        self.inner.delete_prefix(prefix).await
-    }
+) -> Arc<dyn Store> {
+    Arc::new(Hooked {
+        inner,
+        hook: Box::new(move |req, key| {
+            requests.fetch_add(1, Ordering::Relaxed);
+            if req == Req::Get && key.contains("/member/") {
+                member_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(true)
+        }),
+    })
 }
 
 /// Store requests made by `size` ranks' `new_comm` (heartbeats off), and
@@ -84,11 +45,7 @@ fn bootstrap_requests(size: usize) -> usize {
         let (store, requests, created, tx) =
             (store.clone(), requests.clone(), created.clone(), tx.clone());
         std::thread::spawn(move || {
-            let counting: Arc<dyn Store> = Arc::new(Counting {
-                inner: store.clone(),
-                requests: requests.clone(),
-                member_reads: Arc::default(),
-            });
+            let counting = counting(store.clone(), requests.clone(), Arc::default());
             let o = common::opts(&store, rank, size)
                 .with_rendezvous(Rendezvous::Store(counting))
                 .with_heartbeat(Duration::ZERO, Duration::from_secs(10));
@@ -152,11 +109,7 @@ fn only_the_coordinator_reads_the_members_of_an_open_membership() {
         let (store, tx) = (store.clone(), tx.clone());
         std::thread::spawn(move || {
             let member_reads = Arc::new(AtomicUsize::new(0));
-            let counting: Arc<dyn Store> = Arc::new(Counting {
-                inner: store.clone(),
-                requests: Arc::default(),
-                member_reads: member_reads.clone(),
-            });
+            let counting = counting(store.clone(), Arc::default(), member_reads.clone());
             let o = common::opts(&store, rank, size).with_rendezvous(Rendezvous::Store(counting));
             let comm = new_comm("cpu", Device::Cpu, "membership-2", o).expect("new_comm");
             let (next, map) = comm

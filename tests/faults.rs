@@ -17,12 +17,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
-use chorus::transport::{CompareSet, MemoryStore, Store, TransportError};
+use chorus::transport::{MemoryStore, Store, TransportError};
 
 use chorus::{
     new_comm, Comm, CommOptions, Device, Error, ReconfigureOptions, ReduceOp, Rendezvous, Tensor,
 };
+use common::hooked::{Hooked, Req};
 use common::{opts, run_ranks_with};
 
 const HB: Duration = Duration::from_millis(100);
@@ -41,68 +41,24 @@ struct Faults {
     store: std::sync::Mutex<Option<Arc<dyn Store>>>,
 }
 
-/// A store that can stop a rank's heartbeats or cut the rank off.
-struct FaultyStore {
-    inner: Arc<dyn Store>,
-    faults: Arc<Faults>,
-}
-
-impl FaultyStore {
-    fn check(&self) -> Result<(), TransportError> {
-        if self.faults.partitioned.load(Ordering::Acquire) {
-            return Err(TransportError::ConnectionLost {
-                addr: "test-store".into(),
-                detail: "partitioned by the test".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl Store for FaultyStore {
-    async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), TransportError> {
-        self.check()?;
-        if key.contains("/hb/") && self.faults.mute_heartbeats.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        self.inner.set(key, value).await
-    }
-    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
-        self.check()?;
-        if key.contains("/hb/") {
-            self.faults.heartbeat_reads.fetch_add(1, Ordering::Relaxed);
-        }
-        self.inner.get(key).await
-    }
-    async fn wait(
-        &self,
-        keys: &[String],
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        self.check()?;
-        self.inner.wait(keys, timeout).await
-    }
-    async fn add(&self, key: &str, delta: i64) -> Result<i64, TransportError> {
-        self.check()?;
-        self.inner.add(key, delta).await
-    }
-    async fn compare_set(
-        &self,
-        key: &str,
-        expected: Option<Vec<u8>>,
-        desired: Vec<u8>,
-    ) -> Result<CompareSet, TransportError> {
-        self.check()?;
-        self.inner.compare_set(key, expected, desired).await
-    }
-    async fn delete(&self, key: &str) -> Result<bool, TransportError> {
-        self.check()?;
-        self.inner.delete(key).await
-    }
-    async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
-        self.check()?;
-        self.inner.delete_prefix(prefix).await
+/// A store that can stop a rank's heartbeats or cut the rank off, and
+/// counts the rank's heartbeat reads.
+fn faulty_store(inner: Arc<dyn Store>, faults: Arc<Faults>) -> Hooked {
+    Hooked {
+        inner,
+        hook: Box::new(move |req, key| {
+            if faults.partitioned.load(Ordering::Acquire) {
+                return Err(TransportError::ConnectionLost {
+                    addr: "test-store".into(),
+                    detail: "partitioned by the test".into(),
+                });
+            }
+            let heartbeat = key.contains("/hb/");
+            if heartbeat && req == Req::Get {
+                faults.heartbeat_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(!(heartbeat && req == Req::Set && faults.mute_heartbeats.load(Ordering::Acquire)))
+        }),
     }
 }
 
@@ -122,10 +78,10 @@ where
                 unreachable!("run_ranks uses a shared store")
             };
             *f2[rank].store.lock().unwrap() = Some(inner.clone());
-            o.with_rendezvous(Rendezvous::Store(Arc::new(FaultyStore {
+            o.with_rendezvous(Rendezvous::Store(Arc::new(faulty_store(
                 inner,
-                faults: f2[rank].clone(),
-            })))
+                f2[rank].clone(),
+            ))))
             .with_heartbeat(HB, HB_TIMEOUT)
         },
         move |comm| {

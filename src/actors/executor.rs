@@ -470,66 +470,66 @@ impl Core {
             } => (failed_ranks, detail, *op),
             _ => return e,
         };
-        if failed_ranks.is_empty() {
-            let read = tokio::spawn(async move { config.notice().await });
-            return match tokio::time::timeout(NOTICE_ADOPT, read).await {
-                Ok(Ok(Some(n))) if n.mismatch => self.mismatch_notice(op, seq, detail, &n),
-                Ok(Ok(Some(n))) => {
-                    *detail = format!(
-                        "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
-                        n.by, n.failed_ranks, n.detail
-                    );
-                    *failed_ranks = n.failed_ranks;
-                    e
-                }
-                _ => e,
-            };
-        }
-        let (ranks, text) = (failed_ranks.clone(), detail.clone());
-        let down = config.clone();
-        let host_lost = config.store_host.is_some_and(|h| failed_ranks.contains(&h));
-        let publish = tokio::spawn(async move { config.publish(ranks, text).await });
-        if host_lost {
-            // The rank that died hosted the store, which died with it:
-            // asking it would only wait out NOTICE_ADOPT. Publish in the
-            // background (a restarted store may still take it).
-            drop(publish);
-            return e;
-        }
-        match tokio::time::timeout(NOTICE_ADOPT, publish).await {
-            Ok(Ok(Some(n))) if n.mismatch => self.mismatch_notice(op, seq, detail, &n),
-            Ok(Ok(Some(n))) => {
-                if n.failed_ranks != *failed_ranks {
-                    *detail = format!(
-                        "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
-                        n.by, n.failed_ranks, n.detail
-                    );
-                    *failed_ranks = n.failed_ranks;
-                }
-                e
+        let adopted = if failed_ranks.is_empty() {
+            // A failure that names no rank (a vendor library's remote
+            // error): the epoch's notice may say who, or that it was a
+            // mismatch. Only read, and only for NOTICE_ADOPT.
+            tokio::time::timeout(NOTICE_ADOPT, config.notice())
+                .await
+                .ok()
+                .flatten()
+        } else {
+            let (ranks, text) = (failed_ranks.clone(), detail.clone());
+            let down = config.clone();
+            let host_lost = config.store_host.is_some_and(|h| failed_ranks.contains(&h));
+            let publish = tokio::spawn(async move { config.publish(ranks, text).await });
+            if host_lost {
+                // The rank that died hosted the store, which died with it:
+                // asking it would only wait out NOTICE_ADOPT. Publish in the
+                // background (a restarted store may still take it).
+                drop(publish);
+                return e;
             }
-            // WD-5: the store has been silent for several heartbeat rounds,
-            // so the peer that closed its link most likely aborted because it
-            // lost the store too; say that, not that the peer died.
-            _ => match down.store_down() {
-                Some(after) => {
-                    let last = down
-                        .health
-                        .last_error()
-                        .unwrap_or_else(|| "no answer".into());
-                    Error::StoreUnreachable {
-                        comm: self.info.name.clone(),
-                        rank: self.info.rank,
-                        epoch: self.info.epoch,
-                        op,
-                        after,
-                        detail: format!(
-                            "{last}; meanwhile ranks {failed_ranks:?} went away ({detail})"
-                        ),
+            match tokio::time::timeout(NOTICE_ADOPT, publish).await {
+                Ok(Ok(Some(n))) => Some(n),
+                // WD-5: the store has been silent for several heartbeat
+                // rounds, so the peer that closed its link most likely
+                // aborted because it lost the store too; say that, not that
+                // the peer died.
+                _ => {
+                    return match down.store_down() {
+                        Some(after) => {
+                            let last = down
+                                .health
+                                .last_error()
+                                .unwrap_or_else(|| "no answer".into());
+                            Error::StoreUnreachable {
+                                comm: self.info.name.clone(),
+                                rank: self.info.rank,
+                                epoch: self.info.epoch,
+                                op,
+                                after,
+                                detail: format!(
+                                    "{last}; meanwhile ranks {failed_ranks:?} went away ({detail})"
+                                ),
+                            }
+                        }
+                        None => e,
                     }
                 }
-                None => e,
-            },
+            }
+        };
+        match adopted {
+            Some(n) if n.mismatch => self.mismatch_notice(op, seq, detail, &n),
+            Some(n) if n.failed_ranks != *failed_ranks => {
+                *detail = format!(
+                    "{detail}; the epoch's failure notice (from rank {}) says ranks {:?} failed: {}",
+                    n.by, n.failed_ranks, n.detail
+                );
+                *failed_ranks = n.failed_ranks;
+                e
+            }
+            _ => e,
         }
     }
 

@@ -45,6 +45,7 @@
 //! - WD-9: a rank reads the heartbeats of its nearest neighbours only
 //!   ([`watched`]: two on each side around the ring of ranks), plus the
 //!   failure notice, so a round costs each rank at most six store requests
+//!   and its state is O(1) (one [`Watched`] per neighbour)
 //!   whatever the size of the job, O(N) for the whole job. A failed rank
 //!   is declared by the ranks that watch it (within `heartbeat_timeout`
 //!   and one interval); the others learn it from the notice on their next
@@ -368,6 +369,20 @@ pub(crate) fn watched(me: usize, size: usize) -> Vec<usize> {
     w
 }
 
+/// A watched neighbour's heartbeat, as this rank last saw it ([WD-9]).
+///
+/// [WD-9]: self#invariants
+struct Watched {
+    rank: usize,
+    key: String,
+    /// The last value read and when it changed.
+    last: (Option<Vec<u8>>, Instant),
+    /// It finalized cleanly ([WD-3]): no longer read.
+    ///
+    /// [WD-3]: self#invariants
+    done: bool,
+}
+
 /// Why a watchdog ended the communicator.
 enum Verdict {
     /// These ranks failed.
@@ -396,16 +411,18 @@ async fn run(
     let _live = LiveGuard;
     let me = cfg.rank;
     let my_key = format!("{}/hb/{me}", cfg.prefix);
-    let peer_keys: Vec<String> = (0..cfg.size)
-        .map(|p| format!("{}/hb/{p}", cfg.prefix))
-        .collect();
     let nkey = notice_key(&cfg.prefix);
     let start = Instant::now();
-    let mut last: Vec<(Option<Vec<u8>>, Instant)> = vec![(None, start); cfg.size];
-    // WD-9: only the watched neighbours' heartbeats are read; the others
-    // count as done from the start, so they are neither fetched nor judged.
-    let watched = watched(me, cfg.size);
-    let mut done: Vec<bool> = (0..cfg.size).map(|p| !watched.contains(&p)).collect();
+    // WD-9: the watched neighbours, the only heartbeats this rank reads.
+    let mut peers: Vec<Watched> = watched(me, cfg.size)
+        .into_iter()
+        .map(|rank| Watched {
+            rank,
+            key: format!("{}/hb/{rank}", cfg.prefix),
+            last: (None, start),
+            done: false,
+        })
+        .collect();
     let mut store_ok = start;
     let mut counter: u64 = 0;
     let mut tick = tokio::time::interval(cfg.interval);
@@ -430,12 +447,12 @@ async fn run(
                 .set(&my_key, stall::encode_beat(counter, beat))
                 .await?;
             let notice = cfg.store.get(&nkey).await?;
-            let mut beats = Vec::with_capacity(cfg.size);
-            for (p, key) in peer_keys.iter().enumerate() {
-                beats.push(if done[p] {
+            let mut beats = Vec::with_capacity(peers.len());
+            for w in &peers {
+                beats.push(if w.done {
                     None
                 } else {
-                    cfg.store.get(key).await?
+                    cfg.store.get(&w.key).await?
                 });
             }
             Ok::<_, crate::transport::TransportError>((notice, beats))
@@ -462,7 +479,8 @@ async fn run(
                 // WD-7: compare the stalls and histories peers announce
                 // with this rank's ops.
                 let disagree = cfg.ops.as_ref().and_then(|o| {
-                    beats.iter().enumerate().find_map(|(p, b)| {
+                    peers.iter().zip(&beats).find_map(|(w, b)| {
+                        let p = w.rank;
                         let beat = stall::parse_beat(b.as_deref()?);
                         let stalled = beat.stall.and_then(|(seq, fp)| o.check(me, p, seq, fp));
                         stalled.or_else(|| {
@@ -485,22 +503,22 @@ async fn run(
                 // (the epoch's keys were deleted), not one peer's: a single
                 // key can vanish for that peer's own reasons.
                 let (mut seen, mut vanished) = (0usize, 0usize);
-                for (p, beat) in beats.into_iter().enumerate() {
-                    if done[p] {
+                for (w, beat) in peers.iter_mut().zip(beats) {
+                    if w.done {
                         continue;
                     }
                     if beat.as_deref() == Some(DONE) {
-                        done[p] = true;
+                        w.done = true;
                         continue;
                     }
-                    if last[p].0.is_some() {
+                    if w.last.0.is_some() {
                         seen += 1;
                         vanished += usize::from(beat.is_none());
                     }
-                    if beat.is_some() && beat != last[p].0 {
-                        last[p] = (beat, now);
-                    } else if now.duration_since(last[p].1) > cfg.timeout {
-                        failed.push(p);
+                    if beat.is_some() && beat != w.last.0 {
+                        w.last = (beat, now);
+                    } else if now.duration_since(w.last.1) > cfg.timeout {
+                        failed.push(w.rank);
                     }
                 }
                 if seen > 0 && vanished == seen {

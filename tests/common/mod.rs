@@ -3,6 +3,7 @@
 //! bounded in time.
 #![allow(dead_code)]
 
+pub mod hooked;
 pub mod memnet;
 pub mod mismatch;
 

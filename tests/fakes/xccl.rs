@@ -1041,15 +1041,28 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
         slot.inputs[comm.rank] = Some(input);
     }
     cl.cv.notify_all();
+    let mut counted = false;
     loop {
         if comm.aborted.load(SeqCst) {
             return;
         }
         let slot = st.colls.get(&seq).expect("slot");
-        if slot.inputs.iter().all(Option::is_some) {
+        let all_in = slot.inputs.iter().all(Option::is_some);
+        if all_in && !slot.mismatch {
             break;
         }
-        if let Some(d) = (0..n).find(|r| st.dead.contains(r) && slot.inputs[*r].is_none()) {
+        // NCCL has no check here: ranks that issued different collectives
+        // wait for bytes that never come (or, when the sizes happen to
+        // agree, compute garbage). The fake hangs, until this rank is
+        // aborted or a peer is, which is what Chorus must detect.
+        if all_in && !counted {
+            counted = true;
+            COUNTERS.mismatched_collectives.fetch_add(1, SeqCst);
+        }
+        let gone = |r: &usize| {
+            *r != comm.rank && st.dead.contains(r) && (slot.mismatch || slot.inputs[*r].is_none())
+        };
+        if let Some(d) = (0..n).find(gone) {
             drop(st);
             comm.fail(
                 NCCL_REMOTE_ERROR,
@@ -1065,32 +1078,6 @@ fn run_coll(comm: &Comm, seq: u64, op: Op) {
             .wait_timeout(st, RECHECK)
             .unwrap_or_else(|p| p.into_inner())
             .0;
-    }
-    if st.colls.get(&seq).is_some_and(|s| s.mismatch) {
-        // NCCL has no check here: ranks that issued different collectives
-        // wait for bytes that never come (or, when the sizes happen to
-        // agree, compute garbage). The fake hangs, until this rank is
-        // aborted or a peer is, which is what Chorus must detect.
-        COUNTERS.mismatched_collectives.fetch_add(1, SeqCst);
-        while !comm.aborted.load(SeqCst) {
-            if let Some(d) = st.dead.iter().copied().find(|&d| d != comm.rank) {
-                drop(st);
-                comm.fail(
-                    NCCL_REMOTE_ERROR,
-                    format!(
-                        "rank {d} aborted while rank {} hung in a mismatched collective",
-                        comm.rank
-                    ),
-                );
-                return;
-            }
-            st = cl
-                .cv
-                .wait_timeout(st, RECHECK)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        return;
     }
     let slot = st.colls.get_mut(&seq).expect("slot");
     let ins: Vec<&[u8]> = slot
