@@ -2,18 +2,21 @@
 //! usable directly by ranks that live in one process (and by single-rank
 //! communicators, which need no network at all).
 //!
-//! The values sit in one map behind a lock (every operation, `compare_set`
-//! and `add` included, is one critical section). A waiter registers on the
-//! key it still misses, in a per-key table of wake-ups (`dashmap`), so a
+//! The values sit in a sharded map (`dashmap`), so requests on different
+//! keys, which is what the ranks of a job mostly send, do not wait for each
+//! other; every operation on one key, `compare_set` and `add` included, is
+//! one critical section on that key's shard. A `wait` on several keys reads
+//! them one at a time and returns once it has seen every one present. A
+//! waiter registers on the key it still misses, in a per-key table of wake-ups (`dashmap`), so a
 //! write wakes only the waiters of its own key, not every waiter of the
 //! job: a bootstrap of n ranks waiting on n keys each costs O(n) wake-ups
 //! per write less than a store-wide notification.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dashmap::mapref::entry::Entry;
 use dashmap::DashMap;
 use tokio::sync::Notify;
 
@@ -32,7 +35,7 @@ use super::{CompareSet, Store, TransportError};
 /// ```
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    map: DashMap<String, Vec<u8>>,
     /// Wake-ups of the tasks waiting for a key, by key; an entry lives
     /// while someone waits on it.
     waiters: DashMap<String, Arc<Notify>>,
@@ -44,27 +47,33 @@ impl MemoryStore {
         MemoryStore::default()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        // A panic while holding this lock cannot leave the map half-updated
-        // (every critical section is a single map operation), so poisoning is ignored.
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Number of keys (for tests and metrics).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.map.len()
     }
 
     /// Every key, sorted (for tests and for operators inspecting a store).
     pub fn keys(&self) -> Vec<String> {
-        let mut k: Vec<String> = self.lock().keys().cloned().collect();
+        let mut k: Vec<String> = self.map.iter().map(|e| e.key().clone()).collect();
         k.sort();
         k
     }
 
     /// Whether the store holds no keys.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.map.is_empty()
+    }
+
+    /// The values of `keys`, or the first key found missing.
+    fn read_all(&self, keys: &[String]) -> Result<Vec<Vec<u8>>, String> {
+        keys.iter()
+            .map(|k| {
+                self.map
+                    .get(k.as_str())
+                    .map(|v| v.clone())
+                    .ok_or_else(|| k.clone())
+            })
+            .collect()
     }
 
     /// Wake the tasks waiting for `key`.
@@ -117,13 +126,13 @@ impl Drop for Waiting<'_> {
 #[async_trait]
 impl Store for MemoryStore {
     async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), TransportError> {
-        self.lock().insert(key.to_string(), value);
+        self.map.insert(key.to_string(), value);
         self.changed(key);
         Ok(())
     }
 
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, TransportError> {
-        Ok(self.lock().get(key).cloned())
+        Ok(self.map.get(key).map(|v| v.clone()))
     }
 
     async fn wait(
@@ -135,22 +144,18 @@ impl Store for MemoryStore {
         // The key this task is registered on: the first one found missing.
         let mut waiting: Option<Waiting<'_>> = None;
         loop {
-            let first_missing = {
-                let map = self.lock();
-                match keys.iter().find(|k| !map.contains_key(k.as_str())) {
-                    None => return Ok(keys.iter().map(|k| map[k.as_str()].clone()).collect()),
-                    Some(k) => k.clone(),
-                }
+            let first_missing = match self.read_all(keys) {
+                Ok(values) => return Ok(values),
+                Err(k) => k,
             };
             if tokio::time::Instant::now() >= deadline {
-                let map = self.lock();
                 let missing: Vec<String> = keys
                     .iter()
-                    .filter(|k| !map.contains_key(k.as_str()))
+                    .filter(|k| !self.map.contains_key(k.as_str()))
                     .cloned()
                     .collect();
                 if missing.is_empty() {
-                    return Ok(keys.iter().map(|k| map[k.as_str()].clone()).collect());
+                    continue;
                 }
                 return Err(TransportError::WaitTimeout {
                     keys: missing,
@@ -168,7 +173,7 @@ impl Store for MemoryStore {
             let notified = w.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.lock().contains_key(first_missing.as_str()) {
+            if self.map.contains_key(first_missing.as_str()) {
                 continue;
             }
             let _ = tokio::time::timeout_at(deadline, notified).await;
@@ -177,10 +182,10 @@ impl Store for MemoryStore {
 
     async fn add(&self, key: &str, delta: i64) -> Result<i64, TransportError> {
         let new = {
-            let mut map = self.lock();
-            let cur = match map.get(key) {
-                None => 0,
-                Some(v) => std::str::from_utf8(v)
+            let entry = self.map.entry(key.to_string());
+            let cur = match &entry {
+                Entry::Vacant(_) => 0,
+                Entry::Occupied(e) => std::str::from_utf8(e.get())
                     .ok()
                     .and_then(|s| s.parse::<i64>().ok())
                     .ok_or_else(|| {
@@ -192,7 +197,7 @@ impl Store for MemoryStore {
             let new = cur
                 .checked_add(delta)
                 .ok_or_else(|| TransportError::Store(format!("add on key {key:?}: overflow")))?;
-            map.insert(key.to_string(), new.to_string().into_bytes());
+            entry.insert(new.to_string().into_bytes());
             new
         };
         self.changed(key);
@@ -205,15 +210,17 @@ impl Store for MemoryStore {
         expected: Option<Vec<u8>>,
         desired: Vec<u8>,
     ) -> Result<CompareSet, TransportError> {
-        let result = {
-            let mut map = self.lock();
-            let cur = map.get(key).cloned();
-            if cur == expected {
-                map.insert(key.to_string(), desired);
+        let result = match (self.map.entry(key.to_string()), expected) {
+            (Entry::Occupied(mut e), Some(want)) if *e.get() == want => {
+                e.insert(desired);
                 CompareSet::Swapped
-            } else {
-                CompareSet::Current(cur)
             }
+            (Entry::Vacant(e), None) => {
+                e.insert(desired);
+                CompareSet::Swapped
+            }
+            (Entry::Occupied(e), _) => CompareSet::Current(Some(e.get().clone())),
+            (Entry::Vacant(_), Some(_)) => CompareSet::Current(None),
         };
         if result == CompareSet::Swapped {
             self.changed(key);
@@ -222,15 +229,18 @@ impl Store for MemoryStore {
     }
 
     async fn delete(&self, key: &str) -> Result<bool, TransportError> {
-        Ok(self.lock().remove(key).is_some())
+        Ok(self.map.remove(key).is_some())
     }
 
     async fn delete_prefix(&self, prefix: &str) -> Result<u64, TransportError> {
         super::check_prefix(prefix)?;
-        let mut map = self.lock();
-        let before = map.len();
-        map.retain(|k, _| !k.starts_with(prefix));
-        Ok((before - map.len()) as u64)
+        let mut removed = 0u64;
+        self.map.retain(|k, _| {
+            let gone = k.starts_with(prefix);
+            removed += u64::from(gone);
+            !gone
+        });
+        Ok(removed)
     }
 }
 
@@ -312,6 +322,39 @@ mod tests {
         assert_eq!(store.waited_keys(), 0);
     }
 
+    /// `add` and `compare_set` are atomic per key under concurrency from
+    /// many threads, while other keys are written at the same time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_adds_and_compare_sets_on_one_key_are_atomic() {
+        let store = Arc::new(MemoryStore::new());
+        let tasks: Vec<_> = (0..16)
+            .map(|t| {
+                let s = store.clone();
+                tokio::spawn(async move {
+                    let mut won = 0;
+                    for i in 0..200 {
+                        s.add("count", 1).await.unwrap();
+                        s.set(&format!("other/{t}/{i}"), vec![1]).await.unwrap();
+                        let swapped = s
+                            .compare_set(&format!("claim/{i}"), None, vec![t])
+                            .await
+                            .unwrap();
+                        won += usize::from(swapped == CompareSet::Swapped);
+                    }
+                    won
+                })
+            })
+            .collect();
+        let mut won = 0;
+        for t in tasks {
+            won += t.await.unwrap();
+        }
+        assert_eq!(store.get("count").await.unwrap(), Some(b"3200".to_vec()));
+        assert_eq!(won, 200, "exactly one claim of each key wins");
+        assert_eq!(store.len(), 1 + 16 * 200 + 200);
+        assert_eq!(store.delete_prefix("other/").await.unwrap(), 3200);
+    }
+
     #[tokio::test]
     async fn compare_set_and_add_and_delete() {
         let store = MemoryStore::new();
@@ -326,6 +369,11 @@ mod tests {
         assert_eq!(store.add("c", 2).await.unwrap(), 2);
         assert_eq!(store.add("c", -5).await.unwrap(), -3);
         assert!(store.add("k", 1).await.is_err());
+        store.set("empty", Vec::new()).await.unwrap();
+        assert!(
+            store.add("empty", 1).await.is_err(),
+            "an empty value is no integer"
+        );
         assert!(store.delete("k").await.unwrap());
         assert!(!store.delete("k").await.unwrap());
     }
