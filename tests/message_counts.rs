@@ -172,3 +172,129 @@ fn strict_checks_add_a_header_from_every_rank_to_every_other() {
     // The small payload rides in the root's headers.
     assert_eq!(got, n * (n - 1));
 }
+
+/// Per-rank data for the rooted ops below: rank `r`'s element `i`.
+fn val(r: usize, i: usize) -> f32 {
+    (r * 1000 + i % 997) as f32
+}
+
+/// A rooted op of every kind, on `n` ranks with `count` f32 per rank (per
+/// block for gather and scatter) and root `root`, checking every result.
+fn rooted_cases(n: usize, count: usize, root: usize) -> Vec<(&'static str, Op)> {
+    let mine = move |r: usize| Tensor::from_vec((0..count).map(|i| val(r, i)).collect::<Vec<_>>());
+    vec![
+        (
+            "reduce",
+            Box::new(move |c: &Comm| {
+                let out = c
+                    .reduce(
+                        Tensor::full(1.0f32 + c.rank() as f32, count),
+                        ReduceOp::Sum,
+                        root,
+                    )
+                    .expect("reduce");
+                if c.rank() == root {
+                    let want = (n * (n + 1) / 2) as f32;
+                    assert!(
+                        out.to_vec::<f32>().iter().all(|&x| x == want),
+                        "reduce on {n}"
+                    );
+                }
+            }),
+        ),
+        (
+            "gather",
+            Box::new(move |c: &Comm| {
+                let out = c.gather(mine(c.rank()), root).expect("gather");
+                if c.rank() == root {
+                    assert_eq!(out.len(), n);
+                    for (r, t) in out.iter().enumerate() {
+                        assert_eq!(
+                            t.to_vec::<f32>(),
+                            mine(r).to_vec::<f32>(),
+                            "gather block {r}"
+                        );
+                    }
+                }
+            }),
+        ),
+        (
+            "scatter",
+            Box::new(move |c: &Comm| {
+                let inputs = (c.rank() == root).then(|| (0..n).map(mine).collect::<Vec<_>>());
+                let out = c
+                    .scatter(Tensor::zeros(chorus::DType::F32, count), inputs, root)
+                    .expect("scatter");
+                assert_eq!(
+                    out.to_vec::<f32>(),
+                    mine(c.rank()).to_vec::<f32>(),
+                    "scatter"
+                );
+            }),
+        ),
+    ]
+}
+
+/// Above the direct algorithm's world (8 ranks), small ops run O(log N)
+/// schedules: recursive doubling for all_reduce and all_gather, binomial
+/// trees for broadcast, reduce, gather and scatter. Counted on 16 ranks,
+/// with every result checked.
+#[test]
+fn small_ops_above_eight_ranks_send_their_log_schedules_messages() {
+    let n = 16usize;
+    let log = n.trailing_zeros() as usize;
+    let root = 5;
+    let mut cases = rooted_cases(n, 2, root);
+    cases.push((
+        "all_reduce",
+        Box::new(move |c: &Comm| {
+            let out = c
+                .all_reduce(Tensor::full(1.0f32, 2), ReduceOp::Sum)
+                .expect("all_reduce");
+            assert_eq!(out.to_vec::<f32>(), vec![n as f32; 2]);
+        }),
+    ));
+    cases.push((
+        "all_gather",
+        Box::new(move |c: &Comm| {
+            let out = c
+                .all_gather(Tensor::full(c.rank() as f32, 2))
+                .expect("all_gather");
+            let want: Vec<f32> = (0..n).flat_map(|r| [r as f32; 2]).collect();
+            assert_eq!(out.to_vec::<f32>(), want);
+        }),
+    ));
+    for (what, op) in cases {
+        let want = match what {
+            "reduce" => sends(n, |r| schedule::reduce_tree(r, n, 2, root)),
+            "gather" => sends(n, |r| schedule::gather_tree(r, n, 2, root)),
+            "scatter" => sends(n, |r| schedule::scatter_tree(r, n, 2, root)),
+            "all_reduce" => sends(n, |r| schedule::all_reduce_auto(r, n, 2, 4)),
+            _ => sends(n, |r| schedule::all_gather_auto(r, n, &[2; 16], false, 4)),
+        };
+        assert!(want <= n * log, "{what}: {want} messages");
+        let got = messages(n, &format!("mc-log-{what}"), op);
+        assert_eq!(got, want, "{what} on {n} ranks");
+    }
+}
+
+/// Within the direct algorithm's world, blocks too large for it but below
+/// the tree limit take the binomial trees, here on 5 ranks (not a power of
+/// two, so a subtree wraps past the last rank).
+#[test]
+fn medium_rooted_ops_take_the_trees_and_are_right() {
+    let (n, count, root) = (5usize, 8 << 10, 2);
+    // Relative ranks 2..4 wrap (real ranks 4, 0): that subtree's blocks
+    // travel in two messages, so the trees send one message more than the
+    // linear gather and scatter would.
+    assert_eq!(sends(n, |r| schedule::gather_tree(r, n, count, root)), n);
+    for (what, op) in rooted_cases(n, count, root) {
+        let want = match what {
+            "reduce" => sends(n, |r| schedule::reduce_tree(r, n, count, root)),
+            "gather" => sends(n, |r| schedule::gather_tree(r, n, count, root)),
+            _ => sends(n, |r| schedule::scatter_tree(r, n, count, root)),
+        };
+        let got = messages(n, &format!("mc-tree-{what}"), op);
+        assert_eq!(got, want, "{what} on {n} ranks");
+    }
+}

@@ -69,9 +69,23 @@ pub(super) const FUSE_TOTAL_MAX: usize = 256 << 10;
 /// Bytes in front of the encoded header.
 pub(super) const PREFIX: usize = 8;
 
+/// Largest world a fused op runs on. The direct algorithm sends every rank's
+/// data to every peer that needs it in one step: `p - 1` messages per rank
+/// and `p(p - 1)` in all for an all_reduce. Above this the op runs its
+/// O(log p) schedule instead (recursive doubling, binomial trees), whose
+/// `log2 p` steps cost less than `p - 1` messages per rank.
+pub(super) const FUSE_MAX_RANKS: usize = 8;
+
 /// Whether a collective whose largest per-peer payload is `per_peer` bytes
 /// runs fused on `size` ranks (FU-1).
 pub(super) fn fits(per_peer: usize, size: usize) -> bool {
+    size <= FUSE_MAX_RANKS && fits_any_world(per_peer, size)
+}
+
+/// [`fits`] without the bound on the world: an all_to_all sends `p - 1`
+/// messages per rank whatever its algorithm, so the direct one never sends
+/// more than its schedule would.
+fn fits_any_world(per_peer: usize, size: usize) -> bool {
     fused_enabled()
         && per_peer <= FUSE_PEER_MAX
         && per_peer.saturating_mul(size.saturating_sub(1)) <= FUSE_TOTAL_MAX
@@ -266,7 +280,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                 .flat_map(|p| [send_counts[p], recv_counts[p]])
                 .max()
                 .unwrap_or(0);
-            if !fits(peer_max.saturating_mul(es), size) {
+            if !fits_any_world(peer_max.saturating_mul(es), size) {
                 return None;
             }
             let offs = super::schedule::offsets(send_counts);

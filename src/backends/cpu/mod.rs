@@ -763,13 +763,19 @@ impl CpuBackend {
                 dst: buf,
                 op: *op,
                 copy_out: None,
+                scratch: None,
             },
             OpData::Reduce { buf, op, root } => Planned {
-                schedule: builders::reduce(rank, size, buf.len(), *root),
+                schedule: if builders::rooted_tree(buf.len_bytes(), size) {
+                    builders::reduce_tree(rank, size, buf.len(), *root)
+                } else {
+                    builders::reduce(rank, size, buf.len(), *root)
+                },
                 src: None,
                 dst: buf,
                 op: *op,
                 copy_out: None,
+                scratch: None,
             },
             OpData::ReduceScatter {
                 input,
@@ -790,6 +796,7 @@ impl CpuBackend {
                     dst: input,
                     op: *op,
                     copy_out: Some((o[rank]..o[rank + 1], output)),
+                    scratch: None,
                 }
             }
             OpData::AllGather {
@@ -805,15 +812,18 @@ impl CpuBackend {
                     )));
                 }
                 Planned {
-                    schedule: if *in_place {
-                        builders::all_gather_in_place(rank, size, counts)
-                    } else {
-                        builders::all_gather(rank, size, counts)
-                    },
+                    schedule: builders::all_gather_auto(
+                        rank,
+                        size,
+                        counts,
+                        *in_place,
+                        output.dtype().size(),
+                    ),
                     src: (!*in_place).then_some(input),
                     dst: output,
                     op: ReduceOp::Sum,
                     copy_out: None,
+                    scratch: None,
                 }
             }
             OpData::Broadcast { buf, root } => Planned {
@@ -822,29 +832,54 @@ impl CpuBackend {
                 dst: buf,
                 op: ReduceOp::Sum,
                 copy_out: None,
+                scratch: None,
             },
             OpData::Scatter {
                 input,
                 output,
                 root,
-            } => Planned {
-                schedule: builders::scatter(rank, size, output.len(), *root),
-                src: Some(input),
-                dst: output,
-                op: ReduceOp::Sum,
-                copy_out: None,
-            },
+            } => {
+                let (count, root) = (output.len(), *root);
+                let tree = builders::rooted_tree(output.len_bytes(), size);
+                Planned {
+                    schedule: if tree {
+                        builders::scatter_tree(rank, size, count, root)
+                    } else {
+                        builders::scatter(rank, size, count, root)
+                    },
+                    src: Some(input),
+                    dst: output,
+                    op: ReduceOp::Sum,
+                    copy_out: None,
+                    scratch: tree
+                        .then(|| builders::tree_scratch(rank, size, count, root))
+                        .filter(|&n| n > 0)
+                        .map(|n| (BufId::Src, n)),
+                }
+            }
             OpData::Gather {
                 input,
                 output,
                 root,
-            } => Planned {
-                schedule: builders::gather(rank, size, input.len(), *root),
-                src: Some(input),
-                dst: output,
-                op: ReduceOp::Sum,
-                copy_out: None,
-            },
+            } => {
+                let (count, root) = (input.len(), *root);
+                let tree = builders::rooted_tree(input.len_bytes(), size);
+                Planned {
+                    schedule: if tree {
+                        builders::gather_tree(rank, size, count, root)
+                    } else {
+                        builders::gather(rank, size, count, root)
+                    },
+                    src: Some(input),
+                    dst: output,
+                    op: ReduceOp::Sum,
+                    copy_out: None,
+                    scratch: tree
+                        .then(|| builders::tree_scratch(rank, size, count, root))
+                        .filter(|&n| n > 0)
+                        .map(|n| (BufId::Dst, n)),
+                }
+            }
             OpData::AllToAll {
                 input,
                 output,
@@ -864,6 +899,7 @@ impl CpuBackend {
                     dst: output,
                     op: ReduceOp::Sum,
                     copy_out: None,
+                    scratch: None,
                 }
             }
             OpData::Barrier | OpData::P2P { .. } => return Ok(None),
@@ -887,6 +923,10 @@ struct Planned<'d> {
     op: ReduceOp,
     /// For reduce_scatter: copy this element range of `dst` into the tensor.
     copy_out: Option<(Range<usize>, &'d mut Tensor)>,
+    /// For a tree gather or scatter on an inner rank: the schedule runs on a
+    /// scratch buffer of this many elements in place of `Src` or `Dst`
+    /// ([`builders::tree_scratch`]).
+    scratch: Option<(BufId, usize)>,
 }
 
 /// Whether `c` came with the headers of the op `ctx`/`data` (the one whose
@@ -1285,7 +1325,22 @@ impl CpuBackend {
             dst,
             op,
             copy_out,
+            scratch,
         } = plan;
+        // An inner rank of a tree gather or scatter forwards its subtree's
+        // blocks through scratch, of the dtype of the buffer it stands in for.
+        let mut tmp = scratch.map(|(which, n)| {
+            let dtype = match (which, &src) {
+                (BufId::Src, _) | (BufId::Dst, None) => dst.dtype(),
+                (BufId::Dst, Some(s)) => s.dtype(),
+            };
+            (which, Tensor::zeros(dtype, n))
+        });
+        let (src, dst) = match &mut tmp {
+            Some((BufId::Src, t)) => (Some(t), dst),
+            Some((BufId::Dst, t)) => (src, t),
+            None => (src, dst),
+        };
         let bytes = dst.len_bytes();
         let span = crate::active_span(
             tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len()),

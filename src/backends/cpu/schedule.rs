@@ -37,15 +37,27 @@
 //! | builder | algorithm | steps (`p` ranks) |
 //! |---------|-----------|-------------------|
 //! | [`all_reduce`] | ring reduce-scatter, then ring all-gather, in place on `Dst` | `2(p-1)` |
-//! | [`all_reduce_small`] | recursive doubling (power-of-two `p`; breaks [SC-6] on purpose, staged by the executor) | `log2 p` |
-//! | [`all_reduce_auto`] | the tuning table: `all_reduce_small` up to [`SMALL_ALL_REDUCE_BYTES`] on power-of-two `p`, else the ring | |
+//! | [`all_reduce_small`] | recursive doubling, non-powers of two folded onto the largest power of two (breaks [SC-6] on purpose, staged by the executor) | `floor(log2 p)`, +2 if `p` is not a power of two |
 //! | [`reduce`] | ring reduce-scatter, then every rank sends its block to root | `p` |
+//! | [`reduce_tree`] | binomial tree towards `root` | `ceil(log2 p)` |
 //! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
 //! | [`all_gather`] | local copy, then ring all-gather | `p-1` (1 if `p == 1`) |
+//! | [`all_gather_doubling`] | recursive doubling (power-of-two `p`, else the ring) | `log2 p` |
 //! | [`broadcast`] | binomial tree rooted at `root` | `ceil(log2 p)` |
 //! | [`scatter`], [`gather`] | root exchanges with every rank in one step | 1 |
+//! | [`scatter_tree`], [`gather_tree`] | binomial tree; inner ranks forward their subtree's blocks through a scratch buffer ([`tree_scratch`]) | `ceil(log2 p)` |
 //! | [`all_to_all`] | pairwise exchange: step `s` sends to `r+s`, receives from `r-s` | `p-1` (1 if `p == 1`) |
 //! | [`barrier_rounds`] | dissemination: round `k` sends to `r+2^k`, receives from `r-2^k` (empty messages) | `ceil(log2 p)` |
+//!
+//! The tuning table, which the cpu backend follows (every choice is a pure
+//! function of arguments all ranks agree on, so all ranks choose alike):
+//!
+//! | op | latency-minded, when | otherwise |
+//! |----|----------------------|-----------|
+//! | all_reduce | [`all_reduce_small`] up to [`SMALL_ALL_REDUCE_BYTES`] ([`all_reduce_auto`]) | [`all_reduce`] |
+//! | all_gather | [`all_gather_doubling`] up to [`SMALL_ALL_GATHER_BYTES`] of output on a power-of-two `p` ([`all_gather_auto`]) | [`all_gather`] |
+//! | reduce, gather, scatter | the trees for more than 2 ranks, up to [`TREE_MAX_BYTES`] of buffer (reduce) or block (gather, scatter) ([`rooted_tree`]) | [`reduce`], [`gather`], [`scatter`] |
+//! | broadcast, barrier | always [`broadcast`], [`barrier_rounds`] | |
 //!
 //! Step counts are upper bounds: steps left empty by zero-length blocks are
 //! dropped. The buffers map onto [`OpData`](crate::backends::OpData) as
@@ -315,51 +327,84 @@ pub fn all_reduce(rank: usize, size: usize, count: usize) -> Schedule {
     b.finish()
 }
 
-/// All-reduce messages up to this many bytes use [`all_reduce_small`] when
-/// the number of ranks is a power of two (the tuning table: latency-optimal
-/// below, bandwidth-optimal ring above).
+/// All-reduce messages up to this many bytes use [`all_reduce_small`]
+/// (the tuning table: latency-optimal below, bandwidth-optimal ring above).
 pub const SMALL_ALL_REDUCE_BYTES: usize = 16 << 10;
 
 /// The all-reduce schedule for `count` elements of `elem_bytes` bytes:
-/// [`all_reduce_small`] for small messages on a power-of-two number of
-/// ranks, else the ring ([`all_reduce`]).
+/// [`all_reduce_small`] for small messages, else the ring ([`all_reduce`]).
 pub fn all_reduce_auto(rank: usize, size: usize, count: usize, elem_bytes: usize) -> Schedule {
-    if size.is_power_of_two()
-        && size > 1
-        && count.saturating_mul(elem_bytes) <= SMALL_ALL_REDUCE_BYTES
-    {
+    if size > 1 && count.saturating_mul(elem_bytes) <= SMALL_ALL_REDUCE_BYTES {
         all_reduce_small(rank, size, count)
     } else {
         all_reduce(rank, size, count)
     }
 }
 
-/// Latency-optimal in-place all-reduce: recursive doubling, `log2 p` steps
-/// of a whole-buffer exchange with partner `rank ^ 2^k`, for a power-of-two
-/// number of ranks (other sizes get the ring, [`all_reduce`]).
+/// Latency-optimal in-place all-reduce: recursive doubling, `log2 q` steps
+/// of a whole-buffer exchange with partner `rank ^ 2^k`, where `q` is the
+/// largest power of two not above `p`. When `p` is not a power of two the
+/// first `2(p - q)` ranks pair up first (MPICH's fold): each even one sends
+/// its buffer to the odd one after it, which reduces it in and takes part
+/// in the doubling, and hands the result back in a last step. So
+/// `floor(log2 p)` steps, plus 2 when `p` is not a power of two; O(p log p)
+/// messages in all.
 ///
-/// Both partners combine the same two partial results, so every rank ends
-/// with bitwise the same values. This schedule deliberately breaks [SC-6]
-/// (each step's receive overlaps its send): the executor then stages the
-/// receive and applies it after the step ([CPU-1]), which for the small
-/// messages it is meant for costs one copy of at most
-/// [`SMALL_ALL_REDUCE_BYTES`].
+/// Both partners of a doubling step combine the same two partial results,
+/// so every rank ends with bitwise the same values. This schedule
+/// deliberately breaks [SC-6] (each step's receive overlaps its send): the
+/// executor then stages the receive and applies it after the step
+/// ([CPU-1]), which for the small messages it is meant for costs one copy
+/// of at most [`SMALL_ALL_REDUCE_BYTES`].
 ///
 /// [CPU-1]: crate::backends::cpu#invariants
 /// [SC-6]: self#invariants
 pub fn all_reduce_small(rank: usize, size: usize, count: usize) -> Schedule {
-    if rank >= size || !size.is_power_of_two() {
-        return all_reduce(rank, size, count);
+    if rank >= size {
+        return Schedule::default();
     }
+    let q = if size.is_power_of_two() {
+        size
+    } else {
+        size.next_power_of_two() / 2
+    };
+    let rem = size - q;
+    let folded = rank < 2 * rem;
     let mut b = Builder::new(rank, size);
-    if count > 0 {
+    if count == 0 {
+        return b.finish();
+    }
+    if folded {
+        b.step();
+        if rank % 2 == 0 {
+            b.send(rank + 1, BufId::Dst, 0..count);
+        } else {
+            b.recv(rank - 1, BufId::Dst, 0..count, RecvAction::Reduce);
+        }
+    }
+    // Rank in the power-of-two group (even folded ranks sit out), and back.
+    let inner = if folded {
+        (rank % 2 == 1).then_some(rank / 2)
+    } else {
+        Some(rank - rem)
+    };
+    let outer = |i: usize| if i < rem { 2 * i + 1 } else { i + rem };
+    if let Some(i) = inner {
         let mut mask = 1usize;
-        while mask < size {
+        while mask < q {
             b.step();
-            let partner = rank ^ mask;
+            let partner = outer(i ^ mask);
             b.send(partner, BufId::Dst, 0..count);
             b.recv(partner, BufId::Dst, 0..count, RecvAction::Reduce);
-            mask <<= 1;
+            mask *= 2;
+        }
+    }
+    if folded {
+        b.step();
+        if rank % 2 == 1 {
+            b.send(rank - 1, BufId::Dst, 0..count);
+        } else {
+            b.recv(rank + 1, BufId::Dst, 0..count, RecvAction::Copy);
         }
     }
     b.finish()
@@ -572,6 +617,265 @@ pub fn barrier_rounds(rank: usize, size: usize) -> Vec<(usize, usize)> {
         d *= 2;
     }
     rounds
+}
+
+/// Byte bound of the latency-minded rooted algorithms: [`reduce_tree`]
+/// when the buffer, and [`gather_tree`]/[`scatter_tree`] when one rank's
+/// block, is at most this large (see [`rooted_tree`]). Above it the
+/// bandwidth-minded schedules ([`reduce`], [`gather`], [`scatter`]) move
+/// every byte once.
+pub const TREE_MAX_BYTES: usize = 64 << 10;
+
+/// All-gathers whose whole output is at most this many bytes use
+/// [`all_gather_doubling`] on a power-of-two number of ranks.
+pub const SMALL_ALL_GATHER_BYTES: usize = 64 << 10;
+
+/// Whether a rooted op moving `bytes` (the buffer of a reduce, one rank's
+/// block of a gather or scatter) runs its binomial tree: `ceil(log2 p)`
+/// steps instead of `p - 1` messages at the root. A pure function of
+/// arguments every rank agrees on, so all ranks choose alike.
+pub fn rooted_tree(bytes: usize, size: usize) -> bool {
+    size > 2 && bytes <= TREE_MAX_BYTES
+}
+
+/// Relative rank `v`'s subtree in the binomial tree of `size` ranks rooted
+/// at relative rank 0: it covers relative ranks `v..v + subtree(v, size)`.
+/// The children of `v` are `v + 2^k` for every `2^k` below `v`'s lowest set
+/// bit (every `2^k < size` for the root).
+fn subtree(v: usize, size: usize) -> usize {
+    if v == 0 {
+        size
+    } else {
+        (v & v.wrapping_neg()).min(size - v)
+    }
+}
+
+/// Relative ranks `a..b` cut where real rank order wraps (relative rank
+/// `size - root`), so that a subtree maps to contiguous blocks of the
+/// root's buffer. Both ends of a transfer cut alike: the cut depends only
+/// on `size` and `root`.
+fn wrap_pieces(a: usize, b: usize, size: usize, root: usize) -> [Range<usize>; 2] {
+    let w = (size - root) % size;
+    let cut = if a < w && w < b { w } else { b };
+    [a..cut, cut..b]
+}
+
+/// Elements of scratch buffer a non-root rank needs for [`gather_tree`]
+/// (its `Dst`) or [`scatter_tree`] (its `Src`): one block per rank of its
+/// subtree, or 0 for a leaf (which sends from `Src`, or receives into
+/// `Dst`, directly) and for the root. O(subtree · count).
+pub fn tree_scratch(rank: usize, size: usize, count: usize, root: usize) -> usize {
+    if rank >= size || root >= size || rank == root {
+        return 0;
+    }
+    let sub = subtree((rank + size - root) % size, size);
+    if sub > 1 {
+        sub.saturating_mul(count)
+    } else {
+        0
+    }
+}
+
+/// Binomial-tree gather: the same buffers as [`gather`] on the root; a
+/// non-root rank with children collects its subtree's blocks (in relative
+/// rank order, its own first) in a scratch `Dst` of [`tree_scratch`]
+/// elements and sends them to its parent in one message (two where the
+/// subtree wraps past the last rank). `ceil(log2 p)` steps; every rank
+/// sends once; O(p) messages in all.
+pub fn gather_tree(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let v = (rank + size - root) % size;
+    let real = |u: usize| (u + root) % size;
+    let sub = subtree(v, size);
+    // Where relative ranks `r` (one wrap piece) live in this rank's Dst: the
+    // root's by real rank, a scratch's from `v` on.
+    let at = |r: Range<usize>| {
+        let first = if v == 0 { real(r.start) } else { r.start - v };
+        first * count..(first + r.len()) * count
+    };
+    let mut b = Builder::new(rank, size);
+    b.step();
+    if sub > 1 || size == 1 {
+        b.copy(0..count, at(v..v + 1));
+    }
+    let mut mask = 1usize;
+    while mask < size {
+        if mask > 1 {
+            b.step();
+        }
+        if v & mask != 0 {
+            for p in wrap_pieces(v, v + sub, size, root) {
+                let range = if sub == 1 {
+                    0..p.len() * count
+                } else {
+                    at(p.clone())
+                };
+                let buf = if sub == 1 { BufId::Src } else { BufId::Dst };
+                b.send(real(v - mask), buf, range);
+            }
+            break;
+        }
+        let c = v + mask;
+        if c < size {
+            for p in wrap_pieces(c, c + subtree(c, size), size, root) {
+                b.recv(real(c), BufId::Dst, at(p), RecvAction::Copy);
+            }
+        }
+        mask = mask.saturating_mul(2);
+    }
+    b.finish()
+}
+
+/// Binomial-tree scatter, [`gather_tree`] run backwards: the same buffers
+/// as [`scatter`] on the root; a non-root rank with children receives its
+/// subtree's blocks into a scratch `Src` of [`tree_scratch`] elements,
+/// forwards each child's part, and copies its own block to `Dst`; a leaf
+/// receives straight into `Dst`. `ceil(log2 p)` steps; O(p) messages.
+pub fn scatter_tree(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let v = (rank + size - root) % size;
+    let real = |u: usize| (u + root) % size;
+    let sub = subtree(v, size);
+    let at = |r: Range<usize>| {
+        let first = if v == 0 { real(r.start) } else { r.start - v };
+        first * count..(first + r.len()) * count
+    };
+    let lowest = if v == 0 {
+        usize::MAX
+    } else {
+        v & v.wrapping_neg()
+    };
+    let mut b = Builder::new(rank, size);
+    if size == 1 {
+        b.step();
+        b.copy(at(0..1), 0..count);
+        return b.finish();
+    }
+    let mut own_copied = false;
+    let mut mask = size.next_power_of_two() / 2;
+    while mask > 0 {
+        b.step();
+        if mask == lowest {
+            for p in wrap_pieces(v, v + sub, size, root) {
+                if sub == 1 {
+                    b.recv(
+                        real(v - mask),
+                        BufId::Dst,
+                        0..p.len() * count,
+                        RecvAction::Copy,
+                    );
+                } else {
+                    b.recv(real(v - mask), BufId::Src, at(p), RecvAction::Copy);
+                }
+            }
+        } else if mask < lowest && v + mask < size {
+            let c = v + mask;
+            for p in wrap_pieces(c, c + subtree(c, size), size, root) {
+                b.send(real(c), BufId::Src, at(p));
+            }
+            if !own_copied {
+                b.copy(at(v..v + 1), 0..count);
+                own_copied = true;
+            }
+        }
+        mask /= 2;
+    }
+    b.finish()
+}
+
+/// Binomial-tree reduce of `count` elements of `Dst` onto `root` (other
+/// ranks' `Dst` is scratch): at step `k` a rank whose relative rank has
+/// lowest set bit `2^k` sends its partial result to its parent, and every
+/// rank still in the tree reduces its child's in. `ceil(log2 p)` steps,
+/// each rank sends once, the whole buffer per message: latency-optimal for
+/// the small buffers of [`rooted_tree`].
+pub fn reduce_tree(rank: usize, size: usize, count: usize, root: usize) -> Schedule {
+    if rank >= size || root >= size {
+        return Schedule::default();
+    }
+    let v = (rank + size - root) % size;
+    let real = |u: usize| (u + root) % size;
+    let mut b = Builder::new(rank, size);
+    let mut mask = 1usize;
+    while mask < size {
+        b.step();
+        if v & mask != 0 {
+            b.send(real(v - mask), BufId::Dst, 0..count);
+            break;
+        }
+        if v + mask < size {
+            b.recv(real(v + mask), BufId::Dst, 0..count, RecvAction::Reduce);
+        }
+        mask = mask.saturating_mul(2);
+    }
+    b.finish()
+}
+
+/// Recursive-doubling all-gather for a power-of-two number of ranks (other
+/// sizes get the ring, [`all_gather`]): at step `k` a rank swaps the `2^k`
+/// blocks its group holds with partner `rank ^ 2^k`, so `log2 p` steps
+/// instead of `p - 1`. Buffers as [`all_gather`] (or, with `in_place`, as
+/// [`all_gather_in_place`]).
+pub fn all_gather_doubling(rank: usize, size: usize, counts: &[usize], in_place: bool) -> Schedule {
+    if rank >= size || counts.len() != size || !size.is_power_of_two() {
+        return if in_place {
+            all_gather_in_place(rank, size, counts)
+        } else {
+            all_gather(rank, size, counts)
+        };
+    }
+    let offs = offsets(counts);
+    let mut b = Builder::new(rank, size);
+    b.step();
+    if !in_place {
+        b.copy(0..counts[rank], block(&offs, rank));
+    }
+    let mut mask = 1usize;
+    while mask < size {
+        if mask > 1 {
+            b.step();
+        }
+        let partner = rank ^ mask;
+        let (mine, theirs) = (rank & !(mask - 1), partner & !(mask - 1));
+        if mask == 1 && !in_place {
+            // SC-2: the own block reaches Dst only at the end of this step.
+            b.send(partner, BufId::Src, 0..counts[rank]);
+        } else {
+            b.send(partner, BufId::Dst, offs[mine]..offs[mine + mask]);
+        }
+        b.recv(
+            partner,
+            BufId::Dst,
+            offs[theirs]..offs[theirs + mask],
+            RecvAction::Copy,
+        );
+        mask *= 2;
+    }
+    b.finish()
+}
+
+/// The all-gather of the tuning table: [`all_gather_doubling`] when the
+/// output is at most [`SMALL_ALL_GATHER_BYTES`] on a power-of-two number of
+/// ranks, else the ring.
+pub fn all_gather_auto(
+    rank: usize,
+    size: usize,
+    counts: &[usize],
+    in_place: bool,
+    elem_bytes: usize,
+) -> Schedule {
+    let total: usize = counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+    if size.is_power_of_two() && total.saturating_mul(elem_bytes) <= SMALL_ALL_GATHER_BYTES {
+        all_gather_doubling(rank, size, counts, in_place)
+    } else if in_place {
+        all_gather_in_place(rank, size, counts)
+    } else {
+        all_gather(rank, size, counts)
+    }
 }
 
 /// Block `i` of a layout given by [`offsets`].

@@ -843,19 +843,19 @@ proptest! {
 
 #[test]
 fn all_reduce_small_matches_reference_and_is_bitwise_equal_on_every_rank() {
-    for size in [1usize, 2, 4, 8] {
+    for size in 1usize..=17 {
         for count in [0usize, 1, 3, 64] {
             for op in [ReduceOp::Sum, ReduceOp::Max] {
                 let scheds: Vec<Schedule> = (0..size)
                     .map(|r| all_reduce_small(r, size, count))
                     .collect();
+                let floor_log = (usize::BITS - 1 - size.leading_zeros()) as usize;
+                let fold = if size.is_power_of_two() { 0 } else { 2 };
+                let longest = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
                 assert_eq!(
-                    scheds[0].steps.len(),
-                    if count == 0 {
-                        0
-                    } else {
-                        size.trailing_zeros() as usize
-                    }
+                    longest,
+                    if count == 0 { 0 } else { floor_log + fold },
+                    "size {size}"
                 );
                 let out = simulate(
                     scheds,
@@ -878,13 +878,280 @@ fn all_reduce_small_matches_reference_and_is_bitwise_equal_on_every_rank() {
 }
 
 #[test]
-fn all_reduce_auto_picks_recursive_doubling_only_for_small_power_of_two_worlds() {
+fn all_reduce_auto_picks_recursive_doubling_for_small_messages_on_any_world() {
     assert_eq!(all_reduce_auto(0, 4, 2, 4), all_reduce_small(0, 4, 2));
-    assert_eq!(all_reduce_auto(0, 3, 2, 4), all_reduce(0, 3, 2));
+    assert_eq!(all_reduce_auto(0, 3, 2, 4), all_reduce_small(0, 3, 2));
     let big = SMALL_ALL_REDUCE_BYTES / 4 + 1;
     assert_eq!(all_reduce_auto(1, 4, big, 4), all_reduce(1, 4, big));
-    // Non-power-of-two sizes fall back to the ring inside all_reduce_small too.
-    assert_eq!(all_reduce_small(0, 3, 5), all_reduce(0, 3, 5));
+    assert_eq!(all_reduce_auto(0, 1, 2, 4), all_reduce(0, 1, 2));
+}
+
+/// Sizes for the tree and doubling schedules: every size up to 9, then
+/// powers of two and their neighbours.
+fn tree_sizes() -> Vec<usize> {
+    let mut v: Vec<usize> = (1..=9).collect();
+    v.extend([15, 16, 17, 31, 32, 33]);
+    v
+}
+
+#[test]
+fn tree_reduce_gather_and_scatter_match_reference_any_size_root_and_count() {
+    for size in tree_sizes() {
+        let roots: Vec<usize> = if size <= 9 {
+            (0..size).collect()
+        } else {
+            vec![0, 1, size / 2, size - 1]
+        };
+        for root in roots {
+            for count in [0usize, 1, 3, 10] {
+                // Reduce: Dst of every rank in, the reduction on root out.
+                let scheds = (0..size)
+                    .map(|r| reduce_tree(r, size, count, root))
+                    .collect();
+                let out = run(
+                    scheds,
+                    vec![vec![]; size],
+                    (0..size).map(|r| data(r, count)).collect(),
+                    ReduceOp::Sum,
+                );
+                assert_eq!(
+                    out[root],
+                    reduced(size, count, ReduceOp::Sum),
+                    "reduce {size} {root}"
+                );
+
+                // Gather: non-roots' Dst is their scratch.
+                let scheds = (0..size)
+                    .map(|r| gather_tree(r, size, count, root))
+                    .collect();
+                let src: Vec<Vec<f64>> = (0..size).map(|r| data(r, count)).collect();
+                let dst = (0..size)
+                    .map(|r| {
+                        let n = if r == root {
+                            size * count
+                        } else {
+                            tree_scratch(r, size, count, root)
+                        };
+                        vec![JUNK; n]
+                    })
+                    .collect();
+                let out = run(scheds, src.clone(), dst, ReduceOp::Sum);
+                assert_eq!(out[root], src.concat(), "gather {size} {root} {count}");
+
+                // Scatter: non-roots' Src is their scratch.
+                let all = data(root, size * count);
+                let scheds = (0..size)
+                    .map(|r| scatter_tree(r, size, count, root))
+                    .collect();
+                let src = (0..size)
+                    .map(|r| {
+                        if r == root {
+                            all.clone()
+                        } else {
+                            vec![JUNK; tree_scratch(r, size, count, root)]
+                        }
+                    })
+                    .collect();
+                let out = run(scheds, src, vec![vec![JUNK; count]; size], ReduceOp::Sum);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(
+                        got[..],
+                        all[r * count..(r + 1) * count],
+                        "scatter {size} {root} rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn trees_take_ceil_log2_steps_and_send_once_per_rank() {
+    for size in tree_sizes() {
+        let log = size.next_power_of_two().trailing_zeros() as usize;
+        for root in [0, size - 1] {
+            for (name, build) in [
+                (
+                    "reduce",
+                    reduce_tree as fn(usize, usize, usize, usize) -> Schedule,
+                ),
+                ("gather", gather_tree),
+                ("scatter", scatter_tree),
+            ] {
+                let scheds: Vec<Schedule> = (0..size).map(|r| build(r, size, 4, root)).collect();
+                let steps = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
+                assert!(steps <= log.max(1), "{name} size {size}: {steps} steps");
+                // Every non-root rank talks to its parent once (twice when its
+                // subtree wraps), so O(p) messages in all.
+                let msgs: usize = scheds
+                    .iter()
+                    .map(|s| {
+                        s.transfers()
+                            .filter(|t| matches!(t, Transfer::Send { .. }))
+                            .count()
+                    })
+                    .sum();
+                assert!(
+                    msgs <= 2 * (size - 1),
+                    "{name} size {size}: {msgs} messages"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn all_gather_doubling_concatenates_blocks_in_log2_steps() {
+    for size in tree_sizes() {
+        for count in [0usize, 1, 7] {
+            for counts in [vec![count; size], uneven_counts(size, count + 2)] {
+                let offs = offsets(&counts);
+                let total = offs[size];
+                let blocks: Vec<Vec<f64>> = (0..size).map(|r| data(r, counts[r])).collect();
+                let want = blocks.concat();
+                let scheds: Vec<Schedule> = (0..size)
+                    .map(|r| all_gather_doubling(r, size, &counts, false))
+                    .collect();
+                if size.is_power_of_two() && total > 0 {
+                    let steps = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
+                    assert!(
+                        steps <= (size.trailing_zeros() as usize).max(1),
+                        "size {size}"
+                    );
+                }
+                let out = run(
+                    scheds,
+                    blocks.clone(),
+                    vec![vec![JUNK; total]; size],
+                    ReduceOp::Sum,
+                );
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(got, &want, "all_gather_doubling rank {r} counts {counts:?}");
+                }
+                let scheds = (0..size)
+                    .map(|r| all_gather_doubling(r, size, &counts, true))
+                    .collect();
+                let dst = (0..size)
+                    .map(|r| {
+                        let mut d = vec![JUNK; total];
+                        d[offs[r]..offs[r + 1]].copy_from_slice(&blocks[r]);
+                        d
+                    })
+                    .collect();
+                let out = run(scheds, vec![vec![]; size], dst, ReduceOp::Sum);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(got, &want, "in place rank {r} counts {counts:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_tuning_table_picks_trees_and_doubling_for_small_messages_only() {
+    assert!(rooted_tree(8, 3));
+    assert!(!rooted_tree(8, 2));
+    assert!(!rooted_tree(TREE_MAX_BYTES + 1, 8));
+    assert_eq!(
+        all_gather_auto(0, 4, &[1; 4], false, 4),
+        all_gather_doubling(0, 4, &[1; 4], false)
+    );
+    assert_eq!(
+        all_gather_auto(0, 3, &[1; 3], true, 4),
+        all_gather_in_place(0, 3, &[1; 3])
+    );
+    let big = SMALL_ALL_GATHER_BYTES / 16 + 1;
+    assert_eq!(
+        all_gather_auto(2, 4, &[big; 4], false, 4),
+        all_gather(2, 4, &[big; 4])
+    );
+}
+
+/// The scale bound of the small-message algorithms, at the size of a large
+/// job: on 4 096 ranks an 8 B all_reduce, a broadcast, a reduce, a gather, a
+/// scatter and a barrier each send O(N log N) messages in all (the old
+/// direct and linear algorithms sent N(N-1), or N-1 from one rank), no rank
+/// sends more than O(log N) of them, and the all_reduce, reduce, gather and
+/// scatter results are right on every rank.
+#[test]
+fn small_ops_on_4096_ranks_send_o_n_log_n_messages_and_are_right() {
+    const N: usize = 4096;
+    let log = N.trailing_zeros() as usize;
+    let count_sends = |scheds: &[Schedule]| -> (usize, usize) {
+        let per: Vec<usize> = scheds
+            .iter()
+            .map(|s| {
+                s.transfers()
+                    .filter(|t| matches!(t, Transfer::Send { .. }))
+                    .count()
+            })
+            .collect();
+        (per.iter().sum(), per.iter().copied().max().unwrap_or(0))
+    };
+    // all_reduce of one f64.
+    let scheds: Vec<Schedule> = (0..N).map(|r| all_reduce_auto(r, N, 1, 8)).collect();
+    let (total, most) = count_sends(&scheds);
+    assert!(
+        total <= N * log && most <= log,
+        "all_reduce: {total} messages, {most} at most"
+    );
+    let out = simulate(
+        scheds,
+        vec![vec![]; N],
+        (0..N).map(|r| data(r, 1)).collect(),
+        ReduceOp::Sum,
+    )
+    .unwrap();
+    let want = reduced(N, 1, ReduceOp::Sum);
+    assert!(out.iter().all(|o| o == &want));
+
+    let root = 1234;
+    let scheds: Vec<Schedule> = (0..N).map(|r| reduce_tree(r, N, 1, root)).collect();
+    let (total, most) = count_sends(&scheds);
+    assert!(total < N && most <= 1, "reduce: {total} messages");
+    let out = run(
+        scheds,
+        vec![vec![]; N],
+        (0..N).map(|r| data(r, 1)).collect(),
+        ReduceOp::Sum,
+    );
+    assert_eq!(out[root], want);
+
+    let scheds: Vec<Schedule> = (0..N).map(|r| gather_tree(r, N, 1, root)).collect();
+    let (total, most) = count_sends(&scheds);
+    assert!(total < 2 * N && most <= 2, "gather: {total} messages");
+    let src: Vec<Vec<f64>> = (0..N).map(|r| data(r, 1)).collect();
+    let dst = (0..N)
+        .map(|r| {
+            vec![
+                JUNK;
+                if r == root {
+                    N
+                } else {
+                    tree_scratch(r, N, 1, root)
+                }
+            ]
+        })
+        .collect();
+    let out = run(scheds, src.clone(), dst, ReduceOp::Sum);
+    assert_eq!(out[root], src.concat());
+
+    let scheds: Vec<Schedule> = (0..N).map(|r| scatter_tree(r, N, 1, root)).collect();
+    let (total, most) = count_sends(&scheds);
+    assert!(
+        total < 2 * N && most <= 2 * log,
+        "scatter: {total} messages, {most} at most"
+    );
+
+    let scheds: Vec<Schedule> = (0..N).map(|r| broadcast(r, N, 1, root)).collect();
+    let (total, most) = count_sends(&scheds);
+    assert!(
+        total < N && most <= log,
+        "broadcast: {total} messages, {most} at most"
+    );
+
+    let rounds: usize = (0..N).map(|r| barrier_rounds(r, N).len()).sum();
+    assert_eq!(rounds, N * log);
 }
 
 /// Every round of the dissemination barrier pairs up: what rank `r` sends
