@@ -634,9 +634,12 @@ impl CpuBackend {
             .clone()
             .unwrap_or_else(tokio::runtime::Handle::current);
         let bind_ip = self.windows.bind_ip;
-        let listener = on(&rt, async move { TcpListener::bind((bind_ip, 0)).await })
-            .await?
-            .map_err(|e| io_err("binding a window listener", e))?;
+        let listener = on(
+            &rt,
+            async move { crate::backends::cpu::link::listen(bind_ip) },
+        )
+        .await?
+        .map_err(|e| io_err("binding a window listener", e))?;
         let addr = listener
             .local_addr()
             .map_err(|e| io_err("window listener address", e))?;

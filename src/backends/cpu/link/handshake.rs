@@ -256,9 +256,37 @@ pub(crate) async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     epoch: u64,
     stream: &mut S,
 ) -> Result<()> {
-    let (c, a) = (rank32(me)?, rank32(peer)?);
+    connect_attempt(auth, me, peer, epoch, stream)
+        .await
+        .map_err(|r| r.error)
+}
+
+/// Why a [`connect_attempt`] failed.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    /// The error [`connect`] reports.
+    pub(crate) error: Error,
+    /// The peer closed the connection before it answered our hello: it
+    /// rejected our proof, or its listener closed the connection unread to
+    /// make room (LK-12), so another connection may succeed.
+    pub(crate) unanswered: bool,
+}
+
+/// [`connect`], saying whether the peer closed the connection unanswered.
+pub(crate) async fn connect_attempt<S: AsyncRead + AsyncWrite + Unpin>(
+    auth: &Auth,
+    me: usize,
+    peer: usize,
+    epoch: u64,
+    stream: &mut S,
+) -> std::result::Result<(), Refusal> {
+    let failed = |error: Error| Refusal {
+        error,
+        unanswered: false,
+    };
+    let (c, a) = (rank32(me).map_err(failed)?, rank32(peer).map_err(failed)?);
     let who = format!("rank {peer} data link");
-    let nonce_c = fresh_nonce()?;
+    let nonce_c = fresh_nonce().map_err(failed)?;
     let mac_h = auth.sign(&auth.hello_input(c, a, epoch, &nonce_c));
     let hello = LinkMsg::Hello {
         from: c,
@@ -267,16 +295,19 @@ pub(crate) async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
         nonce: nonce_c,
         mac: mac_h,
     };
-    write_msg(stream, &hello)
-        .await
-        .map_err(|d| auth_failed(&who, d))?;
-    let answer = read_msg(stream).await.map_err(|d| {
-        auth_failed(
+    // A write can fail when the peer has already closed the connection.
+    write_msg(stream, &hello).await.map_err(|d| Refusal {
+        error: auth_failed(&who, d),
+        unanswered: true,
+    })?;
+    let answer = read_msg(stream).await.map_err(|d| Refusal {
+        error: auth_failed(
             &who,
             format!(
                 "{d}; rank {peer} rejected our proof (different job secret, communicator or epoch?)"
             ),
-        )
+        ),
+        unanswered: true,
     })?;
     let LinkMsg::Answer {
         from,
@@ -286,30 +317,30 @@ pub(crate) async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
         mac: mac_a,
     } = answer
     else {
-        return Err(auth_failed(&who, "expected an answer to our hello"));
+        return Err(failed(auth_failed(&who, "expected an answer to our hello")));
     };
     if from != a || to != c || e != epoch {
-        return Err(auth_failed(
+        return Err(failed(auth_failed(
             &who,
             format!("answer does not match our hello (from {from}, to {to}, epoch {e})"),
-        ));
+        )));
     }
     let nonces = Nonces {
         c: nonce_c,
         a: nonce_a,
     };
     if !auth.verify(&auth.answer_input(c, a, epoch, &nonces, &mac_h), &mac_a) {
-        return Err(auth_failed(
+        return Err(failed(auth_failed(
             &who,
             format!("rank {peer} could not prove the job secret"),
-        ));
+        )));
     }
     let confirm = LinkMsg::Confirm {
         mac: auth.sign(&auth.confirm_input(c, a, epoch, &nonces, &mac_a)),
     };
     write_msg(stream, &confirm)
         .await
-        .map_err(|d| auth_failed(&who, d))
+        .map_err(|d| failed(auth_failed(&who, d)))
 }
 
 /// Acceptor side: run the whole handshake on an accepted connection.
@@ -457,6 +488,54 @@ mod tests {
             tokio::join!(connect(&other, 1, 0, 0, &mut x), acc).1
         });
         assert!(a.unwrap_err().contains("could not prove"));
+    }
+
+    /// A connection closed before the answer (a wrong secret, or a
+    /// listener making room, LK-12) is told apart from a bad answer: only
+    /// the first is worth another connection.
+    #[test]
+    fn a_connection_closed_unanswered_is_told_apart_from_a_bad_answer() {
+        let rt = rt();
+        let auth = Auth::new(b"secret", "p");
+        let (mut x, y) = tokio::io::duplex(4096);
+        drop(y);
+        let r = rt.block_on(connect_attempt(&auth, 1, 0, 0, &mut x));
+        assert!(r.unwrap_err().unanswered);
+        // An acceptor with another secret reads the hello, then closes.
+        let (mut x, mut y) = tokio::io::duplex(4096);
+        let other = Auth::new(b"other", "p");
+        let r = rt.block_on(async {
+            let acc = async {
+                let r = accept(&other, 0, 2, 0, &mut y).await;
+                drop(y);
+                r
+            };
+            tokio::join!(connect_attempt(&auth, 1, 0, 0, &mut x), acc).0
+        });
+        assert!(r.unwrap_err().unanswered);
+        // An answer that does not verify is final.
+        let (mut x, mut y) = tokio::io::duplex(4096);
+        let r = rt.block_on(async {
+            let forge = async {
+                let _hello = read_msg(&mut y).await;
+                let answer = LinkMsg::Answer {
+                    from: 0,
+                    to: 1,
+                    epoch: 0,
+                    nonce: [0; NONCE_LEN],
+                    mac: [0; 32],
+                };
+                write_msg(&mut y, &answer).await
+            };
+            tokio::join!(connect_attempt(&auth, 1, 0, 0, &mut x), forge).0
+        });
+        let r = r.unwrap_err();
+        assert!(!r.unanswered);
+        assert!(
+            r.error.to_string().contains("could not prove"),
+            "{}",
+            r.error
+        );
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //! reads every rank's record with one batched wait. Rank `r` connects to
 //! every rank below it and accepts from every rank above it; each
 //! connection is authenticated by [`handshake`] before it carries frames.
+//! The listener accepts from the moment it is bound, while the records are
+//! awaited, with a deep accept queue; which unauthenticated connections it
+//! keeps is the [`admission`](super::admission) policy (LK-12).
 //! Once the mesh is up, same-host pairs set up shared-memory rings over
 //! their link ([`setup_shm`]).
 //!
@@ -32,11 +35,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::HashMap;
+
+use futures::future::{abortable, AbortHandle, Aborted};
 use futures::stream::{FuturesUnordered, StreamExt};
 use ring::rand::{SecureRandom, SystemRandom};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
+use super::admission::Admission;
 use super::frame::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Tag};
 use super::handshake::{self, Auth};
 use crate::backends::cpu::shm::{self, RingConsumer, RingProducer, ShmSegment};
@@ -47,8 +54,12 @@ use crate::transport::TransportError;
 /// Extra time given to the store's own timeout before setup reports missing ranks.
 const SETUP_GRACE: Duration = Duration::from_millis(250);
 /// How long an accepted connection may take to finish its handshake; a
-/// silent stranger is dropped after this instead of lingering until setup ends.
-const HANDSHAKE_BOUND: Duration = Duration::from_secs(5);
+/// silent stranger is dropped after this instead of lingering until setup
+/// ends (and sooner when newer connections need its place, LK-12).
+const HANDSHAKE_BOUND: Duration = Duration::from_secs(2);
+/// Connections a connector opens to one peer whose listener closes them
+/// before answering its hello (LK-12).
+const HANDSHAKE_ATTEMPTS: u32 = 3;
 /// Pause between connection attempts to a published address.
 const CONNECT_RETRY: Duration = Duration::from_millis(50);
 /// The first pause of accepting after a failed accept (LK-10).
@@ -374,7 +385,7 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
     let start = Instant::now();
     let deadline = start + init.connect_timeout;
     let auth = Arc::new(Auth::new(&init.secret, &init.key_prefix));
-    let listener = TcpListener::bind((init.bind_ip, 0)).await.map_err(|e| {
+    let listener = listen(init.bind_ip).map_err(|e| {
         Error::Transport(TransportError::Io(format!(
             "binding the data-link listener on {}: {e}",
             init.bind_ip
@@ -392,57 +403,22 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
         .await?;
     tracing::debug!(comm = %init.comm, rank = me, addr = %local, "data-link listener published");
     let keys: Vec<String> = (0..size).map(|r| record_key(&init.key_prefix, r)).collect();
-    let records = match init
+    let records = init
         .store
-        .wait(&keys, deadline.saturating_duration_since(Instant::now()))
-        .await
-    {
-        Ok(r) => r,
-        Err(TransportError::WaitTimeout { keys: missing, .. }) => {
-            let failed = (0..size).filter(|&r| missing.contains(&keys[r])).collect();
-            return Err(not_connected(
-                init,
-                failed,
-                "they never published their address: they did not start, or died",
-            ));
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let mut addrs = Vec::with_capacity(size);
-    let mut hosts = Vec::with_capacity(size);
-    for (r, raw) in records.iter().enumerate() {
-        let (addr, host) = decode_record(raw).ok_or_else(|| {
-            Error::Transport(TransportError::Malformed(format!(
-                "store key {} holds {:?}, not a data-link record",
-                keys[r],
-                String::from_utf8_lossy(raw)
-            )))
-        })?;
-        addrs.push(addr);
-        hosts.push(host);
-    }
+        .wait(&keys, deadline.saturating_duration_since(Instant::now()));
+    tokio::pin!(records);
+    let mut hosts: Option<Vec<String>> = None;
 
-    // Connector side: one future per lower rank.
+    // Connector side: one future per lower rank, once the records are in.
     let mut connects = FuturesUnordered::new();
-    for (peer, &addr) in addrs.iter().enumerate().take(me) {
-        let auth = auth.clone();
-        connects.push(async move {
-            let mut stream = loop {
-                match TcpStream::connect(addr).await {
-                    Ok(s) => break s,
-                    Err(e) => {
-                        tracing::debug!(peer, %addr, error = %e, "connect failed; retrying");
-                        tokio::time::sleep(CONNECT_RETRY).await;
-                    }
-                }
-            };
-            handshake::connect(&auth, me, peer, epoch, &mut stream).await?;
-            Ok::<_, Error>((peer, stream))
-        });
-    }
-
-    // Acceptor side: handshakes in progress with accepted connections.
+    // Acceptor side: handshakes in progress with accepted connections,
+    // from the moment the listener is bound (LK-12: a flood that fills the
+    // kernel's accept queue while this rank waits for the records would
+    // otherwise make a real peer's connect wait for its SYN to be resent).
     let mut accepting = FuturesUnordered::new();
+    let mut admission = Admission::new(size - 1 - me);
+    let mut pending: HashMap<u64, AbortHandle> = HashMap::new();
+    let mut next_id = 0u64;
     let missing = |streams: &[Option<TcpStream>]| -> Vec<usize> {
         (0..size)
             .filter(|&r| r != me && streams[r].is_none())
@@ -457,15 +433,52 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
     let resume = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(resume);
     let mut paused = false;
-    while !missing(&streams).is_empty() {
+    while hosts.is_none() || !missing(&streams).is_empty() {
         let need_accept = streams[me + 1..].iter().any(Option::is_none);
         tokio::select! {
+            got = &mut records, if hosts.is_none() => {
+                let got = match got {
+                    Ok(r) => r,
+                    Err(TransportError::WaitTimeout { keys: missing, .. }) => {
+                        let failed = (0..size).filter(|&r| missing.contains(&keys[r])).collect();
+                        return Err(not_connected(
+                            init,
+                            failed,
+                            "they never published their address: they did not start, or died",
+                        ));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                let mut h = Vec::with_capacity(size);
+                for (r, raw) in got.iter().enumerate() {
+                    let (addr, host) = decode_record(raw).ok_or_else(|| {
+                        Error::Transport(TransportError::Malformed(format!(
+                            "store key {} holds {:?}, not a data-link record",
+                            keys[r],
+                            String::from_utf8_lossy(raw)
+                        )))
+                    })?;
+                    h.push(host);
+                    if r < me {
+                        connects.push(connect_to(auth.clone(), me, r, epoch, addr));
+                    }
+                }
+                hosts = Some(h);
+            }
             _ = &mut resume, if paused => paused = false,
             acc = listener.accept(), if need_accept && !paused => match acc {
                 Ok((mut stream, from)) => {
                     backoff.succeeded();
+                    let id = next_id;
+                    next_id += 1;
+                    for old in admission.admit(id, from.ip()) {
+                        if let Some(h) = pending.remove(&old) {
+                            tracing::debug!(rank = me, "closing the oldest unauthenticated data-link connection");
+                            h.abort();
+                        }
+                    }
                     let auth = auth.clone();
-                    accepting.push(async move {
+                    let (shake, handle) = abortable(async move {
                         let r = tokio::time::timeout(
                             HANDSHAKE_BOUND,
                             handshake::accept(&auth, me, size, epoch, &mut stream),
@@ -474,8 +487,10 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
                         .unwrap_or_else(|_| {
                             Err(format!("handshake not finished within {HANDSHAKE_BOUND:?}"))
                         });
-                        (from, stream, r)
+                        (stream, r)
                     });
+                    pending.insert(id, handle);
+                    accepting.push(async move { (id, from, shake.await) });
                 }
                 Err(e) => {
                     tracing::warn!(rank = me, error = %e, "accept failed; pausing accepts");
@@ -489,20 +504,23 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
                 streams[peer] = Some(stream);
                 tracing::debug!(rank = me, peer, "data link connected");
             }
-            Some((from, stream, res)) = accepting.next(), if !accepting.is_empty() => {
+            Some((id, from, res)) = accepting.next(), if !accepting.is_empty() => {
+                admission.done(id);
+                pending.remove(&id);
                 match res {
-                    Ok(peer) if streams[peer].is_none() => {
+                    Ok((stream, Ok(peer))) if streams[peer].is_none() => {
                         tracing::debug!(rank = me, peer, "data link accepted");
                         streams[peer] = Some(stream);
                     }
-                    Ok(peer) => tracing::warn!(
+                    Ok((_, Ok(peer))) => tracing::warn!(
                         rank = me, %from, peer,
                         "second data link claiming an already connected rank refused"
                     ),
-                    Err(detail) => tracing::warn!(
+                    Ok((_, Err(detail))) => tracing::warn!(
                         rank = me, %from, %detail,
                         "refused a data-link connection with a bad handshake"
                     ),
+                    Err(Aborted) => {}
                 }
             }
             _ = &mut give_up => {
@@ -529,9 +547,61 @@ pub(crate) async fn connect_mesh(init: &BackendInit) -> Result<Mesh> {
             }
         }
     }
+    let hosts = hosts.unwrap_or_default();
     drop(listener);
     tracing::debug!(rank = me, size, elapsed = ?start.elapsed(), "data-link mesh connected");
     Ok(Mesh { streams, hosts })
+}
+
+/// The accept queue asked for a data-link listener (the kernel caps it at
+/// `net.core.somaxconn`). A rank of a large job is connected to by many
+/// peers at once, and a full queue drops a connection's SYN, which the
+/// peer resends only after a second.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A data-link listener on `(ip, any port)` with a [`LISTEN_BACKLOG`] queue.
+pub(crate) fn listen(ip: std::net::IpAddr) -> std::io::Result<TcpListener> {
+    let socket = match ip {
+        std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.bind(SocketAddr::new(ip, 0))?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Connect to `peer` at `addr` and run the handshake. A connection the
+/// peer closes before it answers is tried again, up to
+/// [`HANDSHAKE_ATTEMPTS`] times in all: the peer's listener may have closed
+/// it to make room for newer ones (LK-12). A peer that rejects our proof
+/// closes it too, so a wrong secret is reported after those attempts.
+async fn connect_to(
+    auth: Arc<Auth>,
+    me: usize,
+    peer: usize,
+    epoch: u64,
+    addr: SocketAddr,
+) -> Result<(usize, TcpStream)> {
+    let mut attempt = 1;
+    loop {
+        let mut stream = loop {
+            match TcpStream::connect(addr).await {
+                Ok(s) => break s,
+                Err(e) => {
+                    tracing::debug!(peer, %addr, error = %e, "connect failed; retrying");
+                    tokio::time::sleep(CONNECT_RETRY).await;
+                }
+            }
+        };
+        match handshake::connect_attempt(&auth, me, peer, epoch, &mut stream).await {
+            Ok(()) => return Ok((peer, stream)),
+            Err(r) if r.unanswered && attempt < HANDSHAKE_ATTEMPTS => {
+                tracing::debug!(peer, %addr, attempt, error = %r.error, "handshake closed unanswered; connecting again");
+                attempt += 1;
+                tokio::time::sleep(CONNECT_RETRY).await;
+            }
+            Err(r) => return Err(r.error),
+        }
+    }
 }
 
 #[cfg(test)]
