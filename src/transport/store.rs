@@ -196,7 +196,18 @@ async fn bind_server(
     let until = Instant::now() + BIND_RETRY;
     let mut pause = Duration::from_millis(10);
     loop {
-        match quinn::Endpoint::server(config.clone(), addr) {
+        let endpoint = server_socket(addr).and_then(|socket| {
+            let runtime = quinn::default_runtime().ok_or_else(|| {
+                std::io::Error::other("no async runtime for the rendezvous server")
+            })?;
+            quinn::Endpoint::new(
+                quinn::EndpointConfig::default(),
+                Some(config.clone()),
+                socket,
+                runtime,
+            )
+        });
+        match endpoint {
             Ok(ep) => return Ok(ep),
             Err(e)
                 if e.kind() == std::io::ErrorKind::AddrInUse
@@ -214,6 +225,22 @@ async fn bind_server(
             }
         }
     }
+}
+
+/// The receive and send buffers asked for the server's UDP socket. Every
+/// rank of a job connects and authenticates at once at start-up, and with
+/// the kernel's default buffer (about 200 KiB) a burst from a few hundred
+/// ranks overflows it: datagrams are dropped and handshakes time out. The
+/// kernel caps the request at `net.core.rmem_max` / `wmem_max`.
+const SERVER_SOCKET_BUFFER: usize = 8 << 20;
+
+/// The server's UDP socket on `addr`, with [`SERVER_SOCKET_BUFFER`]-sized
+/// buffers as far as the kernel allows (what it granted is logged).
+fn server_socket(addr: SocketAddr) -> std::io::Result<UdpSocket> {
+    let socket = UdpSocket::bind(addr)?;
+    let granted = crate::limits::grow_socket_buffers(&socket, SERVER_SOCKET_BUFFER);
+    tracing::debug!(%addr, ?granted, "rendezvous socket buffers (receive, send)");
+    Ok(socket)
 }
 
 async fn accept_loop(
