@@ -38,6 +38,7 @@
 //! |---------|-----------|-------------------|
 //! | [`all_reduce`] | ring reduce-scatter, then ring all-gather, in place on `Dst` | `2(p-1)` |
 //! | [`all_reduce_small`] | recursive doubling, non-powers of two folded onto the largest power of two (breaks [SC-6] on purpose, staged by the executor) | `floor(log2 p)`, +2 if `p` is not a power of two |
+//! | [`all_reduce_halving`] | Rabenseifner: recursive-halving reduce-scatter, recursive-doubling all-gather, non-powers of two folded | `2 log2 q`, +2 if `p` is not a power of two |
 //! | [`reduce`] | ring reduce-scatter, then every rank sends its block to root | `p` |
 //! | [`reduce_tree`] | binomial tree towards `root` | `ceil(log2 p)` |
 //! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
@@ -54,7 +55,7 @@
 //!
 //! | op | latency-minded, when | otherwise |
 //! |----|----------------------|-----------|
-//! | all_reduce | [`all_reduce_small`] up to [`SMALL_ALL_REDUCE_BYTES`] ([`all_reduce_auto`]) | [`all_reduce`] |
+//! | all_reduce | [`all_reduce_small`] up to [`SMALL_ALL_REDUCE_BYTES`], then [`all_reduce_halving`] on more than 2 ranks while the ring's blocks are below [`RING_MIN_BLOCK_BYTES`] ([`all_reduce_auto`]) | [`all_reduce`] |
 //! | all_gather | [`all_gather_doubling`] up to [`SMALL_ALL_GATHER_BYTES`] of output on a power-of-two `p` ([`all_gather_auto`]) | [`all_gather`] |
 //! | reduce, gather, scatter | the trees for more than 2 ranks, up to [`TREE_MAX_BYTES`] of buffer (reduce) or block (gather, scatter) ([`rooted_tree`]) | [`reduce`], [`gather`], [`scatter`] |
 //! | broadcast, barrier | always [`broadcast`], [`barrier_rounds`] | |
@@ -331,14 +332,121 @@ pub fn all_reduce(rank: usize, size: usize, count: usize) -> Schedule {
 /// (the tuning table: latency-optimal below, bandwidth-optimal ring above).
 pub const SMALL_ALL_REDUCE_BYTES: usize = 16 << 10;
 
+/// The ring all-reduce takes over from [`all_reduce_halving`] once each of
+/// its `2(p-1)` steps moves at least this many bytes (`bytes / p`): below
+/// it, the ring's step count, not its bandwidth, sets its time.
+pub const RING_MIN_BLOCK_BYTES: usize = 1 << 20;
+
 /// The all-reduce schedule for `count` elements of `elem_bytes` bytes:
-/// [`all_reduce_small`] for small messages, else the ring ([`all_reduce`]).
+/// [`all_reduce_small`] for small messages, [`all_reduce_halving`] for
+/// medium ones, the ring ([`all_reduce`]) once its blocks reach
+/// [`RING_MIN_BLOCK_BYTES`].
 pub fn all_reduce_auto(rank: usize, size: usize, count: usize, elem_bytes: usize) -> Schedule {
-    if size > 1 && count.saturating_mul(elem_bytes) <= SMALL_ALL_REDUCE_BYTES {
+    let bytes = count.saturating_mul(elem_bytes);
+    if size <= 1 {
+        all_reduce(rank, size, count)
+    } else if bytes <= SMALL_ALL_REDUCE_BYTES {
         all_reduce_small(rank, size, count)
+    } else if size > 2 && bytes / size < RING_MIN_BLOCK_BYTES {
+        all_reduce_halving(rank, size, count)
     } else {
         all_reduce(rank, size, count)
     }
+}
+
+/// Rabenseifner's all-reduce: a reduce-scatter by recursive halving, then
+/// an all-gather by recursive doubling, in place on `Dst`. With `q` the
+/// largest power of two not above `p`, the buffer is cut into `q` blocks
+/// ([`even_counts`]); at each halving step a rank swaps half of the blocks
+/// it still reduces with partner `rank ^ 2^k` and reduces the half it
+/// keeps, so after `log2 q` steps it holds one fully reduced block; the
+/// doubling steps then gather the blocks back. When `p` is not a power of
+/// two the first `2(p - q)` ranks fold in pairs first, as in
+/// [`all_reduce_small`]. `2 log2 q` steps (+2 when folding), each rank
+/// sending `2(q-1)/q` of the buffer: bandwidth-optimal like the ring, with
+/// logarithmically many steps.
+pub fn all_reduce_halving(rank: usize, size: usize, count: usize) -> Schedule {
+    if rank >= size {
+        return Schedule::default();
+    }
+    let q = if size.is_power_of_two() {
+        size
+    } else {
+        size.next_power_of_two() / 2
+    };
+    let rem = size - q;
+    let folded = rank < 2 * rem;
+    let mut b = Builder::new(rank, size);
+    if count == 0 {
+        return b.finish();
+    }
+    if folded {
+        b.step();
+        if rank % 2 == 0 {
+            b.send(rank + 1, BufId::Dst, 0..count);
+        } else {
+            b.recv(rank - 1, BufId::Dst, 0..count, RecvAction::Reduce);
+        }
+    }
+    let inner = if folded {
+        (rank % 2 == 1).then_some(rank / 2)
+    } else {
+        Some(rank - rem)
+    };
+    let outer = |i: usize| if i < rem { 2 * i + 1 } else { i + rem };
+    if let Some(i) = inner {
+        let offs = offsets(&even_counts(count, q));
+        let blocks = |r: Range<usize>| offs[r.start]..offs[r.end];
+        // Reduce-scatter by recursive halving: the blocks `lo..lo + 2m`
+        // this rank still reduces are split, it keeps the half holding
+        // block `i`.
+        let mut lo = 0;
+        let mut m = q / 2;
+        while m > 0 {
+            b.step();
+            let partner = outer(i ^ m);
+            let (keep, give) = if i & m == 0 {
+                (lo..lo + m, lo + m..lo + 2 * m)
+            } else {
+                (lo + m..lo + 2 * m, lo..lo + m)
+            };
+            b.send(partner, BufId::Dst, blocks(give));
+            b.recv(
+                partner,
+                BufId::Dst,
+                blocks(keep.clone()),
+                RecvAction::Reduce,
+            );
+            lo = keep.start;
+            m /= 2;
+        }
+        // All-gather by recursive doubling: this rank holds blocks
+        // `lo..lo + m` and swaps them for its partner's.
+        let mut m = 1;
+        while m < q {
+            b.step();
+            let partner = outer(i ^ m);
+            let theirs = lo ^ m;
+            b.send(partner, BufId::Dst, blocks(lo..lo + m));
+            b.recv(
+                partner,
+                BufId::Dst,
+                blocks(theirs..theirs + m),
+                RecvAction::Copy,
+            );
+            lo = lo.min(theirs);
+            m *= 2;
+        }
+    }
+    if folded {
+        b.step();
+        if rank % 2 == 1 {
+            b.send(rank - 1, BufId::Dst, 0..count);
+        } else {
+            b.recv(rank + 1, BufId::Dst, 0..count, RecvAction::Copy);
+        }
+    }
+    b.finish()
 }
 
 /// Latency-optimal in-place all-reduce: recursive doubling, `log2 q` steps

@@ -878,12 +878,50 @@ fn all_reduce_small_matches_reference_and_is_bitwise_equal_on_every_rank() {
 }
 
 #[test]
-fn all_reduce_auto_picks_recursive_doubling_for_small_messages_on_any_world() {
+fn all_reduce_auto_picks_doubling_then_halving_then_the_ring() {
     assert_eq!(all_reduce_auto(0, 4, 2, 4), all_reduce_small(0, 4, 2));
     assert_eq!(all_reduce_auto(0, 3, 2, 4), all_reduce_small(0, 3, 2));
-    let big = SMALL_ALL_REDUCE_BYTES / 4 + 1;
-    assert_eq!(all_reduce_auto(1, 4, big, 4), all_reduce(1, 4, big));
+    let medium = SMALL_ALL_REDUCE_BYTES / 4 + 1;
+    assert_eq!(
+        all_reduce_auto(1, 4, medium, 4),
+        all_reduce_halving(1, 4, medium)
+    );
+    assert_eq!(all_reduce_auto(1, 2, medium, 4), all_reduce(1, 2, medium));
+    // The ring once its blocks reach RING_MIN_BLOCK_BYTES.
+    let large = 4 * RING_MIN_BLOCK_BYTES / 4;
+    assert_eq!(all_reduce_auto(1, 4, large, 4), all_reduce(1, 4, large));
+    assert_eq!(
+        all_reduce_auto(1, 4, large - 1, 4),
+        all_reduce_halving(1, 4, large - 1)
+    );
     assert_eq!(all_reduce_auto(0, 1, 2, 4), all_reduce(0, 1, 2));
+}
+
+#[test]
+fn all_reduce_halving_matches_reference_is_bitwise_equal_and_takes_2_log_steps() {
+    for size in tree_sizes() {
+        for count in [0usize, 1, 3, 10, 1000 + 2 * size + 1] {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let scheds: Vec<Schedule> = (0..size)
+                    .map(|r| all_reduce_halving(r, size, count))
+                    .collect();
+                let q_log = (usize::BITS - 1 - size.leading_zeros()) as usize;
+                let fold = if size.is_power_of_two() { 0 } else { 2 };
+                let longest = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
+                assert!(longest <= 2 * q_log + fold, "size {size}: {longest} steps");
+                let out = run(
+                    scheds,
+                    vec![vec![]; size],
+                    (0..size).map(|r| data(r, count)).collect(),
+                    op,
+                );
+                let want = reduced(size, count, op);
+                for (r, o) in out.iter().enumerate() {
+                    assert_eq!(o, &want, "size {size} count {count} rank {r} {op}");
+                }
+            }
+        }
+    }
 }
 
 /// Sizes for the tree and doubling schedules: every size up to 9, then
