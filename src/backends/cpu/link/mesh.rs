@@ -30,12 +30,11 @@
 //!   raised to its hard limit when the first communicator is created,
 //!   `crate::limits::raise_fd_limit`.)
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-
-use std::collections::HashMap;
 
 use futures::future::{abortable, AbortHandle, Aborted};
 use futures::stream::{FuturesUnordered, StreamExt};
