@@ -122,6 +122,9 @@ pub struct Health {
     pub failure: Option<Error>,
     /// Children (splits) that failed.
     pub child_failures: Vec<crate::ChildFailure>,
+    /// Same-host peers this rank reaches over TCP because shared memory
+    /// could not be set up with them, and why (also logged at `warn`).
+    pub tcp_fallbacks: Vec<crate::backends::TcpFallback>,
 }
 
 /// The two levels of a hierarchical communicator ([`Comm::hierarchy`]).
@@ -278,6 +281,7 @@ impl Comm {
                 .unwrap_or_default(),
             failure,
             child_failures: status.child_failures(),
+            tcp_fallbacks: self.shared.tcp_fallbacks.clone(),
         }
     }
 

@@ -379,6 +379,7 @@ pub(crate) async fn start_with_backend(
     let windows = backend_impl.supports_windows();
     let device_mem = backend_impl.device_memory();
     let backend_version = backend_impl.version();
+    let tcp_fallbacks = backend_impl.tcp_fallbacks();
     let hints = Arc::new(hints::Hints::parse(options.hints.clone(), &name, rank)?);
     let observer = Arc::new(hooks::Observer::new(
         &name,
@@ -465,6 +466,7 @@ pub(crate) async fn start_with_backend(
         windows,
         device_mem,
         backend_version,
+        tcp_fallbacks,
         default_timeout: comm::AtomicDuration::new(options.timeout),
         hints,
         actor,

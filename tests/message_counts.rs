@@ -278,15 +278,26 @@ fn small_ops_above_eight_ranks_send_their_log_schedules_messages() {
     }
 }
 
-/// Within the direct algorithm's world, blocks too large for it but below
-/// the tree limit take the binomial trees, here on 5 ranks (not a power of
-/// two, so a subtree wraps past the last rank).
+/// Blocks too large for the direct algorithm but below the tree limit:
+/// a reduce takes its binomial tree on 5 ranks, gathers and scatters take
+/// theirs from 9 ranks (here 10, not a power of two, so a subtree wraps
+/// past the last rank) and the root's one step below.
 #[test]
 fn medium_rooted_ops_take_the_trees_and_are_right() {
     let (n, count, root) = (5usize, 8 << 10, 2);
-    // Relative ranks 2..4 wrap (real ranks 4, 0): that subtree's blocks
-    // travel in two messages, so the trees send one message more than the
-    // linear gather and scatter would.
+    for (what, op) in rooted_cases(n, count, root) {
+        let want = match what {
+            "reduce" => sends(n, |r| schedule::reduce_tree(r, n, count, root)),
+            "gather" => sends(n, |r| schedule::gather(r, n, count, root)),
+            _ => sends(n, |r| schedule::scatter(r, n, count, root)),
+        };
+        let got = messages(n, &format!("mc-tree-{what}"), op);
+        assert_eq!(got, want, "{what} on {n} ranks");
+    }
+    let (n, root) = (10usize, 4);
+    // Relative ranks 4..8 wrap (real ranks 8, 9, 0, 1): that subtree's
+    // blocks travel in two messages, so the trees send one message more
+    // than the root's one step would.
     assert_eq!(sends(n, |r| schedule::gather_tree(r, n, count, root)), n);
     for (what, op) in rooted_cases(n, count, root) {
         let want = match what {
@@ -294,7 +305,7 @@ fn medium_rooted_ops_take_the_trees_and_are_right() {
             "gather" => sends(n, |r| schedule::gather_tree(r, n, count, root)),
             _ => sends(n, |r| schedule::scatter_tree(r, n, count, root)),
         };
-        let got = messages(n, &format!("mc-tree-{what}"), op);
+        let got = messages(n, &format!("mc-tree10-{what}"), op);
         assert_eq!(got, want, "{what} on {n} ranks");
     }
 }

@@ -709,7 +709,9 @@ class Comm:
 
     def health(self):
         """Chorus only: ``{"active", "epoch", "failed_ranks", "failure",
-        "child_failures"}`` as this rank sees it now."""
+        "child_failures", "tcp_fallbacks"}`` as this rank sees it now
+        (``tcp_fallbacks``: ``(peer, reason)`` for each same-host peer
+        reached over TCP because shared memory could not be set up)."""
         return self._c.health()
 
     def split(self, ranks, name, hints=None, timeout=None):

@@ -569,7 +569,7 @@ impl PyComm {
         });
     }
 
-    /// `{active, epoch, failed_ranks, failure}`.
+    /// `{active, epoch, failed_ranks, failure, child_failures, tcp_fallbacks}`.
     fn health<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let h = self.comm.health();
         let d = PyDict::new(py);
@@ -578,6 +578,12 @@ impl PyComm {
         d.set_item("failed_ranks", h.failed_ranks)?;
         d.set_item("failure", h.failure.map(|e| e.to_string()))?;
         d.set_item("child_failures", h.child_failures.len())?;
+        let fallbacks: Vec<(usize, String)> = h
+            .tcp_fallbacks
+            .into_iter()
+            .map(|f| (f.peer, f.reason))
+            .collect();
+        d.set_item("tcp_fallbacks", fallbacks)?;
         Ok(d)
     }
 

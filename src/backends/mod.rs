@@ -719,6 +719,16 @@ pub(crate) fn device_split(
     Ok(out)
 }
 
+/// A same-host peer reached over TCP instead of shared memory
+/// ([`Backend::tcp_fallbacks`], [`Health::tcp_fallbacks`](crate::Health)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpFallback {
+    /// The peer's rank.
+    pub peer: usize,
+    /// Why shared memory was not used with it.
+    pub reason: String,
+}
+
 /// The data plane of one communicator on one rank.
 ///
 /// Called only by the communicator's executor, one op at a time, in issue
@@ -811,6 +821,14 @@ pub trait Backend: Send {
     fn poll_async_error(&mut self, ctx: &IdleCtx) -> Result<()> {
         let _ = ctx;
         Ok(())
+    }
+
+    /// Same-host peers this rank reaches over TCP because shared memory
+    /// could not be set up with them, and why (a ring file that could not
+    /// be created or mapped). Asked once, when the communicator starts; the
+    /// default is none. [`Comm::health`](crate::Comm::health) reports them.
+    fn tcp_fallbacks(&self) -> Vec<TcpFallback> {
+        Vec::new()
     }
 
     /// What this backend can do beyond the ops ([BE-4]). Asked once, when the

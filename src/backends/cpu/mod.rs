@@ -69,7 +69,7 @@ use async_trait::async_trait;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tracing::Instrument;
 
-use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
+use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer, TcpFallback};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::op::{OpKind, ReduceOp};
@@ -127,6 +127,8 @@ pub struct CpuBackend {
     /// Shared-memory rings of same-host peers (their TCP link then only
     /// carries Abort frames and liveness).
     shm: Vec<Option<ShmLink>>,
+    /// Same-host peers without rings, and why.
+    tcp_fallbacks: Vec<TcpFallback>,
     /// Reusable receive buffers for schedule steps.
     scratch: Vec<Vec<u8>>,
     /// Reusable Header frames, sent and received, one per peer of an op.
@@ -208,8 +210,9 @@ impl CpuBackend {
             }
         }
         let windows = window::Windows::new(&init);
-        let shm = link::setup_shm(&init, &hosts, &mut writers, &mut readers)
-            .await?
+        let (rings, tcp_fallbacks) =
+            link::setup_shm(&init, &hosts, &mut writers, &mut readers).await?;
+        let shm = rings
             .into_iter()
             .map(|p| p.map(|(tx, rx)| ShmLink { tx, rx, checksum }))
             .collect();
@@ -229,6 +232,7 @@ impl CpuBackend {
             state: State::Ready,
             windows,
             abort_mismatch: false,
+            tcp_fallbacks,
         })
     }
 
@@ -766,7 +770,8 @@ impl CpuBackend {
                 scratch: None,
             },
             OpData::Reduce { buf, op, root } => Planned {
-                schedule: if builders::rooted_tree(buf.len_bytes(), size) {
+                schedule: if builders::rooted_tree(builders::Rooted::Reduce, buf.len_bytes(), size)
+                {
                     builders::reduce_tree(rank, size, buf.len(), *root)
                 } else {
                     builders::reduce(rank, size, buf.len(), *root)
@@ -840,7 +845,11 @@ impl CpuBackend {
                 root,
             } => {
                 let (count, root) = (output.len(), *root);
-                let tree = builders::rooted_tree(output.len_bytes(), size);
+                let tree = builders::rooted_tree(
+                    builders::Rooted::GatherOrScatter,
+                    output.len_bytes(),
+                    size,
+                );
                 Planned {
                     schedule: if tree {
                         builders::scatter_tree(rank, size, count, root)
@@ -863,7 +872,11 @@ impl CpuBackend {
                 root,
             } => {
                 let (count, root) = (input.len(), *root);
-                let tree = builders::rooted_tree(input.len_bytes(), size);
+                let tree = builders::rooted_tree(
+                    builders::Rooted::GatherOrScatter,
+                    input.len_bytes(),
+                    size,
+                );
                 Planned {
                     schedule: if tree {
                         builders::gather_tree(rank, size, count, root)
@@ -1113,6 +1126,10 @@ async fn run_transfers<'a>(
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn tcp_fallbacks(&self) -> Vec<TcpFallback> {
+        self.tcp_fallbacks.clone()
     }
 
     fn capabilities(&self) -> crate::backends::Capabilities {

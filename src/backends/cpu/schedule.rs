@@ -57,7 +57,7 @@
 //! |----|----------------------|-----------|
 //! | all_reduce | [`all_reduce_small`] up to [`SMALL_ALL_REDUCE_BYTES`], then [`all_reduce_halving`] on more than 2 ranks while the ring's blocks are below [`RING_MIN_BLOCK_BYTES`] ([`all_reduce_auto`]) | [`all_reduce`] |
 //! | all_gather | [`all_gather_doubling`] up to [`SMALL_ALL_GATHER_BYTES`] of output on a power-of-two `p` ([`all_gather_auto`]) | [`all_gather`] |
-//! | reduce, gather, scatter | the trees for more than 2 ranks, up to [`TREE_MAX_BYTES`] of buffer (reduce) or block (gather, scatter) ([`rooted_tree`]) | [`reduce`], [`gather`], [`scatter`] |
+//! | reduce, gather, scatter | the trees up to [`TREE_MAX_BYTES`] of buffer (reduce, more than 2 ranks) or block (gather, scatter, from [`GATHER_TREE_MIN_RANKS`]) ([`rooted_tree`]) | [`reduce`], [`gather`], [`scatter`] |
 //! | broadcast, barrier | always [`broadcast`], [`barrier_rounds`] | |
 //!
 //! Step counts are upper bounds: steps left empty by zero-length blocks are
@@ -734,16 +734,36 @@ pub fn barrier_rounds(rank: usize, size: usize) -> Vec<(usize, usize)> {
 /// every byte once.
 pub const TREE_MAX_BYTES: usize = 64 << 10;
 
+/// Gathers and scatters on more ranks than this run their trees (within
+/// [`TREE_MAX_BYTES`]). On fewer, the root's `p - 1` concurrent messages
+/// cost less than the tree's forwarding: 4 ranks, 64 KiB blocks, 12.6
+/// against 14.5 µs (gather) on the 2-CPU host of docs/performance.md.
+pub const GATHER_TREE_MIN_RANKS: usize = 9;
+
 /// All-gathers whose whole output is at most this many bytes use
 /// [`all_gather_doubling`] on a power-of-two number of ranks.
 pub const SMALL_ALL_GATHER_BYTES: usize = 64 << 10;
 
 /// Whether a rooted op moving `bytes` (the buffer of a reduce, one rank's
 /// block of a gather or scatter) runs its binomial tree: `ceil(log2 p)`
-/// steps instead of `p - 1` messages at the root. A pure function of
-/// arguments every rank agrees on, so all ranks choose alike.
-pub fn rooted_tree(bytes: usize, size: usize) -> bool {
-    size > 2 && bytes <= TREE_MAX_BYTES
+/// steps instead of `p - 1` messages at the root (a reduce on more than 2
+/// ranks, a gather or scatter from [`GATHER_TREE_MIN_RANKS`]). A pure
+/// function of arguments every rank agrees on, so all ranks choose alike.
+pub fn rooted_tree(kind: Rooted, bytes: usize, size: usize) -> bool {
+    let min_ranks = match kind {
+        Rooted::Reduce => 3,
+        Rooted::GatherOrScatter => GATHER_TREE_MIN_RANKS,
+    };
+    size >= min_ranks && bytes <= TREE_MAX_BYTES
+}
+
+/// Which rooted op [`rooted_tree`] decides for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rooted {
+    /// A reduce (its buffer's bytes).
+    Reduce,
+    /// A gather or a scatter (one rank's block's bytes).
+    GatherOrScatter,
 }
 
 /// Relative rank `v`'s subtree in the binomial tree of `size` ranks rooted

@@ -1087,9 +1087,15 @@ fn all_gather_doubling_concatenates_blocks_in_log2_steps() {
 
 #[test]
 fn the_tuning_table_picks_trees_and_doubling_for_small_messages_only() {
-    assert!(rooted_tree(8, 3));
-    assert!(!rooted_tree(8, 2));
-    assert!(!rooted_tree(TREE_MAX_BYTES + 1, 8));
+    assert!(rooted_tree(Rooted::Reduce, 8, 3));
+    assert!(!rooted_tree(Rooted::Reduce, 8, 2));
+    assert!(!rooted_tree(Rooted::Reduce, TREE_MAX_BYTES + 1, 8));
+    assert!(!rooted_tree(Rooted::GatherOrScatter, 8, 8));
+    assert!(rooted_tree(
+        Rooted::GatherOrScatter,
+        8,
+        GATHER_TREE_MIN_RANKS
+    ));
     assert_eq!(
         all_gather_auto(0, 4, &[1; 4], false, 4),
         all_gather_doubling(0, 4, &[1; 4], false)

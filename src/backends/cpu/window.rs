@@ -605,7 +605,10 @@ impl CpuBackend {
             match Mapping::create(&path, len) {
                 Ok(m) => Some(m),
                 Err(e) => {
-                    tracing::debug!(error = %e, "cannot create a window file; peers use TCP");
+                    tracing::warn!(
+                        window = id, error = %e,
+                        "cannot create a window file: same-host peers reach this window over TCP (get_attr says Separate)"
+                    );
                     None
                 }
             }
@@ -681,7 +684,10 @@ impl CpuBackend {
                 {
                     Ok(m) => targets[p] = Target::Mapped(m),
                     Err(e) => {
-                        tracing::debug!(peer = p, error = %e, "cannot map a peer's window; using TCP")
+                        tracing::warn!(
+                            window = id, peer = p, error = %e,
+                            "cannot map a same-host peer's window: it is reached over TCP (get_attr says Separate)"
+                        )
                     }
                 }
             }

@@ -46,7 +46,7 @@ use super::admission::Admission;
 use super::frame::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Tag};
 use super::handshake::{self, Auth};
 use crate::backends::cpu::shm::{self, RingConsumer, RingProducer, ShmSegment};
-use crate::backends::{BackendInit, OpCtx};
+use crate::backends::{BackendInit, OpCtx, TcpFallback};
 use crate::error::{Error, Result};
 use crate::transport::TransportError;
 
@@ -179,25 +179,29 @@ const SHM_SETUP_SEQ: u64 = u64::MAX - 1;
 /// # Errors
 /// `PeerFailed` if a link fails during the exchange; `Transport` if the
 /// store does not answer.
+/// The shared-memory rings of same-host peers, by rank, and the same-host
+/// peers that fell back to TCP, with why.
+pub(crate) type ShmLinks = (Vec<Option<(RingProducer, RingConsumer)>>, Vec<TcpFallback>);
+
 pub(crate) async fn setup_shm(
     init: &BackendInit,
     hosts: &[String],
     writers: &mut [Option<LinkWriter>],
     readers: &mut [Option<LinkReader>],
-) -> Result<Vec<Option<(RingProducer, RingConsumer)>>> {
+) -> Result<ShmLinks> {
     let (me, size) = (init.rank, init.size);
     let mut out: Vec<Option<(RingProducer, RingConsumer)>> = (0..size).map(|_| None).collect();
     let Some(mine) = hosts.get(me).filter(|h| !h.is_empty()) else {
-        return Ok(out);
+        return Ok((out, Vec::new()));
     };
     if size <= 1 {
-        return Ok(out);
+        return Ok((out, Vec::new()));
     }
     let same: Vec<usize> = (0..size)
         .filter(|&r| r != me && hosts.get(r) == Some(mine))
         .collect();
     if same.is_empty() {
-        return Ok(out);
+        return Ok((out, Vec::new()));
     }
     // CHORUS_SHM_RING (bytes, a power of two) overrides the ring size for
     // tuning; both ends size their own incoming ring, so ranks may differ.
@@ -243,10 +247,12 @@ pub(crate) async fn setup_shm(
         let path = Path::new(SHM_DIR).join(shm::ring_file_name(&tag, std::process::id(), peer, me));
         async move {
             // Our incoming ring (peer -> me).
+            // Why this pair falls back to TCP, when it does.
+            let mut why: Option<String> = None;
             let mut incoming = match ShmSegment::create(&path, capacity) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    tracing::debug!(peer, error = %e, "cannot create a shm ring; using TCP");
+                    why = Some(format!("could not create this rank's ring file: {e}"));
                     None
                 }
             };
@@ -275,18 +281,26 @@ pub(crate) async fn setup_shm(
             .await;
             sent?;
             got?;
-            let outgoing = String::from_utf8(theirs)
-                .ok()
-                .filter(|p| {
-                    p.starts_with(&format!("{SHM_DIR}/{}", shm::FILE_PREFIX)) && !p.contains("..")
-                })
-                .and_then(|p| match ShmSegment::open(Path::new(&p)) {
+            let offered = String::from_utf8(theirs).ok().filter(|p| {
+                p.starts_with(&format!("{SHM_DIR}/{}", shm::FILE_PREFIX)) && !p.contains("..")
+            });
+            let outgoing = match offered {
+                None => {
+                    why.get_or_insert_with(|| {
+                        format!("rank {peer} offered no usable ring file (it could not create one)")
+                    });
+                    None
+                }
+                Some(p) => match ShmSegment::open(Path::new(&p)) {
                     Ok(s) => Some(RingProducer::new(s)),
                     Err(e) => {
-                        tracing::debug!(peer, error = %e, "cannot map the peer's shm ring");
+                        why.get_or_insert_with(|| {
+                            format!("could not map rank {peer}'s ring file: {e}")
+                        });
                         None
                     }
-                });
+                },
+            };
             // SH-5: before our ok, so the peer can probe us once it has it.
             if let Some(p) = &outgoing {
                 p.advertise_cma();
@@ -330,20 +344,33 @@ pub(crate) async fn setup_shm(
                     let rx = RingConsumer::new(i);
                     let cma = cma_enabled() && rx.probe_cma();
                     tracing::debug!(peer, cma, "shared-memory link");
-                    Some((peer, o, rx))
+                    Ok((peer, o, rx))
                 }
-                _ => None,
+                _ => Err(TcpFallback {
+                    peer,
+                    reason: why.unwrap_or_else(|| {
+                        format!("rank {peer} could not map this rank's ring file")
+                    }),
+                }),
             })
         }
     }))
     .await;
+    let mut fallbacks = Vec::new();
     for r in results {
-        if let Some((peer, tx, rx)) = r? {
-            out[peer] = Some((tx, rx));
+        match r? {
+            Ok((peer, tx, rx)) => out[peer] = Some((tx, rx)),
+            Err(f) => {
+                tracing::warn!(
+                    comm = %init.comm, rank = me, peer = f.peer, reason = %f.reason,
+                    "a same-host peer is reached over TCP, not shared memory"
+                );
+                fallbacks.push(f);
+            }
         }
     }
     tracing::debug!(rank = me, peers = ?same, "shared-memory links set up");
-    Ok(out)
+    Ok((out, fallbacks))
 }
 
 /// Whether single-copy transfers may be used ([SH-5]); `CHORUS_SHM_CMA=0`
