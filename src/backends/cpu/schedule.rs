@@ -366,35 +366,7 @@ pub fn all_reduce_auto(rank: usize, size: usize, count: usize, elem_bytes: usize
 /// sending `2(q-1)/q` of the buffer: bandwidth-optimal like the ring, with
 /// logarithmically many steps.
 pub fn all_reduce_halving(rank: usize, size: usize, count: usize) -> Schedule {
-    if rank >= size {
-        return Schedule::default();
-    }
-    let q = if size.is_power_of_two() {
-        size
-    } else {
-        size.next_power_of_two() / 2
-    };
-    let rem = size - q;
-    let folded = rank < 2 * rem;
-    let mut b = Builder::new(rank, size);
-    if count == 0 {
-        return b.finish();
-    }
-    if folded {
-        b.step();
-        if rank % 2 == 0 {
-            b.send(rank + 1, BufId::Dst, 0..count);
-        } else {
-            b.recv(rank - 1, BufId::Dst, 0..count, RecvAction::Reduce);
-        }
-    }
-    let inner = if folded {
-        (rank % 2 == 1).then_some(rank / 2)
-    } else {
-        Some(rank - rem)
-    };
-    let outer = |i: usize| if i < rem { 2 * i + 1 } else { i + rem };
-    if let Some(i) = inner {
+    folded_all_reduce(rank, size, count, |b, i, q, outer| {
         let offs = offsets(&even_counts(count, q));
         let blocks = |r: Range<usize>| offs[r.start]..offs[r.end];
         // Reduce-scatter by recursive halving: the blocks `lo..lo + 2m`
@@ -437,16 +409,7 @@ pub fn all_reduce_halving(rank: usize, size: usize, count: usize) -> Schedule {
             lo = lo.min(theirs);
             m *= 2;
         }
-    }
-    if folded {
-        b.step();
-        if rank % 2 == 1 {
-            b.send(rank - 1, BufId::Dst, 0..count);
-        } else {
-            b.recv(rank + 1, BufId::Dst, 0..count, RecvAction::Copy);
-        }
-    }
-    b.finish()
+    })
 }
 
 /// Latency-optimal in-place all-reduce: recursive doubling, `log2 q` steps
@@ -468,6 +431,31 @@ pub fn all_reduce_halving(rank: usize, size: usize, count: usize) -> Schedule {
 /// [CPU-1]: crate::backends::cpu#invariants
 /// [SC-6]: self#invariants
 pub fn all_reduce_small(rank: usize, size: usize, count: usize) -> Schedule {
+    folded_all_reduce(rank, size, count, |b, i, q, outer| {
+        let mut mask = 1usize;
+        while mask < q {
+            b.step();
+            let partner = outer(i ^ mask);
+            b.send(partner, BufId::Dst, 0..count);
+            b.recv(partner, BufId::Dst, 0..count, RecvAction::Reduce);
+            mask *= 2;
+        }
+    })
+}
+
+/// The power-of-two fold shared by [`all_reduce_small`] and
+/// [`all_reduce_halving`] (MPICH's): with `q` the largest power of two not
+/// above `size` and `rem = size - q`, the first `2 rem` ranks pair up, each
+/// even one sending its buffer to the odd one after it, which reduces it in;
+/// `core(builder, i, q, outer)` then adds the power-of-two algorithm of
+/// group rank `i` (`outer` maps a group rank back to its rank), and the odd
+/// ranks hand the result back to their even partners in a last step.
+fn folded_all_reduce(
+    rank: usize,
+    size: usize,
+    count: usize,
+    core: impl FnOnce(&mut Builder, usize, usize, &dyn Fn(usize) -> usize),
+) -> Schedule {
     if rank >= size {
         return Schedule::default();
     }
@@ -498,14 +486,7 @@ pub fn all_reduce_small(rank: usize, size: usize, count: usize) -> Schedule {
     };
     let outer = |i: usize| if i < rem { 2 * i + 1 } else { i + rem };
     if let Some(i) = inner {
-        let mut mask = 1usize;
-        while mask < q {
-            b.step();
-            let partner = outer(i ^ mask);
-            b.send(partner, BufId::Dst, 0..count);
-            b.recv(partner, BufId::Dst, 0..count, RecvAction::Reduce);
-            mask *= 2;
-        }
+        core(&mut b, i, q, &outer);
     }
     if folded {
         b.step();
