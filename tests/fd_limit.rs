@@ -8,8 +8,9 @@
 //! the store, then a bare TCP connection). Bounded in time; the child is
 //! killed on failure.
 
+mod common;
+
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,37 +23,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
 
 #[test]
 fn a_rank_out_of_file_descriptors_pauses_accepts_and_says_so() {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut child = Command::new(exe)
-        .args(["--ignored", "--exact", "out_of_fds_rank", "--nocapture"])
-        .env(CHILD, "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the rank");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            let out = child.wait_with_output().expect("output");
-            assert!(
-                status.success(),
-                "the rank failed: {}\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                stdout.contains("@@ checked"),
-                "the rank did not run its checks:\n{stdout}"
-            );
-            return;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the rank did not finish within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::run_child_test("out_of_fds_rank", CHILD, Duration::from_secs(60));
 }
 
 /// CPU seconds this process has used (user + system).

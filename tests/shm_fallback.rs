@@ -9,8 +9,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use chorus::{ReduceOp, Tensor};
 
@@ -18,42 +17,7 @@ const CHILD: &str = "CHORUS_SHM_FALLBACK_CHILD";
 
 #[test]
 fn a_same_host_pair_without_ring_files_runs_over_tcp_and_says_why() {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut child = Command::new(exe)
-        .args([
-            "--ignored",
-            "--exact",
-            "ranks_without_ring_files",
-            "--nocapture",
-        ])
-        .env(CHILD, "1")
-        .env_remove("CHORUS_SHM")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the ranks");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            let out = child.wait_with_output().expect("output");
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                status.success(),
-                "the ranks failed: {stdout}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(
-                stdout.contains("@@ checked"),
-                "the ranks did not run:\n{stdout}"
-            );
-            return;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the ranks did not finish within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::run_child_test("ranks_without_ring_files", CHILD, Duration::from_secs(60));
 }
 
 /// The ranks (run by the test above, not on their own): 2 ranks as threads

@@ -204,3 +204,43 @@ pub fn assert_close(dtype: DType, got: &Tensor, want: &[f64], what: &str) {
         );
     }
 }
+
+/// Run this test binary's ignored test `name` in a child process, with the
+/// environment variable `flag` set to `1` (so the test knows it is the
+/// child) and `CHORUS_SHM` unset, for tests that must change process-wide
+/// state (resource limits). Panics with the child's output if it fails,
+/// does not print `@@ checked`, or runs past `limit` (it is killed then).
+pub fn run_child_test(name: &str, flag: &str, limit: Duration) {
+    use std::process::{Command, Stdio};
+    let exe = std::env::current_exe().expect("current exe");
+    let mut child = Command::new(exe)
+        .args(["--ignored", "--exact", name, "--nocapture"])
+        .env(flag, "1")
+        .env_remove("CHORUS_SHM")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the child test");
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            let out = child.wait_with_output().expect("output");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                status.success(),
+                "{name} failed: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                stdout.contains("@@ checked"),
+                "{name} did not run its checks:\n{stdout}"
+            );
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{name} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -770,12 +770,7 @@ impl CpuBackend {
                 scratch: None,
             },
             OpData::Reduce { buf, op, root } => Planned {
-                schedule: if builders::rooted_tree(builders::Rooted::Reduce, buf.len_bytes(), size)
-                {
-                    builders::reduce_tree(rank, size, buf.len(), *root)
-                } else {
-                    builders::reduce(rank, size, buf.len(), *root)
-                },
+                schedule: builders::reduce_auto(rank, size, buf.len(), *root, buf.dtype().size()),
                 src: None,
                 dst: buf,
                 op: *op,
@@ -844,26 +839,15 @@ impl CpuBackend {
                 output,
                 root,
             } => {
-                let (count, root) = (output.len(), *root);
-                let tree = builders::rooted_tree(
-                    builders::Rooted::GatherOrScatter,
-                    output.len_bytes(),
-                    size,
-                );
+                let es = output.dtype().size();
+                let (schedule, n) = builders::scatter_auto(rank, size, output.len(), *root, es);
                 Planned {
-                    schedule: if tree {
-                        builders::scatter_tree(rank, size, count, root)
-                    } else {
-                        builders::scatter(rank, size, count, root)
-                    },
+                    schedule,
                     src: Some(input),
                     dst: output,
                     op: ReduceOp::Sum,
                     copy_out: None,
-                    scratch: tree
-                        .then(|| builders::tree_scratch(rank, size, count, root))
-                        .filter(|&n| n > 0)
-                        .map(|n| (BufId::Src, n)),
+                    scratch: (n > 0).then_some((BufId::Src, n)),
                 }
             }
             OpData::Gather {
@@ -871,26 +855,15 @@ impl CpuBackend {
                 output,
                 root,
             } => {
-                let (count, root) = (input.len(), *root);
-                let tree = builders::rooted_tree(
-                    builders::Rooted::GatherOrScatter,
-                    input.len_bytes(),
-                    size,
-                );
+                let es = input.dtype().size();
+                let (schedule, n) = builders::gather_auto(rank, size, input.len(), *root, es);
                 Planned {
-                    schedule: if tree {
-                        builders::gather_tree(rank, size, count, root)
-                    } else {
-                        builders::gather(rank, size, count, root)
-                    },
+                    schedule,
                     src: Some(input),
                     dst: output,
                     op: ReduceOp::Sum,
                     copy_out: None,
-                    scratch: tree
-                        .then(|| builders::tree_scratch(rank, size, count, root))
-                        .filter(|&n| n > 0)
-                        .map(|n| (BufId::Dst, n)),
+                    scratch: (n > 0).then_some((BufId::Dst, n)),
                 }
             }
             OpData::AllToAll {

@@ -57,7 +57,7 @@
 //! |----|----------------------|-----------|
 //! | all_reduce | [`all_reduce_small`] up to [`SMALL_ALL_REDUCE_BYTES`], then [`all_reduce_halving`] on more than 2 ranks while the ring's blocks are below [`RING_MIN_BLOCK_BYTES`] ([`all_reduce_auto`]) | [`all_reduce`] |
 //! | all_gather | [`all_gather_doubling`] up to [`SMALL_ALL_GATHER_BYTES`] of output on a power-of-two `p` ([`all_gather_auto`]) | [`all_gather`] |
-//! | reduce, gather, scatter | the trees up to [`TREE_MAX_BYTES`] of buffer (reduce, more than 2 ranks) or block (gather, scatter, from [`GATHER_TREE_MIN_RANKS`]) ([`rooted_tree`]) | [`reduce`], [`gather`], [`scatter`] |
+//! | reduce, gather, scatter | the trees up to [`TREE_MAX_BYTES`] of buffer (reduce, more than 2 ranks) or block (gather, scatter, from [`GATHER_TREE_MIN_RANKS`]) ([`rooted_tree`]; [`reduce_auto`], [`gather_auto`], [`scatter_auto`]) | [`reduce`], [`gather`], [`scatter`] |
 //! | broadcast, barrier | always [`broadcast`], [`barrier_rounds`] | |
 //!
 //! Step counts are upper bounds: steps left empty by zero-length blocks are
@@ -738,6 +738,66 @@ pub fn rooted_tree(kind: Rooted, bytes: usize, size: usize) -> bool {
     size >= min_ranks && bytes <= TREE_MAX_BYTES
 }
 
+/// The reduce of the tuning table: [`reduce_tree`] where [`rooted_tree`]
+/// says so, else [`reduce`].
+pub fn reduce_auto(
+    rank: usize,
+    size: usize,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> Schedule {
+    if rooted_tree(Rooted::Reduce, count.saturating_mul(elem_bytes), size) {
+        reduce_tree(rank, size, count, root)
+    } else {
+        reduce(rank, size, count, root)
+    }
+}
+
+/// The gather of the tuning table: [`gather_tree`] where [`rooted_tree`]
+/// says so, else [`gather`]; with the elements of scratch `Dst` this rank
+/// needs ([`tree_scratch`], 0 for none).
+pub fn gather_auto(
+    rank: usize,
+    size: usize,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> (Schedule, usize) {
+    if rooted_tree(
+        Rooted::GatherOrScatter,
+        count.saturating_mul(elem_bytes),
+        size,
+    ) {
+        let scratch = tree_scratch(rank, size, count, root);
+        (gather_tree(rank, size, count, root), scratch)
+    } else {
+        (gather(rank, size, count, root), 0)
+    }
+}
+
+/// The scatter of the tuning table: [`scatter_tree`] where [`rooted_tree`]
+/// says so, else [`scatter`]; with the elements of scratch `Src` this rank
+/// needs ([`tree_scratch`], 0 for none).
+pub fn scatter_auto(
+    rank: usize,
+    size: usize,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> (Schedule, usize) {
+    if rooted_tree(
+        Rooted::GatherOrScatter,
+        count.saturating_mul(elem_bytes),
+        size,
+    ) {
+        let scratch = tree_scratch(rank, size, count, root);
+        (scatter_tree(rank, size, count, root), scratch)
+    } else {
+        (scatter(rank, size, count, root), 0)
+    }
+}
+
 /// Which rooted op [`rooted_tree`] decides for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rooted {
@@ -756,6 +816,48 @@ fn subtree(v: usize, size: usize) -> usize {
         size
     } else {
         (v & v.wrapping_neg()).min(size - v)
+    }
+}
+
+/// One rank's view of the binomial tree of a gather or scatter: its
+/// relative rank `v` (`rank - root mod size`), its subtree's size, and
+/// where the blocks of `count` elements of relative ranks live in its
+/// buffer.
+struct Tree {
+    v: usize,
+    sub: usize,
+    size: usize,
+    root: usize,
+    count: usize,
+}
+
+impl Tree {
+    fn new(rank: usize, size: usize, count: usize, root: usize) -> Tree {
+        let v = (rank + size - root) % size;
+        Tree {
+            v,
+            sub: subtree(v, size),
+            size,
+            root,
+            count,
+        }
+    }
+
+    /// The rank of relative rank `u`.
+    fn real(&self, u: usize) -> usize {
+        (u + self.root) % self.size
+    }
+
+    /// Where the blocks of relative ranks `r` (one piece of
+    /// [`wrap_pieces`]) live in this rank's buffer: the root's by real
+    /// rank, another rank's scratch from its own block on.
+    fn at(&self, r: Range<usize>) -> Range<usize> {
+        let first = if self.v == 0 {
+            self.real(r.start)
+        } else {
+            r.start - self.v
+        };
+        first * self.count..(first + r.len()) * self.count
     }
 }
 
@@ -795,15 +897,8 @@ pub fn gather_tree(rank: usize, size: usize, count: usize, root: usize) -> Sched
     if rank >= size || root >= size {
         return Schedule::default();
     }
-    let v = (rank + size - root) % size;
-    let real = |u: usize| (u + root) % size;
-    let sub = subtree(v, size);
-    // Where relative ranks `r` (one wrap piece) live in this rank's Dst: the
-    // root's by real rank, a scratch's from `v` on.
-    let at = |r: Range<usize>| {
-        let first = if v == 0 { real(r.start) } else { r.start - v };
-        first * count..(first + r.len()) * count
-    };
+    let t = Tree::new(rank, size, count, root);
+    let (v, sub, real, at) = (t.v, t.sub, |u| t.real(u), |r| t.at(r));
     let mut b = Builder::new(rank, size);
     b.step();
     if sub > 1 || size == 1 {
@@ -846,13 +941,8 @@ pub fn scatter_tree(rank: usize, size: usize, count: usize, root: usize) -> Sche
     if rank >= size || root >= size {
         return Schedule::default();
     }
-    let v = (rank + size - root) % size;
-    let real = |u: usize| (u + root) % size;
-    let sub = subtree(v, size);
-    let at = |r: Range<usize>| {
-        let first = if v == 0 { real(r.start) } else { r.start - v };
-        first * count..(first + r.len()) * count
-    };
+    let t = Tree::new(rank, size, count, root);
+    let (v, sub, real, at) = (t.v, t.sub, |u| t.real(u), |r| t.at(r));
     let lowest = if v == 0 {
         usize::MAX
     } else {
