@@ -15,7 +15,9 @@
 //! measured from it to `new_comm` returning, the slowest rank's. Without
 //! it, from the process's own start. `SCALE_IDLE_S` keeps the
 //! communicator idle that many seconds (heartbeats only) before a last
-//! all_reduce. Rank 0 prints one line of `key=value` pairs.
+//! all_reduce. Rank 0 prints one line of `key=value` pairs. `SCALE_KILL=k`
+//! then kills rank `k` and has every survivor report how long it took to
+//! learn of it (see [`kill_check`]).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -108,6 +110,42 @@ fn mean(comm: &Comm, x: f64) -> Res<f64> {
     Ok(t.to_f64_vec()[0] / comm.size() as f64)
 }
 
+/// `SCALE_KILL=k`: after a barrier, rank `k` kills itself (SIGKILL) and
+/// every other rank runs all_reduces until one fails, then prints
+/// `killed k: told in T ms, blamed [..]` (the error must be `PeerFailed`).
+/// The survivors ignore SIGTERM, which `chorus-run` sends once a rank has
+/// died, so that each gets to report.
+fn kill_check(comm: &Comm, victim: usize) -> Res<()> {
+    // SAFETY: setting a signal's disposition to ignore has no preconditions.
+    unsafe {
+        libc::signal(libc::SIGTERM, libc::SIG_IGN);
+    }
+    comm.barrier()?;
+    if comm.rank() == victim {
+        // SAFETY: kill has no memory preconditions; this process ends here.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+    let start = Instant::now();
+    let err = loop {
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err("no error within 60 s of the kill".into());
+        }
+        if let Err(e) = comm.all_reduce(Tensor::full(1.0f32, 1), ReduceOp::Sum) {
+            break e;
+        }
+    };
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    match err {
+        chorus::Error::PeerFailed { failed_ranks, .. } => {
+            println!("killed {victim}: told in {ms:.1} ms, blamed {failed_ranks:?}");
+            Ok(())
+        }
+        other => Err(format!("after the kill: {other}").into()),
+    }
+}
+
 fn run() -> Res<()> {
     let t0: f64 = std::env::var("SCALE_T0")
         .ok()
@@ -170,6 +208,9 @@ fn run() -> Res<()> {
     if rank == 0 {
         let fields: Vec<String> = row.iter().map(|(k, v)| format!("{k}={v:.3}")).collect();
         println!("n={n} {}", fields.join(" "));
+    }
+    if let Ok(victim) = std::env::var("SCALE_KILL") {
+        return kill_check(&comm, victim.parse()?);
     }
     if let Some(half) = half {
         half.finalize()?;

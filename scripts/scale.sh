@@ -16,7 +16,10 @@
 # Environment: NS (rank counts), MODES ("shm tcp"), RUNS (launches per N and
 # mode, the row shows the median start-up and how many launches succeeded;
 # default 1), TIMEOUT (seconds per launch, default 300), IDLE (seconds each
-# launch stays idle before its last all_reduce, default 0), PEERS_DIR.
+# launch stays idle before its last all_reduce, default 0), PEERS_DIR,
+# KILL (1: after the table, one more launch per N with shared memory in
+# which rank N/3 is killed with SIGKILL, and a second table of how many
+# survivors got PeerFailed naming it, and how fast).
 # Not run in CI: it oversubscribes the machine on purpose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -114,3 +117,19 @@ for n in $NS; do
     echo "$row"
   done
 done
+
+if [ "${KILL:-0}" = 1 ]; then
+  echo
+  echo "| N | killed rank | survivors told (PeerFailed naming it) | slowest ms | median ms |"
+  echo "|---|---|---|---|---|"
+  for n in $NS; do
+    k=$((n / 3))
+    out=$(SCALE_KILL=$k timeout "$TIMEOUT" "$RUN" -n "$n" --timeout "$TIMEOUT" -- "$PROBE" 2>/dev/null \
+      | grep "killed $k: told in" || true)
+    told=$(printf '%s\n' "$out" | grep -c "blamed \[$k\]$" || true)
+    times=$(printf '%s\n' "$out" | sed -n 's/.*told in \([0-9.]*\) ms.*/\1/p' | sort -g)
+    slowest=$(printf '%s\n' "$times" | tail -1)
+    median=$(printf '%s\n' "$times" | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]}')
+    echo "| $n | $k | $told of $((n - 1)) | ${slowest:-—} | ${median:-—} |"
+  done
+fi
