@@ -137,6 +137,10 @@ fn kill_check(comm: &Comm, victim: usize) -> Res<()> {
         }
     };
     let ms = start.elapsed().as_secs_f64() * 1e3;
+    // Let the abort finish (peers told, links closed) before this process
+    // exits: a process that exits at once closes its links without telling
+    // its peers why, and they then blame it.
+    comm.abort();
     match err {
         chorus::Error::PeerFailed { failed_ranks, .. } => {
             println!("killed {victim}: told in {ms:.1} ms, blamed {failed_ranks:?}");
