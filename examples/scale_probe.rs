@@ -15,7 +15,8 @@
 //! measured from it to `new_comm` returning, the slowest rank's. Without
 //! it, from the process's own start. `SCALE_IDLE_S` keeps the
 //! communicator idle that many seconds (heartbeats only) before a last
-//! all_reduce. Rank 0 prints one line of `key=value` pairs. `SCALE_KILL=k`
+//! all_reduce. Rank 0 prints one line of `key=value` pairs. `RUST_LOG`
+//! turns Chorus's logs on (to stderr). `SCALE_KILL=k`
 //! then kills rank `k` and has every survivor report how long it took to
 //! learn of it (see [`kill_check`]).
 
@@ -151,6 +152,13 @@ fn kill_check(comm: &Comm, victim: usize) -> Res<()> {
 }
 
 fn run() -> Res<()> {
+    // `RUST_LOG` (e.g. `chorus=debug`) turns Chorus's logs on, to stderr.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let t0: f64 = std::env::var("SCALE_T0")
         .ok()
         .and_then(|v| v.parse().ok())
