@@ -16,7 +16,8 @@
 //! it, from the process's own start. `SCALE_IDLE_S` keeps the
 //! communicator idle that many seconds (heartbeats only) before a last
 //! all_reduce. Rank 0 prints one line of `key=value` pairs. `RUST_LOG`
-//! turns Chorus's logs on (to stderr). `SCALE_KILL=k`
+//! turns Chorus's logs on (to stderr). `SCALE_LINGER_MS` keeps a survivor
+//! of the kill check alive that long after its abort. `SCALE_KILL=k`
 //! then kills rank `k` and has every survivor report how long it took to
 //! learn of it (see [`kill_check`]).
 
@@ -142,13 +143,17 @@ fn kill_check(comm: &Comm, victim: usize) -> Res<()> {
     // exits: a process that exits at once closes its links without telling
     // its peers why, and they then blame it.
     comm.abort();
-    match err {
+    let result = match err {
         chorus::Error::PeerFailed { failed_ranks, .. } => {
             println!("killed {victim}: told in {ms:.1} ms, blamed {failed_ranks:?}");
             Ok(())
         }
         other => Err(format!("after the kill: {other}").into()),
+    };
+    if let Ok(ms) = std::env::var("SCALE_LINGER_MS") {
+        std::thread::sleep(Duration::from_millis(ms.parse()?));
     }
+    result
 }
 
 fn run() -> Res<()> {
