@@ -284,28 +284,22 @@ fn small_ops_above_eight_ranks_send_their_log_schedules_messages() {
 /// past the last rank) and the root's one step below.
 #[test]
 fn medium_rooted_ops_take_the_trees_and_are_right() {
-    let (n, count, root) = (5usize, 8 << 10, 2);
-    for (what, op) in rooted_cases(n, count, root) {
-        let want = match what {
-            "reduce" => sends(n, |r| schedule::reduce_tree(r, n, count, root)),
-            "gather" => sends(n, |r| schedule::gather(r, n, count, root)),
-            _ => sends(n, |r| schedule::scatter(r, n, count, root)),
-        };
-        let got = messages(n, &format!("mc-tree-{what}"), op);
-        assert_eq!(got, want, "{what} on {n} ranks");
-    }
-    let (n, root) = (10usize, 4);
-    // Relative ranks 4..8 wrap (real ranks 8, 9, 0, 1): that subtree's
-    // blocks travel in two messages, so the trees send one message more
-    // than the root's one step would.
-    assert_eq!(sends(n, |r| schedule::gather_tree(r, n, count, root)), n);
-    for (what, op) in rooted_cases(n, count, root) {
-        let want = match what {
-            "reduce" => sends(n, |r| schedule::reduce_tree(r, n, count, root)),
-            "gather" => sends(n, |r| schedule::gather_tree(r, n, count, root)),
-            _ => sends(n, |r| schedule::scatter_tree(r, n, count, root)),
-        };
-        let got = messages(n, &format!("mc-tree10-{what}"), op);
-        assert_eq!(got, want, "{what} on {n} ranks");
+    let count = 8 << 10;
+    // Relative ranks 4..8 of 10 wrap (real ranks 8, 9, 0, 1): that
+    // subtree's blocks travel in two messages, so the trees send one
+    // message more than the root's one step would.
+    assert_eq!(sends(10, |r| schedule::gather_tree(r, 10, count, 4)), 10);
+    for (n, root, trees) in [(5usize, 2, false), (10, 4, true)] {
+        for (what, op) in rooted_cases(n, count, root) {
+            let want = match (what, trees) {
+                ("reduce", _) => sends(n, |r| schedule::reduce_tree(r, n, count, root)),
+                ("gather", true) => sends(n, |r| schedule::gather_tree(r, n, count, root)),
+                ("gather", false) => sends(n, |r| schedule::gather(r, n, count, root)),
+                (_, true) => sends(n, |r| schedule::scatter_tree(r, n, count, root)),
+                (_, false) => sends(n, |r| schedule::scatter(r, n, count, root)),
+            };
+            let got = messages(n, &format!("mc-tree{n}-{what}"), op);
+            assert_eq!(got, want, "{what} on {n} ranks");
+        }
     }
 }
