@@ -40,6 +40,7 @@ fn init(store: &Arc<MemoryStore>, rank: usize) -> BackendInit {
         secret: Arc::from(&b"layers"[..]),
         connect_timeout: Duration::from_secs(10),
         bind_ip: "127.0.0.1".parse().expect("ip"),
+        links: chorus::backends::LinkPolicy::Auto,
     }
 }
 

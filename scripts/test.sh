@@ -16,6 +16,18 @@ else
   cargo test --workspace --all-targets "$@"
 fi
 
+# The data-path suites again with every link opened on demand: above, the
+# small communicators of the tests open all their links at creation
+# (CHORUS_LINKS=auto), so this pass covers links that open mid-op, from
+# either side or both at once. About 40 s on 2 cores.
+lazy_suites=(--test collectives --test cpu_backend --test checksum --test windows
+  --test shm_fallback --test faults --test message_counts)
+if cargo nextest --version >/dev/null 2>&1; then
+  CHORUS_LINKS=lazy cargo nextest run "${lazy_suites[@]}"
+else
+  CHORUS_LINKS=lazy cargo test "${lazy_suites[@]}"
+fi
+
 # The concurrency primitives (sync/, a crate of its own): unit tests, then the
 # loom models of the ordering gate and the completion cell (release build;
 # about a minute, bounded like the doctests).

@@ -112,8 +112,8 @@ pub(crate) struct Shared {
     pub(crate) device_mem: Option<Arc<dyn DeviceMemory>>,
     /// The backend's version, asked when it started.
     pub(crate) backend_version: String,
-    /// Same-host peers reached over TCP, from the backend at creation.
-    pub(crate) tcp_fallbacks: Vec<crate::backends::TcpFallback>,
+    /// Same-host peers reached over TCP, as the backend's links open.
+    pub(crate) tcp_fallbacks: crate::backends::TcpFallbacks,
     /// The op timeout of handles without their own ([`Comm::set_timeout`]).
     pub(crate) default_timeout: AtomicDuration,
     /// The communicator's hints, from its options.

@@ -281,7 +281,11 @@ impl Comm {
                 .unwrap_or_default(),
             failure,
             child_failures: status.child_failures(),
-            tcp_fallbacks: self.shared.tcp_fallbacks.clone(),
+            tcp_fallbacks: self
+                .shared
+                .tcp_fallbacks
+                .lock()
+                .map_or_else(|e| e.into_inner().clone(), |f| f.clone()),
         }
     }
 

@@ -136,7 +136,9 @@ pub mod test_support {
 }
 
 pub use actors::status::{ChildFailure, State, Status};
-pub use backends::{register_backend, Backend, BackendInit, Capabilities, SplitMode, WindowAccess};
+pub use backends::{
+    register_backend, Backend, BackendInit, Capabilities, LinkPolicy, SplitMode, WindowAccess,
+};
 pub use checks::Checks;
 pub use comm::{Comm, P2POp};
 pub use elastic::{
@@ -321,6 +323,7 @@ impl Spec {
             secret: ctx.secret.clone(),
             connect_timeout: ctx.options.connect_timeout,
             bind_ip: ctx.bind_ip,
+            links: backends::LinkPolicy::Auto,
         }
     }
 }

@@ -4,9 +4,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chorus::backends::cpu::schedule::{BufId, RecvAction, Schedule, Step, Transfer};
+use chorus::backends::cpu::schedule::{
+    barrier_rounds, BufId, RecvAction, Schedule, Step, Transfer,
+};
 use chorus::backends::cpu::CpuBackend;
-use chorus::backends::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
+use chorus::backends::{Backend, BackendInit, LinkPolicy, OpCtx, OpData, P2PTransfer};
 use chorus::transport::{MemoryStore, Store};
 use chorus::{DType, Error, OpKind, ReduceOp, Tensor};
 use futures::future::join_all;
@@ -37,21 +39,23 @@ fn init(
         secret: Arc::from(secret),
         connect_timeout: timeout,
         bind_ip: "127.0.0.1".parse().unwrap(),
+        links: chorus::backends::LinkPolicy::Auto,
     }
 }
 
 async fn world(size: usize) -> Vec<CpuBackend> {
+    world_with(size, LinkPolicy::Auto).await
+}
+
+/// A world whose links open by `links` (`Auto`: as `CHORUS_LINKS` says).
+async fn world_with(size: usize, links: LinkPolicy) -> Vec<CpuBackend> {
     let store = Arc::new(MemoryStore::new());
     let prefix = format!("comm/test#{size}/epoch/3");
     let all = join_all((0..size).map(|r| {
-        CpuBackend::connect(init(
-            &store,
-            &prefix,
-            r,
-            size,
-            b"secret",
-            Duration::from_secs(10),
-        ))
+        CpuBackend::connect(BackendInit {
+            links,
+            ..init(&store, &prefix, r, size, b"secret", Duration::from_secs(10))
+        })
     }))
     .await;
     all.into_iter().map(|b| b.expect("connect")).collect()
@@ -441,7 +445,8 @@ async fn aborted_rank_mid_op_fails_every_survivor_with_peer_failed_naming_it() {
 #[tokio::test]
 async fn calls_after_abort_return_aborted_and_the_peer_sees_peer_failed() {
     bounded(async {
-        let mut w = world(2).await;
+        // Abort frames travel over open links: open them all.
+        let mut w = world_with(2, LinkPolicy::Eager).await;
         w[0].abort("user asked", &[]).await;
         w[0].abort("again", &[]).await; // idempotent
         let r0 = w[0]
@@ -477,7 +482,8 @@ async fn calls_after_abort_return_aborted_and_the_peer_sees_peer_failed() {
 #[tokio::test]
 async fn abort_frame_carries_the_failed_ranks_and_reason_to_peers() {
     bounded(async {
-        let mut w = world(3).await;
+        // Abort frames travel over open links: open them all.
+        let mut w = world_with(3, LinkPolicy::Eager).await;
         w[0].abort("watchdog lost rank 2", &[2]).await;
         let res = join_all(w[1..].iter_mut().enumerate().map(|(i, b)| async move {
             let r = i + 1;
@@ -553,7 +559,11 @@ async fn stranger_with_a_bad_hello_does_not_break_setup() {
         let store = Arc::new(MemoryStore::new());
         let prefix = "comm/stranger#0/epoch/3";
         let t = Duration::from_secs(10);
-        let r0 = tokio::spawn(CpuBackend::connect(init(&store, prefix, 0, 2, b"s", t)));
+        let eager = |rank, secret: &[u8]| BackendInit {
+            links: LinkPolicy::Eager,
+            ..init(&store, prefix, rank, 2, secret, t)
+        };
+        let r0 = tokio::spawn(CpuBackend::connect(eager(0, b"s")));
         // Rank 0's bootstrap record: its listener address, then its host id.
         let record = store
             .wait(&[format!("{prefix}/cpu/rank/0")], t)
@@ -567,9 +577,9 @@ async fn stranger_with_a_bad_hello_does_not_break_setup() {
         garbage.write_all(&[0xAB; 72]).await.unwrap();
         let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
         // A third claims to be rank 1 with the wrong secret.
-        let bad = tokio::spawn(CpuBackend::connect(init(&store, prefix, 1, 2, b"x", t)));
+        let bad = tokio::spawn(CpuBackend::connect(eager(1, b"x")));
         assert!(matches!(bad.await.unwrap(), Err(Error::Transport(_))));
-        let r1 = CpuBackend::connect(init(&store, prefix, 1, 2, b"s", t)).await;
+        let r1 = CpuBackend::connect(eager(1, b"s")).await;
         let mut w = vec![r0.await.unwrap().unwrap(), r1.unwrap()];
         exchange_all(&mut w, 0).await;
     })
@@ -585,7 +595,10 @@ async fn wrong_secret_on_one_rank_fails_setup_with_an_error_not_a_hang() {
         let start = Instant::now();
         let res = join_all((0..3).map(|r| {
             let secret: &[u8] = if r == 2 { b"wrong" } else { b"right" };
-            CpuBackend::connect(init(&store, prefix, r, 3, secret, t))
+            CpuBackend::connect(BackendInit {
+                links: LinkPolicy::Eager,
+                ..init(&store, prefix, r, 3, secret, t)
+            })
         }))
         .await;
         assert!(start.elapsed() < Duration::from_secs(6));
@@ -621,6 +634,137 @@ async fn missing_rank_times_out_as_a_peer_failure_naming_it() {
             }
         }
         assert!(start.elapsed() < Duration::from_secs(3));
+    })
+    .await;
+}
+
+/// Links on demand: a lazy world opens no link at creation, and each op
+/// opens exactly the links of the peers its algorithm talks to.
+#[tokio::test]
+async fn lazy_links_open_only_for_the_peers_an_op_talks_to() {
+    bounded(async {
+        let n = 16;
+        let mut w = world_with(n, LinkPolicy::Lazy).await;
+        for b in &w {
+            assert!(b.linked_peers().is_empty(), "no link at creation");
+        }
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            b.execute(&ctx(r, n, OpKind::Barrier, 0), &mut OpData::Barrier)
+                .await
+        }))
+        .await;
+        for (r, res) in res.into_iter().enumerate() {
+            res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+        for (r, b) in w.iter().enumerate() {
+            let mut want: Vec<usize> = barrier_rounds(r, n)
+                .into_iter()
+                .flat_map(|(to, from)| [to, from])
+                .collect();
+            want.sort_unstable();
+            want.dedup();
+            assert_eq!(b.linked_peers(), want, "rank {r}: the barrier's peers");
+            assert!(want.len() < n - 1, "a barrier on {n} ranks is not a mesh");
+        }
+        // An all-to-all exchange needs every pair at once, so every pair's
+        // two ranks dial each other at the same time: each pair still ends
+        // with one working link.
+        exchange_all(&mut w, 1).await;
+        for (r, b) in w.iter().enumerate() {
+            let all: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+            assert_eq!(b.linked_peers(), all, "rank {r}");
+        }
+        exchange_all(&mut w, 2).await;
+    })
+    .await;
+}
+
+/// A lazy link opens whatever the peer is doing: a small send completes
+/// while its receiver has not reached the matching receive (either rank
+/// of the pair sending first), as over an eager mesh.
+#[tokio::test]
+async fn a_lazy_link_opens_while_the_peer_is_not_in_an_op() {
+    bounded(async {
+        for sender in [0usize, 1] {
+            let mut w = world_with(2, LinkPolicy::Lazy).await;
+            let receiver = 1 - sender;
+            let mut send = OpData::P2P {
+                ops: vec![P2PTransfer {
+                    peer: receiver,
+                    seq: 0,
+                    send: true,
+                    buf: Tensor::from_vec(vec![7i32, 8, 9]),
+                }],
+            };
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                w[sender].execute(&ctx(sender, 2, OpKind::P2P, 0), &mut send),
+            )
+            .await
+            .expect("the send completes before its receive is posted")
+            .expect("send");
+            let mut recv = OpData::P2P {
+                ops: vec![P2PTransfer {
+                    peer: sender,
+                    seq: 0,
+                    send: false,
+                    buf: Tensor::zeros(DType::I32, 3),
+                }],
+            };
+            w[receiver]
+                .execute(&ctx(receiver, 2, OpKind::P2P, 0), &mut recv)
+                .await
+                .expect("recv");
+            let OpData::P2P { ops } = recv else {
+                unreachable!()
+            };
+            assert_eq!(ops[0].buf.to_vec::<i32>(), vec![7, 8, 9]);
+        }
+    })
+    .await;
+}
+
+/// Under lazy links a rank with another secret is found at the first op
+/// that needs its link: every rank of that op fails with a typed error in
+/// bounded time, none hangs.
+#[tokio::test]
+async fn lazy_links_to_a_rank_with_another_secret_fail_the_first_op() {
+    bounded(async {
+        let store = Arc::new(MemoryStore::new());
+        let prefix = "comm/lazy-secret#0/epoch/3";
+        let t = Duration::from_secs(2);
+        let mut w = join_all((0..3).map(|r| {
+            let secret: &[u8] = if r == 2 { b"wrong" } else { b"right" };
+            CpuBackend::connect(BackendInit {
+                links: LinkPolicy::Lazy,
+                ..init(&store, prefix, r, 3, secret, t)
+            })
+        }))
+        .await
+        .into_iter()
+        .map(|b| b.expect("creation opens no link"))
+        .collect::<Vec<_>>();
+        let start = Instant::now();
+        let res = join_all(w.iter_mut().enumerate().map(|(r, b)| async move {
+            b.execute(&ctx(r, 3, OpKind::Barrier, 0), &mut OpData::Barrier)
+                .await
+        }))
+        .await;
+        assert!(start.elapsed() < t * 2, "took {:?}", start.elapsed());
+        for (r, res) in res.into_iter().enumerate() {
+            match res {
+                Err(Error::Transport(e)) => {
+                    assert!(
+                        e.to_string().contains("proof") || e.to_string().contains("prove"),
+                        "rank {r}: {e}"
+                    )
+                }
+                Err(Error::PeerFailed { failed_ranks, .. }) if r < 2 => {
+                    assert!(failed_ranks.contains(&2), "rank {r}: {failed_ranks:?}")
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
     })
     .await;
 }

@@ -541,6 +541,8 @@ async fn data_link_from_an_older_epoch_is_rejected_at_the_handshake() {
         secret: Arc::from(&b"secret"[..]),
         connect_timeout: t,
         bind_ip: "127.0.0.1".parse().unwrap(),
+        // The handshake is what is tested: open the link at creation.
+        links: chorus::backends::LinkPolicy::Eager,
     };
     let start = Instant::now();
     let (new, old) = futures::join!(

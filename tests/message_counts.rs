@@ -16,8 +16,9 @@ use common::run_ranks_with;
 type Op = Box<dyn Fn(&Comm) + Send + Sync>;
 
 /// Messages every rank together sends for `op` with fingerprint checks,
-/// counted between thread barriers once a warm-up barrier has passed on
-/// every rank.
+/// counted between thread barriers once a warm-up run of `op` has passed on
+/// every rank (it opens the links the op needs, when links open on demand:
+/// opening a link is not a message of the op).
 fn messages(n: usize, name: &str, op: impl Fn(&Comm) + Send + Sync + 'static) -> usize {
     messages_with(n, name, Checks::Fingerprint, op)
 }
@@ -34,7 +35,7 @@ fn messages_with(
     let c = count.clone();
     let opts = move |_rank: usize, o: CommOptions| o.with_checks(checks);
     run_ranks_with(n, name, opts, move |comm| {
-        comm.barrier().expect("warm-up barrier");
+        op(&comm);
         sync.wait();
         let before = chorus::debug::data_messages_sent();
         sync.wait();

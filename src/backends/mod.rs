@@ -189,6 +189,58 @@ pub struct BackendInit {
     pub connect_timeout: Duration,
     /// IP address to listen on and advertise for data links.
     pub bind_ip: std::net::IpAddr,
+    /// When the data links open (backends with their own links).
+    pub links: LinkPolicy,
+}
+
+/// When a backend opens its data links to its peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LinkPolicy {
+    /// Every link at creation on small communicators, where the first
+    /// small op talks to every peer anyway (the `cpu` backend: up to 8
+    /// ranks), and on demand above that; `CHORUS_LINKS` (`eager`, `lazy`
+    /// or `auto`) overrides it.
+    #[default]
+    Auto,
+    /// Every link at creation: a full mesh, and a peer that cannot be
+    /// reached fails the creation.
+    Eager,
+    /// A link when an op first needs it: a rank holds links only to the
+    /// peers its algorithms talk to.
+    Lazy,
+}
+
+/// The environment variable that sets [`LinkPolicy::Auto`]'s choice.
+pub const LINKS_ENV: &str = "CHORUS_LINKS";
+
+impl LinkPolicy {
+    /// The policy for a communicator of `size` ranks: `self` unless it is
+    /// `Auto`, then [`LINKS_ENV`], then eager up to `eager_up_to` ranks.
+    ///
+    /// # Errors
+    /// `Config` when [`LINKS_ENV`] holds anything but `eager`, `lazy` or
+    /// `auto`.
+    pub fn resolve(self, size: usize, eager_up_to: usize) -> Result<LinkPolicy> {
+        if self != LinkPolicy::Auto {
+            return Ok(self);
+        }
+        let by_size = if size <= eager_up_to {
+            LinkPolicy::Eager
+        } else {
+            LinkPolicy::Lazy
+        };
+        match std::env::var(LINKS_ENV) {
+            Err(_) => Ok(by_size),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => Ok(by_size),
+                "eager" => Ok(LinkPolicy::Eager),
+                "lazy" => Ok(LinkPolicy::Lazy),
+                other => Err(Error::Config(format!(
+                    "{LINKS_ENV}={other:?}: expected eager, lazy or auto"
+                ))),
+            },
+        }
+    }
 }
 
 impl std::fmt::Debug for BackendInit {
@@ -200,6 +252,7 @@ impl std::fmt::Debug for BackendInit {
             .field("size", &self.size)
             .field("epoch", &self.epoch)
             .field("bind_ip", &self.bind_ip)
+            .field("links", &self.links)
             .finish_non_exhaustive()
     }
 }
@@ -729,6 +782,12 @@ pub struct TcpFallback {
     pub reason: String,
 }
 
+/// The same-host peers a backend reaches over TCP, shared between the
+/// backend, which appends as its links open, and
+/// [`Comm::health`](crate::Comm::health), which reads it. At most one entry
+/// per peer: O(N).
+pub type TcpFallbacks = Arc<std::sync::Mutex<Vec<TcpFallback>>>;
+
 /// The data plane of one communicator on one rank.
 ///
 /// Called only by the communicator's executor, one op at a time, in issue
@@ -825,10 +884,12 @@ pub trait Backend: Send {
 
     /// Same-host peers this rank reaches over TCP because shared memory
     /// could not be set up with them, and why (a ring file that could not
-    /// be created or mapped). Asked once, when the communicator starts; the
-    /// default is none. [`Comm::health`](crate::Comm::health) reports them.
-    fn tcp_fallbacks(&self) -> Vec<TcpFallback> {
-        Vec::new()
+    /// be created or mapped). Asked once, when the communicator starts, for
+    /// a list the backend appends to as its links open (they may open on
+    /// demand, after creation); the default stays empty.
+    /// [`Comm::health`](crate::Comm::health) reports them.
+    fn tcp_fallbacks(&self) -> TcpFallbacks {
+        TcpFallbacks::default()
     }
 
     /// What this backend can do beyond the ops ([BE-4]). Asked once, when the

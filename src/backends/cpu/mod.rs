@@ -69,7 +69,7 @@ use async_trait::async_trait;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tracing::Instrument;
 
-use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer, TcpFallback};
+use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::op::{OpKind, ReduceOp};
@@ -122,13 +122,8 @@ pub struct CpuBackend {
     rank: usize,
     size: usize,
     epoch: u64,
-    writers: Vec<Option<LinkWriter>>,
-    readers: Vec<Option<LinkReader>>,
-    /// Shared-memory rings of same-host peers (their TCP link then only
-    /// carries Abort frames and liveness).
-    shm: Vec<Option<ShmLink>>,
-    /// Same-host peers without rings, and why.
-    tcp_fallbacks: Vec<TcpFallback>,
+    /// The open links, and the pool that opens the others on demand.
+    links: Links,
     /// Reusable receive buffers for schedule steps.
     scratch: Vec<Vec<u8>>,
     /// Reusable Header frames, sent and received, one per peer of an op.
@@ -192,38 +187,31 @@ impl CpuBackend {
     /// or if a peer could not prove the job secret to this rank.
     pub async fn connect(init: BackendInit) -> Result<CpuBackend> {
         let span = tracing::debug_span!("cpu_connect", comm = %init.comm, rank = init.rank, size = init.size, epoch = init.epoch);
-        let link::Mesh { streams, hosts } = link::connect_mesh(&init).instrument(span).await?;
-        let mut writers = Vec::with_capacity(init.size);
-        let mut readers = Vec::with_capacity(init.size);
         let checksum = link::checksum_from_env();
-        for (peer, s) in streams.into_iter().enumerate() {
-            match s {
-                Some(stream) => {
-                    let (r, w) = link::split_link(peer, init.epoch, stream, checksum);
-                    readers.push(Some(r));
-                    writers.push(Some(w));
-                }
-                None => {
-                    readers.push(None);
-                    writers.push(None);
-                }
-            }
+        let policy = init.links.resolve(init.size, fused::FUSE_MAX_RANKS)?;
+        let pool = link::Pool::open(&init, checksum)
+            .instrument(span.clone())
+            .await?;
+        let mut links = Links {
+            rank: init.rank,
+            size: init.size,
+            writers: (0..init.size).map(|_| None).collect(),
+            readers: (0..init.size).map(|_| None).collect(),
+            shm: (0..init.size).map(|_| None).collect(),
+            fallbacks: Default::default(),
+            pool,
+            checksum,
+        };
+        if policy == super::LinkPolicy::Eager {
+            links.open_all().instrument(span).await?;
         }
         let windows = window::Windows::new(&init);
-        let (rings, tcp_fallbacks) =
-            link::setup_shm(&init, &hosts, &mut writers, &mut readers).await?;
-        let shm = rings
-            .into_iter()
-            .map(|p| p.map(|(tx, rx)| ShmLink { tx, rx, checksum }))
-            .collect();
         Ok(CpuBackend {
             comm: init.comm,
             rank: init.rank,
             size: init.size,
             epoch: init.epoch,
-            writers,
-            readers,
-            shm,
+            links,
             scratch: Vec::new(),
             out_frames: Vec::new(),
             in_frames: Vec::new(),
@@ -232,8 +220,17 @@ impl CpuBackend {
             state: State::Ready,
             windows,
             abort_mismatch: false,
-            tcp_fallbacks,
         })
+    }
+
+    /// The peers this rank holds a data link to, in rank order. Links open
+    /// when an op first needs them (unless the communicator opened every
+    /// link at creation, [`super::LinkPolicy`]), so after some ops this is
+    /// the set of peers their algorithms talked to.
+    pub fn linked_peers(&self) -> Vec<usize> {
+        (0..self.size)
+            .filter(|&p| self.links.writers[p].is_some())
+            .collect()
     }
 
     /// Run one hand-built [`Schedule`] over the links (what `execute` does
@@ -336,11 +333,22 @@ impl CpuBackend {
                 ctx.rank
             ))
         };
+        // Open the schedule's links first (links on demand), so that the
+        // plan knows which peers are shared-memory ones.
+        self.links
+            .ensure(
+                schedule
+                    .steps
+                    .iter()
+                    .flat_map(|s| s.transfers.iter())
+                    .filter_map(schedule::Transfer::peer),
+            )
+            .await?;
         // CPU-5: the local work between transfers (growing scratch, applying
         // staged receives, local copies) gives the runtime back too.
         let mut pace = Pacer::new();
         for (step_no, step) in schedule.steps.iter().enumerate() {
-            let shm = &self.shm;
+            let shm = &self.links.shm;
             let items = plan_step_with(
                 step,
                 self.rank,
@@ -450,16 +458,7 @@ impl CpuBackend {
                         Item::LocalCopy { .. } => {}
                     }
                 }
-                run_links(
-                    &mut self.writers,
-                    &mut self.readers,
-                    &self.shm,
-                    ctx,
-                    class,
-                    sends,
-                    recvs,
-                )
-                .await?;
+                run_links(&mut self.links, ctx, class, sends, recvs).await?;
             }
             // Apply staged receives and local copies in order (SC-2), a
             // piece at a time (CPU-5). Ranges were bounds-checked by
@@ -564,16 +563,7 @@ impl CpuBackend {
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
-        run_links(
-            &mut self.writers,
-            &mut self.readers,
-            &self.shm,
-            ctx,
-            FrameClass::P2P,
-            sends,
-            recvs,
-        )
-        .await
+        run_links(&mut self.links, ctx, FrameClass::P2P, sends, recvs).await
     }
 
     /// The header exchange, with this rank's data for each peer in the
@@ -660,16 +650,7 @@ impl CpuBackend {
                 ),
             );
         }
-        run_links(
-            &mut self.writers,
-            &mut self.readers,
-            &self.shm,
-            ctx,
-            class,
-            sends,
-            recvs,
-        )
-        .await?;
+        run_links(&mut self.links, ctx, class, sends, recvs).await?;
         let mut received = Vec::with_capacity(k);
         let mut peers = Vec::with_capacity(k);
         for ((peer, seq, _), frame) in outgoing.iter().zip(&self.in_frames) {
@@ -954,19 +935,134 @@ fn push_grouped<T>(groups: &mut Vec<(usize, Vec<T>)>, peer: usize, item: T) {
     }
 }
 
+/// This rank's open links by peer, and the pool that opens the others when
+/// an op first needs them (`link::pool`). O(N) slots per rank; an op whose
+/// links are open checks them in O(its peers), with no allocation.
+#[derive(Debug)]
+struct Links {
+    rank: usize,
+    size: usize,
+    writers: Vec<Option<LinkWriter>>,
+    readers: Vec<Option<LinkReader>>,
+    /// Shared-memory rings of same-host peers (their TCP link then only
+    /// carries Abort frames and liveness).
+    shm: Vec<Option<ShmLink>>,
+    /// Same-host peers without rings, and why (shared with
+    /// [`Backend::tcp_fallbacks`]' readers).
+    fallbacks: super::TcpFallbacks,
+    pool: link::Pool,
+    checksum: bool,
+}
+
+impl Links {
+    /// Open the links to `peers` that are not open yet (ranks out of range
+    /// and this rank's own are skipped; the transfers report them).
+    async fn ensure(&mut self, peers: impl Iterator<Item = usize> + Clone) -> Result<()> {
+        let (rank, size) = (self.rank, self.size);
+        let wanted = move |p: &usize| *p < size && *p != rank;
+        if peers
+            .clone()
+            .filter(wanted)
+            .all(|p| self.writers[p].is_some())
+        {
+            return Ok(());
+        }
+        let Links {
+            writers,
+            readers,
+            shm,
+            fallbacks,
+            pool,
+            checksum,
+            ..
+        } = self;
+        let checksum = *checksum;
+        pool.ensure(peers.filter(wanted), |p, l| {
+            install(writers, readers, shm, fallbacks, checksum, p, l)
+        })
+        .await
+    }
+
+    /// Open every link now (the eager policy).
+    async fn open_all(&mut self) -> Result<()> {
+        let Links {
+            writers,
+            readers,
+            shm,
+            fallbacks,
+            pool,
+            checksum,
+            ..
+        } = self;
+        let checksum = *checksum;
+        pool.open_all(|p, l| install(writers, readers, shm, fallbacks, checksum, p, l))
+            .await
+    }
+
+    /// Stop opening links, and take the ones that opened but no op took
+    /// yet, so that an abort reaches their peers too.
+    fn close(&mut self) {
+        for (p, l) in self.pool.close() {
+            install(
+                &mut self.writers,
+                &mut self.readers,
+                &mut self.shm,
+                &self.fallbacks,
+                self.checksum,
+                p,
+                l,
+            );
+        }
+    }
+}
+
+/// Put the opened link to `p` in its place among [`Links`]' fields.
+fn install(
+    writers: &mut [Option<LinkWriter>],
+    readers: &mut [Option<LinkReader>],
+    shm: &mut [Option<ShmLink>],
+    fallbacks: &super::TcpFallbacks,
+    checksum: bool,
+    p: usize,
+    l: link::pool::Link,
+) {
+    writers[p] = Some(l.writer);
+    readers[p] = Some(l.reader);
+    match l.rings {
+        Some(Ok((tx, rx))) => shm[p] = Some(ShmLink { tx, rx, checksum }),
+        Some(Err(f)) => fallbacks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(f),
+        None => {}
+    }
+}
+
 /// Run per-peer send and receive lists: shared-memory peers through the
 /// ring engine ([`shm_exec::run_shm`]), the others over TCP
 /// ([`run_transfers`]), both at once.
-#[allow(clippy::too_many_arguments)]
 async fn run_links<'a>(
-    writers: &'a mut [Option<LinkWriter>],
-    readers: &'a mut [Option<LinkReader>],
-    shm: &'a [Option<ShmLink>],
+    links: &'a mut Links,
     ctx: &'a OpCtx,
     class: FrameClass,
     sends: Vec<(usize, SendFrames<'a>)>,
     recvs: Vec<(usize, RecvFrames<'a>)>,
 ) -> Result<()> {
+    links
+        .ensure(
+            sends
+                .iter()
+                .map(|(p, _)| *p)
+                .chain(recvs.iter().map(|(p, _)| *p)),
+        )
+        .await?;
+    let Links {
+        writers,
+        readers,
+        shm,
+        ..
+    } = links;
+    let shm = &shm[..];
     let is_shm = |p: usize| shm.get(p).is_some_and(Option::is_some);
     let (shm_sends, tcp_sends): (Vec<_>, Vec<_>) = sends.into_iter().partition(|(p, _)| is_shm(*p));
     let (shm_recvs, tcp_recvs): (Vec<_>, Vec<_>) = recvs.into_iter().partition(|(p, _)| is_shm(*p));
@@ -1101,8 +1197,8 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn tcp_fallbacks(&self) -> Vec<TcpFallback> {
-        self.tcp_fallbacks.clone()
+    fn tcp_fallbacks(&self) -> super::TcpFallbacks {
+        self.links.fallbacks.clone()
     }
 
     fn capabilities(&self) -> crate::backends::Capabilities {
@@ -1166,8 +1262,21 @@ impl Backend for CpuBackend {
         let payload = link::encode_abort(reason, failed);
         tracing::debug!(comm = %self.comm, rank = self.rank, reason, ?failed, "aborting data links");
         let payload = &payload;
-        let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
-        let readers: Vec<LinkReader> = self.readers.iter_mut().filter_map(Option::take).collect();
+        // Links that opened but no op took yet: their peers may be waiting
+        // on them, so they hear of the abort too.
+        self.links.close();
+        let writers: Vec<LinkWriter> = self
+            .links
+            .writers
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
+        let readers: Vec<LinkReader> = self
+            .links
+            .readers
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
             if !w.mid_frame() {
                 let sent =
@@ -1197,12 +1306,18 @@ impl Backend for CpuBackend {
         }
         self.windows.close(true).await;
         self.state = State::Finalized;
-        let writers: Vec<LinkWriter> = self.writers.iter_mut().filter_map(Option::take).collect();
+        self.links.close();
+        let writers: Vec<LinkWriter> = self
+            .links
+            .writers
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
             let _ = tokio::time::timeout(ABORT_BOUND, w.shutdown()).await;
         }))
         .await;
-        self.readers.iter_mut().for_each(|r| drop(r.take()));
+        self.links.readers.iter_mut().for_each(|r| drop(r.take()));
     }
 }
 
@@ -1214,9 +1329,7 @@ impl CpuBackend {
         for (to, from) in builders::barrier_rounds(self.rank, self.size) {
             let mut none: [u8; 0] = [];
             run_links(
-                &mut self.writers,
-                &mut self.readers,
-                &self.shm,
+                &mut self.links,
                 ctx,
                 class,
                 vec![(to, vec![(FrameKind::Data, Tag::of(ctx), &[][..])])],
@@ -1264,16 +1377,7 @@ impl CpuBackend {
                 ));
             }
         }
-        run_links(
-            &mut self.writers,
-            &mut self.readers,
-            &self.shm,
-            ctx,
-            class_of(ctx),
-            sends,
-            recvs,
-        )
-        .await?;
+        run_links(&mut self.links, ctx, class_of(ctx), sends, recvs).await?;
         drop(plan);
         let got: Vec<&[u8]> = self.in_frames.iter().take(size).map(|f| &f[..]).collect();
         fused::apply(rank, size, data, &got, &mut self.fuse_scratch)?;

@@ -575,8 +575,11 @@ impl CpuBackend {
     async fn create_window(&mut self, ctx: &OpCtx, size: usize) -> Result<WindowDone> {
         let (me, n) = (self.rank, self.size);
         let id = self.windows.list.len() as u64;
+        // A window reaches every peer: open every link first, so that the
+        // same-host peers are known.
+        self.links.ensure(0..n).await?;
         let is_shm: Vec<bool> = (0..n)
-            .map(|p| self.shm.get(p).is_some_and(Option::is_some))
+            .map(|p| self.links.shm.get(p).is_some_and(Option::is_some))
             .collect();
         let len = data_offset(n)
             .checked_add(size)
@@ -783,6 +786,8 @@ async fn connect_pairs(
             let mut s = TcpStream::connect(addr)
                 .await
                 .map_err(|e| ctx.peer_failed(vec![peer], format!("window connect: {e}")))?;
+            // A window's connections are its own: the acceptor always
+            // takes them, so the verdict says nothing here.
             handshake::connect(auth, me, peer, epoch, &mut s).await?;
             Ok::<_, Error>((peer, s))
         });
@@ -796,7 +801,7 @@ async fn connect_pairs(
                 Ok((mut s, from)) => accepting.push(async move {
                     let r = tokio::time::timeout(
                         HANDSHAKE_BOUND,
-                        handshake::accept(auth, me, n, epoch, &mut s),
+                        handshake::accept(auth, me, n, epoch, &mut s, |_| true),
                     )
                     .await
                     .unwrap_or_else(|_| Err("window handshake timed out".into()));
@@ -809,10 +814,10 @@ async fn connect_pairs(
                 streams[peer] = Some(s);
             }
             Some((from, s, r)) = accepting.next(), if !accepting.is_empty() => match r {
-                Ok(peer) if peer > me && peer < n && streams[peer].is_none() => {
+                Ok((peer, _)) if peer > me && peer < n && streams[peer].is_none() => {
                     streams[peer] = Some(s);
                 }
-                Ok(peer) => tracing::warn!(%from, peer, "unexpected window connection refused"),
+                Ok((peer, _)) => tracing::warn!(%from, peer, "unexpected window connection refused"),
                 Err(detail) => tracing::warn!(%from, %detail, "window connection with a bad handshake refused"),
             },
         }

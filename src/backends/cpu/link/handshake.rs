@@ -1,13 +1,14 @@
 //! The data-link handshake: proving the job secret in both directions, with a
 //! fresh nonce from each side, before a TCP connection carries frames.
 //!
-//! Three messages, each a [`PREAMBLE_LEN`]-byte preamble (magic `b"CHLK"`,
+//! Four messages, each a [`PREAMBLE_LEN`]-byte preamble (magic `b"CHLK"`,
 //! protocol version `u16`, body length `u16`, little endian) followed by a
 //! validated rkyv archive of one [`LinkMsg`]:
 //!
 //! 1. connector → acceptor, `Hello { from, to, epoch, nonce_c, mac_h }`
 //! 2. acceptor → connector, `Answer { from, to, epoch, nonce_a, mac_a }`
 //! 3. connector → acceptor, `Confirm { mac_c }`
+//! 4. acceptor → connector, `Verdict { take }`
 //!
 //! with, for a job-secret key `K` and the communicator's store prefix `P`
 //! (length-prefixed), `c` the connector and `a` the acceptor:
@@ -21,6 +22,12 @@
 //! nonce). A recorded hello replayed to an acceptor therefore gets an answer
 //! but never a valid confirm, and a reflected message never verifies because
 //! each step signs under its own label.
+//!
+//! Links open on demand ([`pool`](super::pool)), so both ranks of a pair
+//! may dial each other at once. The verdict settles which connection the
+//! pair keeps: the acceptor decides once the confirm verified (its caller's
+//! `decide`), and a connection whose verdict is `take = false` is closed
+//! without carrying a frame.
 //!
 //! # Invariants
 //! - LK-5: the decoders never panic and never allocate more than
@@ -41,7 +48,7 @@ use crate::transport::TransportError;
 /// Magic that opens every handshake message.
 const MAGIC: [u8; 4] = *b"CHLK";
 /// Version of the data-link protocol (frames and handshake).
-pub(crate) const LINK_VERSION: u16 = 2;
+pub(crate) const LINK_VERSION: u16 = 3;
 /// Size of the preamble before each handshake body.
 pub(crate) const PREAMBLE_LEN: usize = 8;
 /// Largest handshake body accepted ([LK-5](self#invariants)).
@@ -80,6 +87,9 @@ mod messages {
         },
         /// The connector's proof over the acceptor's nonce.
         Confirm { mac: [u8; 32] },
+        /// Whether the acceptor keeps this connection as the pair's link
+        /// (`false`: the pair keeps the one the acceptor dialed).
+        Verdict { take: bool },
     }
 }
 pub(crate) use messages::LinkMsg;
@@ -244,7 +254,8 @@ fn auth_failed(peer: impl std::fmt::Display, detail: impl Into<String>) -> Error
     })
 }
 
-/// Connector side: prove the secret to `peer` and check its proof.
+/// Connector side: prove the secret to `peer` and check its proof; `true`
+/// when the peer keeps this connection as the pair's link (its verdict).
 ///
 /// # Errors
 /// `Transport(AuthFailed)` when the peer does not answer with a valid proof
@@ -255,7 +266,7 @@ pub(crate) async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
     peer: usize,
     epoch: u64,
     stream: &mut S,
-) -> Result<()> {
+) -> Result<bool> {
     connect_attempt(auth, me, peer, epoch, stream)
         .await
         .map_err(|r| r.error)
@@ -279,7 +290,7 @@ pub(crate) async fn connect_attempt<S: AsyncRead + AsyncWrite + Unpin>(
     peer: usize,
     epoch: u64,
     stream: &mut S,
-) -> std::result::Result<(), Refusal> {
+) -> std::result::Result<bool, Refusal> {
     let failed = |error: Error| Refusal {
         error,
         unanswered: false,
@@ -340,19 +351,30 @@ pub(crate) async fn connect_attempt<S: AsyncRead + AsyncWrite + Unpin>(
     };
     write_msg(stream, &confirm)
         .await
-        .map_err(|d| failed(auth_failed(&who, d)))
+        .map_err(|d| failed(auth_failed(&who, d)))?;
+    match read_msg(stream).await {
+        Ok(LinkMsg::Verdict { take }) => Ok(take),
+        Ok(_) => Err(failed(auth_failed(&who, "expected a verdict on our link"))),
+        Err(d) => Err(failed(auth_failed(
+            &who,
+            format!("{d}; rank {peer} closed the link before its verdict"),
+        ))),
+    }
 }
 
 /// Acceptor side: run the whole handshake on an accepted connection.
-/// Returns the connector's rank once its confirm verified
-/// ([LK-6](self#invariants)), or why the connection is refused.
+/// Once the connector's confirm verified ([LK-6](self#invariants)),
+/// `decide(rank)` says whether this connection becomes the pair's link,
+/// and the verdict is sent. Returns the connector's rank and the verdict,
+/// or why the connection is refused.
 pub(crate) async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     auth: &Auth,
     me: usize,
     size: usize,
     epoch: u64,
     stream: &mut S,
-) -> std::result::Result<usize, String> {
+    decide: impl FnOnce(usize) -> bool,
+) -> std::result::Result<(usize, bool), String> {
     let a = rank32(me).map_err(|e| e.to_string())?;
     let LinkMsg::Hello {
         from: c,
@@ -365,7 +387,7 @@ pub(crate) async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         return Err("first message is not a hello".into());
     };
     let from = c as usize;
-    if to != a || from <= me || from >= size || e != epoch {
+    if to != a || from == me || from >= size || e != epoch {
         return Err(format!(
             "hello from rank {from} to rank {to} for epoch {e} does not fit this rank {me} of {size}, epoch {epoch}"
         ));
@@ -396,7 +418,9 @@ pub(crate) async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
             "claimed rank {from} could not prove the job secret over our nonce (a replayed hello?)"
         ));
     }
-    Ok(from)
+    let take = decide(from);
+    write_msg(stream, &LinkMsg::Verdict { take }).await?;
+    Ok((from, take))
 }
 
 #[cfg(test)]
@@ -435,7 +459,7 @@ mod tests {
         assert!(decode_msg(b"GET / HTTP/1.1\r\n")
             .unwrap_err()
             .contains("magic"));
-        let mut big = *b"CHLK\x02\x00\xff\xff";
+        let mut big = *b"CHLK\x03\x00\xff\xff";
         assert!(check_preamble(&big).unwrap_err().contains("exceeds"));
         big[6] = 0;
         big[7] = 0;
@@ -450,11 +474,21 @@ mod tests {
         let (c, a) = rt.block_on(async {
             tokio::join!(
                 connect(&auth, 2, 0, 5, &mut x),
-                accept(&auth, 0, 4, 5, &mut y)
+                accept(&auth, 0, 4, 5, &mut y, |_| true)
             )
         });
-        c.unwrap();
-        assert_eq!(a.unwrap(), 2);
+        assert!(c.unwrap(), "the acceptor took the link");
+        assert_eq!(a.unwrap(), (2, true));
+        // A lower rank may dial too, and the verdict reaches the connector.
+        let (mut x, mut y) = tokio::io::duplex(4096);
+        let (c, a) = rt.block_on(async {
+            tokio::join!(
+                connect(&auth, 1, 3, 5, &mut x),
+                accept(&auth, 3, 4, 5, &mut y, |from| from > 3)
+            )
+        });
+        assert!(!c.unwrap(), "the acceptor declined the link");
+        assert_eq!(a.unwrap(), (1, false));
     }
 
     #[test]
@@ -465,7 +499,7 @@ mod tests {
         let bad = Auth::new(b"guess", "p");
         let (c, a) = rt.block_on(async {
             let acc = async {
-                let r = accept(&good, 0, 2, 0, &mut y).await;
+                let r = accept(&good, 0, 2, 0, &mut y, |_| true).await;
                 drop(y);
                 r
             };
@@ -481,7 +515,7 @@ mod tests {
         let other = Auth::new(b"secret", "q");
         let a = rt.block_on(async {
             let acc = async {
-                let r = accept(&good, 0, 2, 0, &mut y).await;
+                let r = accept(&good, 0, 2, 0, &mut y, |_| true).await;
                 drop(y);
                 r
             };
@@ -506,7 +540,7 @@ mod tests {
         let other = Auth::new(b"other", "p");
         let r = rt.block_on(async {
             let acc = async {
-                let r = accept(&other, 0, 2, 0, &mut y).await;
+                let r = accept(&other, 0, 2, 0, &mut y, |_| true).await;
                 drop(y);
                 r
             };
@@ -571,7 +605,7 @@ mod tests {
                 assert!(matches!(answer, LinkMsg::Answer { nonce, .. } if nonce != recorded.a));
                 write_msg(&mut x, &old_confirm).await.unwrap();
             };
-            tokio::join!(replay, accept(&auth, 0, 2, epoch, &mut y)).1
+            tokio::join!(replay, accept(&auth, 0, 2, epoch, &mut y, |_| true)).1
         });
         assert!(
             r.unwrap_err().contains("replayed"),
