@@ -1149,6 +1149,28 @@ fn small_ops_on_4096_ranks_send_o_n_log_n_messages_and_are_right() {
     let want = reduced(N, 1, ReduceOp::Sum);
     assert!(out.iter().all(|o| o == &want));
 
+    // The cpu backend opens a link when a schedule first names its peer, so
+    // a rank's links after a barrier, an 8 B and a 1 MiB all_reduce are the
+    // distinct peers of those schedules: O(log N), not N - 1.
+    let most_links = (0..N)
+        .map(|r| {
+            let mut peers: std::collections::BTreeSet<usize> = [
+                all_reduce_auto(r, N, 1, 8),
+                all_reduce_auto(r, N, 1 << 17, 8),
+            ]
+            .iter()
+            .flat_map(|s| s.transfers().filter_map(Transfer::peer).collect::<Vec<_>>())
+            .collect();
+            peers.extend(barrier_rounds(r, N).into_iter().flat_map(|(a, b)| [a, b]));
+            peers.len()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        most_links <= 3 * log,
+        "{most_links} links on one rank after three small ops on {N} ranks"
+    );
+
     let root = 1234;
     let scheds: Vec<Schedule> = (0..N).map(|r| reduce_tree(r, N, 1, root)).collect();
     let (total, most) = count_sends(&scheds);
