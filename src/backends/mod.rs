@@ -7,7 +7,7 @@
 //!
 //! | name  | feature | needs | notes |
 //! |-------|---------|-------|-------|
-//! | `cpu` | always  | nothing | TCP links between every pair of ranks; ring, tree and pairwise schedules |
+//! | `cpu` | always  | nothing | TCP links between the ranks that talk (opened on demand above 8 ranks), shared memory on one host; ring, tree and pairwise schedules |
 //! | `nccl` | `nccl` | libnccl.so(.2) + libcudart.so(.12 or .13) at run time, a CUDA device | device tensors in place; host tensors staged through device memory |
 //! | `rccl` | `rccl` | librccl.so + libamdhip64.so at run time, a ROCm device | same layer as `nccl` (module `xccl`) |
 //! | `gloo` | `gloo` | Debian `libgloo-dev` at build time | C++ shim over Gloo's TCP transport |

@@ -1,7 +1,10 @@
 //! The `cpu` backend: Chorus's own data plane, built in and the default.
 //!
-//! Every pair of ranks shares one authenticated TCP link (see the `link` module for
-//! setup and the frame format). Peers on the same host (equal host ids in the
+//! Every pair of ranks that talks shares one authenticated TCP link, opened
+//! when an op first needs it, or for every pair at creation on small
+//! communicators ([`super::LinkPolicy`]; see the `link` module for the link
+//! pool, setup and the frame format). Every op opens its peers' links
+//! before it moves a byte. Peers on the same host (equal host ids in the
 //! store) additionally get a pair of shared-memory rings (`shm`), which then
 //! carry every header and data frame; their TCP link only carries Abort
 //! frames and tells the ring engine (`shm_exec`) when the peer is gone. A
@@ -178,13 +181,16 @@ type RecvFrames<'a> = Vec<(FrameKind, Tag, RecvInto<'a>)>;
 type BoxFut<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
 
 impl CpuBackend {
-    /// Connect to every peer through the store (see the `link` module for the
-    /// handshake).
+    /// Bootstrap this rank's data links through the store, and, under the
+    /// eager [`super::LinkPolicy`] (by default up to 8 ranks), open a link
+    /// to every peer (see the `link` module for the pool and the
+    /// handshake). Under the lazy policy links open as ops need them.
     ///
     /// # Errors
-    /// `PeerFailed` naming the ranks that did not connect within
-    /// `init.connect_timeout`; `Transport` if the store fails or times out,
-    /// or if a peer could not prove the job secret to this rank.
+    /// `PeerFailed` naming the ranks that did not publish their address (or,
+    /// eager, did not connect) within `init.connect_timeout`; `Transport` if
+    /// the store fails or times out, or, eager, if a peer could not prove
+    /// the job secret to this rank; `Config` for a malformed `CHORUS_LINKS`.
     pub async fn connect(init: BackendInit) -> Result<CpuBackend> {
         let span = tracing::debug_span!("cpu_connect", comm = %init.comm, rank = init.rank, size = init.size, epoch = init.epoch);
         let checksum = link::checksum_from_env();

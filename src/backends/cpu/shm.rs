@@ -4,7 +4,7 @@
 //! single-consumer byte ring. The receiver creates the segment (a `0600`
 //! file under `/dev/shm` named by [`ring_file_name`]: a random tag and the
 //! creator's pid; unlinked as soon as both ends mapped it, and on every
-//! error path), the sender maps it; see `link::setup_shm` for the exchange,
+//! error path), the sender maps it; see `link::setup::shm_pair` for the exchange,
 //! which runs over the authenticated TCP link (so only a peer that proved
 //! the job secret learns the name). A process killed between creating and
 //! unlinking (SIGKILL, or a signal with no handler) leaves its file behind;
