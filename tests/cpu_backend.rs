@@ -607,6 +607,12 @@ async fn wrong_secret_on_one_rank_fails_setup_with_an_error_not_a_hang() {
                 Err(Error::PeerFailed { failed_ranks, .. }) if r < 2 => {
                     assert_eq!(failed_ranks, vec![2])
                 }
+                // A good rank that dials rank 2 before it gave up hears
+                // that rank 2 rejected its proof: it names rank 2 too.
+                Err(Error::Transport(chorus::transport::TransportError::AuthFailed {
+                    peer,
+                    ..
+                })) if r < 2 => assert!(peer.contains("rank 2"), "rank {r}: {peer}"),
                 Err(Error::Transport(_)) if r == 2 => {}
                 other => panic!("rank {r}: {other:?}"),
             }
@@ -634,6 +640,51 @@ async fn missing_rank_times_out_as_a_peer_failure_naming_it() {
             }
         }
         assert!(start.elapsed() < Duration::from_secs(3));
+    })
+    .await;
+}
+
+/// A rank that dies after publishing its address, while the others open
+/// their links to it at creation (eager): its listener is gone, so every
+/// other rank names it at once, not after `connect_timeout`. The test plays
+/// the dead rank: a record whose listener is closed.
+#[tokio::test]
+async fn a_rank_dead_after_publishing_is_named_at_once_not_after_the_timeout() {
+    bounded(async {
+        let store = Arc::new(MemoryStore::new());
+        let prefix = "comm/dead-after-record#0/epoch/3";
+        let t = Duration::from_secs(20);
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        store
+            .set(
+                &format!("{prefix}/cpu/rank/2"),
+                format!("{addr}\n").into_bytes(),
+            )
+            .await
+            .unwrap();
+        let start = Instant::now();
+        let res = join_all((0..2).map(|r| {
+            CpuBackend::connect(BackendInit {
+                links: LinkPolicy::Eager,
+                ..init(&store, prefix, r, 3, b"s", t)
+            })
+        }))
+        .await;
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            start.elapsed()
+        );
+        for (r, res) in res.into_iter().enumerate() {
+            match res {
+                Err(Error::PeerFailed { failed_ranks, .. }) => {
+                    assert_eq!(failed_ranks, vec![2], "rank {r}")
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
     })
     .await;
 }

@@ -51,6 +51,10 @@ use crate::backends::{BackendInit, OpCtx};
 use crate::error::{Error, Result};
 use crate::transport::TransportError;
 
+/// How long a lower rank waits at creation (eager links) for a higher
+/// rank's dial before it dials that rank itself (see [`Pool::open_all`]).
+const LOWER_DIAL_GRACE: Duration = Duration::from_millis(500);
+
 /// One open link: its TCP halves and, for a same-host pair, its rings (or
 /// why the pair uses TCP).
 pub(crate) struct Link {
@@ -486,13 +490,18 @@ impl Pool {
         peers: impl Iterator<Item = usize> + Clone,
         put: impl FnMut(usize, Link),
     ) -> Result<()> {
-        let deadline = Instant::now() + self.shared.timeout;
-        self.ensure_with(peers, deadline, |_| true, put).await
+        let now = Instant::now();
+        self.ensure_with(peers, now + self.shared.timeout, |_| now, put)
+            .await
     }
 
     /// Open every link, as a full mesh, right after [`Pool::open`] (the
-    /// eager policy): every rank is bootstrapping too, so the higher rank
-    /// of each pair dials and the lower one waits for it.
+    /// eager policy). Every rank is bootstrapping too, so the higher rank
+    /// of each pair dials at once and the lower one waits for it; a lower
+    /// rank whose peer has not dialed within [`LOWER_DIAL_GRACE`] (or a
+    /// quarter of `connect_timeout`, if less) dials it itself. A peer that
+    /// died after it published its record refuses that dial, so every rank
+    /// names it within the grace instead of waiting out `connect_timeout`.
     ///
     /// # Errors
     /// As [`Pool::ensure`]; also `Transport(AuthFailed)` for a peer with
@@ -501,7 +510,9 @@ impl Pool {
         let start = Instant::now();
         let me = self.shared.me;
         let deadline = start + self.shared.timeout + SETUP_GRACE;
-        self.ensure_with(0..self.shared.size, deadline, |p| p < me, put)
+        let grace = (self.shared.timeout / 4).min(LOWER_DIAL_GRACE);
+        let dial_from = |p: usize| if p < me { start } else { start + grace };
+        self.ensure_with(0..self.shared.size, deadline, dial_from, put)
             .await?;
         tracing::debug!(rank = me, size = self.shared.size, elapsed = ?start.elapsed(), "data-link mesh connected");
         Ok(())
@@ -511,7 +522,7 @@ impl Pool {
         &self,
         peers: impl Iterator<Item = usize> + Clone,
         deadline: Instant,
-        may_dial: impl Fn(usize) -> bool,
+        dial_from: impl Fn(usize) -> Instant,
         mut put: impl FnMut(usize, Link),
     ) -> Result<()> {
         let shared = &self.shared;
@@ -526,6 +537,9 @@ impl Pool {
             changed.as_mut().enable();
             let mut failed = None;
             let mut dial = Vec::new();
+            // The earliest time a peer not dialed yet is due.
+            let mut next_dial: Option<Instant> = None;
+            let now = Instant::now();
             {
                 let mut slots = lock(&shared.slots);
                 waiting.retain(|&p| {
@@ -538,9 +552,14 @@ impl Pool {
                             false
                         }
                         Slot::Taken => false,
-                        Slot::Absent if may_dial(p) => {
-                            *slot = Slot::Dialing;
-                            dial.push(p);
+                        Slot::Absent => {
+                            let due = dial_from(p);
+                            if due <= now {
+                                *slot = Slot::Dialing;
+                                dial.push(p);
+                            } else {
+                                next_dial = Some(next_dial.map_or(due, |n| n.min(due)));
+                            }
                             true
                         }
                         Slot::Failed(e) => {
@@ -561,8 +580,10 @@ impl Pool {
             if waiting.is_empty() {
                 return Ok(());
             }
+            let due = tokio::time::sleep_until(next_dial.unwrap_or(deadline));
             tokio::select! {
                 _ = &mut changed => {}
+                _ = due, if next_dial.is_some() => {}
                 _ = &mut expire => {
                     if let Some(e) = lock(&shared.out_of_fds).clone() {
                         return Err(Error::Config(format!(
