@@ -973,74 +973,51 @@ impl Links {
         {
             return Ok(());
         }
-        let Links {
-            writers,
-            readers,
-            shm,
-            fallbacks,
-            pool,
-            checksum,
-            ..
-        } = self;
-        let checksum = *checksum;
-        pool.ensure(peers.filter(wanted), |p, l| {
-            install(writers, readers, shm, fallbacks, checksum, p, l)
-        })
-        .await
+        let (pool, install) = self.split();
+        pool.ensure(peers.filter(wanted), install).await
     }
 
     /// Open every link now (the eager policy).
     async fn open_all(&mut self) -> Result<()> {
-        let Links {
-            writers,
-            readers,
-            shm,
-            fallbacks,
-            pool,
-            checksum,
-            ..
-        } = self;
-        let checksum = *checksum;
-        pool.open_all(|p, l| install(writers, readers, shm, fallbacks, checksum, p, l))
-            .await
+        let (pool, install) = self.split();
+        pool.open_all(install).await
     }
 
     /// Stop opening links, and take the ones that opened but no op took
     /// yet, so that an abort reaches their peers too.
     fn close(&mut self) {
-        for (p, l) in self.pool.close() {
-            install(
-                &mut self.writers,
-                &mut self.readers,
-                &mut self.shm,
-                &self.fallbacks,
-                self.checksum,
-                p,
-                l,
-            );
+        let (pool, mut install) = self.split();
+        for (p, l) in pool.close() {
+            install(p, l);
         }
     }
-}
 
-/// Put the opened link to `p` in its place among [`Links`]' fields.
-fn install(
-    writers: &mut [Option<LinkWriter>],
-    readers: &mut [Option<LinkReader>],
-    shm: &mut [Option<ShmLink>],
-    fallbacks: &super::TcpFallbacks,
-    checksum: bool,
-    p: usize,
-    l: link::pool::Link,
-) {
-    writers[p] = Some(l.writer);
-    readers[p] = Some(l.reader);
-    match l.rings {
-        Some(Ok((tx, rx))) => shm[p] = Some(ShmLink { tx, rx, checksum }),
-        Some(Err(f)) => fallbacks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(f),
-        None => {}
+    /// The pool, and what puts a link it opened in its place among the
+    /// other fields.
+    fn split(&mut self) -> (&link::Pool, impl FnMut(usize, link::pool::Link) + '_) {
+        let Links {
+            writers,
+            readers,
+            shm,
+            fallbacks,
+            pool,
+            checksum,
+            ..
+        } = self;
+        let checksum = *checksum;
+        let install = move |p: usize, l: link::pool::Link| {
+            writers[p] = Some(l.writer);
+            readers[p] = Some(l.reader);
+            match l.rings {
+                Some(Ok((tx, rx))) => shm[p] = Some(ShmLink { tx, rx, checksum }),
+                Some(Err(f)) => fallbacks
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(f),
+                None => {}
+            }
+        };
+        (&*pool, install)
     }
 }
 

@@ -229,26 +229,7 @@ pub(crate) async fn shm_pair(
     } else {
         Vec::new()
     };
-    let mut theirs = Vec::new();
-    let (sent, got) = futures::future::join(
-        w.send(
-            ctx,
-            FrameKind::Header,
-            FrameClass::Collective,
-            Tag::seq(SHM_SETUP_SEQ),
-            &offer,
-        ),
-        r.recv(
-            ctx,
-            FrameKind::Header,
-            FrameClass::Collective,
-            Tag::seq(SHM_SETUP_SEQ),
-            RecvInto::Bounded(&mut theirs, 4096),
-        ),
-    )
-    .await;
-    sent?;
-    got?;
+    let theirs = swap(ctx, w, r, &offer, 4096).await?;
     let offered = String::from_utf8(theirs)
         .ok()
         .filter(|p| p.starts_with(&format!("{SHM_DIR}/{}", shm::FILE_PREFIX)) && !p.contains(".."));
@@ -312,26 +293,7 @@ pub(crate) async fn shm_pair(
             // One more empty frame each way: when it arrives, the peer has
             // probed too, so this rank's first large send already knows
             // whether it may use the single-copy path.
-            let mut done = Vec::new();
-            let (sent, got) = futures::future::join(
-                w.send(
-                    ctx,
-                    FrameKind::Header,
-                    FrameClass::Collective,
-                    Tag::seq(SHM_SETUP_SEQ),
-                    &[],
-                ),
-                r.recv(
-                    ctx,
-                    FrameKind::Header,
-                    FrameClass::Collective,
-                    Tag::seq(SHM_SETUP_SEQ),
-                    RecvInto::Bounded(&mut done, 0),
-                ),
-            )
-            .await;
-            sent?;
-            got?;
+            swap(ctx, w, r, &[], 0).await?;
             tracing::debug!(peer, cma, "shared-memory link");
             Ok((o, rx))
         }
@@ -348,6 +310,38 @@ pub(crate) async fn shm_pair(
             Err(f)
         }
     })
+}
+
+/// One ring-setup frame each way over the pair's link: send `out`, and
+/// return what the peer sent (at most `bound` bytes).
+async fn swap(
+    ctx: &OpCtx,
+    w: &mut LinkWriter,
+    r: &mut LinkReader,
+    out: &[u8],
+    bound: u64,
+) -> Result<Vec<u8>> {
+    let mut theirs = Vec::new();
+    let (sent, got) = futures::future::join(
+        w.send(
+            ctx,
+            FrameKind::Header,
+            FrameClass::Collective,
+            Tag::seq(SHM_SETUP_SEQ),
+            out,
+        ),
+        r.recv(
+            ctx,
+            FrameKind::Header,
+            FrameClass::Collective,
+            Tag::seq(SHM_SETUP_SEQ),
+            RecvInto::Bounded(&mut theirs, bound),
+        ),
+    )
+    .await;
+    sent?;
+    got?;
+    Ok(theirs)
 }
 
 /// The context of the frames of a ring setup ([`shm_pair`]) of
