@@ -24,7 +24,9 @@
 //!   own dialing state, is the only place a connection becomes a link.
 //! - LK-14: opening a link never waits for the peer's program: dials are
 //!   answered by the peer's background acceptor; a rank told no waits only
-//!   for the peer's dial already under way. Every wait ends by
+//!   for the peer's dial already under way (and at eager creation, where
+//!   every rank is bootstrapping, a lower rank gives a higher one
+//!   [`LOWER_DIAL_GRACE`] to dial first). Every wait ends by
 //!   `connect_timeout` with `PeerFailed` naming the peers whose links did
 //!   not open (LK-2).
 //! - LK-15: memory is one slot per rank, O(N) per rank; an op whose links
