@@ -84,6 +84,18 @@ enum Slot {
     Failed(Error),
 }
 
+/// LK-13: whether rank `me`, whose link to `from` stands at `slot`, keeps
+/// a verified connection dialed by `from`: yes when it has no link and is
+/// not dialing (or was told no and waits for this very dial), and, when it
+/// is dialing `from` itself, only if `from` is the higher rank.
+fn verdict(slot: &Slot, from: usize, me: usize) -> bool {
+    match slot {
+        Slot::Absent | Slot::Awaiting => true,
+        Slot::Dialing => from > me,
+        Slot::Opening | Slot::Ready(_) | Slot::Taken | Slot::Failed(_) => false,
+    }
+}
+
 /// What every rank published at bootstrap (LK-11).
 struct Records {
     addrs: Vec<SocketAddr>,
@@ -124,11 +136,7 @@ impl Shared {
         let Some(slot) = slots.get_mut(from) else {
             return false;
         };
-        let take = match slot {
-            Slot::Absent | Slot::Awaiting => true,
-            Slot::Dialing => from > self.me,
-            _ => false,
-        };
+        let take = verdict(slot, from, self.me);
         if take {
             *slot = Slot::Opening;
         }
@@ -632,6 +640,45 @@ impl Pool {
     fn stop(&self) {
         for t in lock(&self.shared.tasks).drain(..) {
             t.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks that dial each other at once each run the other's dial
+    /// through `verdict` while their own slot says `Dialing`: exactly one
+    /// of the two connections is kept, the higher rank's, on both sides;
+    /// the lower rank's own dial then comes back `false` and it waits
+    /// (`Awaiting`), which still takes the higher rank's dial.
+    #[test]
+    fn lk13_crossing_dials_keep_exactly_the_higher_ranks_connection() {
+        for (a, b) in [(0usize, 1usize), (3, 7), (9, 2)] {
+            // a's acceptor judges b's dial; b's acceptor judges a's.
+            let a_takes = verdict(&Slot::Dialing, b, a);
+            let b_takes = verdict(&Slot::Dialing, a, b);
+            assert!(a_takes ^ b_takes, "{a} and {b}: exactly one dial kept");
+            assert_eq!(a_takes, b > a, "{a} and {b}: the higher rank's dial");
+            let (lower, higher) = (a.min(b), a.max(b));
+            assert!(verdict(&Slot::Awaiting, higher, lower));
+        }
+    }
+
+    /// A dial to a rank that is not dialing is kept; one to a rank that
+    /// already has or is opening a link, or whose link failed, is not.
+    #[test]
+    fn lk13_a_single_dial_is_kept_and_a_second_link_never_is() {
+        assert!(verdict(&Slot::Absent, 0, 5));
+        assert!(verdict(&Slot::Absent, 9, 5));
+        for slot in [
+            Slot::Opening,
+            Slot::Taken,
+            Slot::Failed(Error::Internal("x".into())),
+        ] {
+            assert!(!verdict(&slot, 0, 5));
+            assert!(!verdict(&slot, 9, 5));
         }
     }
 }
