@@ -134,6 +134,10 @@ pub(crate) struct Shared {
     /// A split's parent, kept alive (not finalized by its handles' drop)
     /// while this child lives.
     pub(crate) _parent: Option<Arc<Shared>>,
+    /// The epoch a `reconfigure` of this communicator formed but could not
+    /// start (a member died while it connected): the next `reconfigure`
+    /// goes on from it (EL-7).
+    pub(crate) unstarted: std::sync::Mutex<Option<crate::elastic::Unstarted>>,
 }
 
 /// A `Duration` that can be changed in place (nanoseconds, saturating).

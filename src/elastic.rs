@@ -34,6 +34,14 @@
 //!   between slices (the coordinator may be among them). At the deadline
 //!   every rank closes. So an open membership costs the store O(N)
 //!   requests per 20 ms, not O(N²).
+//! - EL-7: an epoch whose membership closed but whose start failed on a
+//!   rank (a member died while the epoch connected) is failed like any
+//!   epoch: that rank publishes the epoch's failure notice (the first one
+//!   wins), in the epoch's own numbering, and its next `reconfigure` goes
+//!   on from that epoch as its member, as ranks whose start succeeded do
+//!   once their first op fails. So every rank forms the following epoch
+//!   from one numbering, and a retry never meets the same closed
+//!   membership again.
 
 use std::net::IpAddr;
 use std::sync::atomic::Ordering;
@@ -170,6 +178,18 @@ pub struct RankMap {
     pub old_to_new: Vec<Option<usize>>,
     /// New ranks of the joiners, in ticket order.
     pub joined: Vec<usize>,
+}
+
+/// An epoch this rank is a member of but could not start (EL-7): where it
+/// stands in it, and how the caller's ranks map into it.
+#[derive(Debug, Clone)]
+pub(crate) struct Unstarted {
+    epoch: u64,
+    rank: usize,
+    size: usize,
+    /// `from_caller[old rank of the handle's communicator]`: its rank in
+    /// `epoch`.
+    from_caller: Vec<Option<usize>>,
 }
 
 /// The membership decision of one epoch.
@@ -774,19 +794,28 @@ impl Comm {
 
     /// The ranks known to have failed in this epoch: the published failure
     /// notice (what every rank agreed on, WD-2), else this rank's own view.
-    /// Sorted, deduplicated, in range.
-    async fn known_failed(&self) -> Vec<usize> {
+    /// Sorted, deduplicated, in range. For an epoch this rank could not
+    /// start (EL-7), that epoch's notice.
+    async fn known_failed(&self, unstarted: Option<&Unstarted>) -> Vec<usize> {
         let store = &self.shared.ctx.store;
-        let mut failed: Vec<usize> = match store.get(&notice_key(&self.shared.key_prefix)).await {
-            Ok(Some(raw)) => Notice::parse(&raw, self.epoch())
+        let (prefix, epoch, size) = match unstarted {
+            Some(u) => (
+                epoch_prefix(&self.shared.ctx.base, u.epoch),
+                u.epoch,
+                u.size,
+            ),
+            None => (self.shared.key_prefix.clone(), self.epoch(), self.size()),
+        };
+        let mut failed: Vec<usize> = match store.get(&notice_key(&prefix)).await {
+            Ok(Some(raw)) => Notice::parse(&raw, epoch)
                 .map(|n| n.failed_ranks)
                 .unwrap_or_default(),
             _ => vec![],
         };
-        if failed.is_empty() {
+        if failed.is_empty() && unstarted.is_none() {
             failed = self.health().failed_ranks;
         }
-        failed.retain(|&r| r < self.size());
+        failed.retain(|&r| r < size);
         failed.sort_unstable();
         failed.dedup();
         failed
@@ -795,7 +824,19 @@ impl Comm {
     async fn reconfigure_inner(&self, opts: ReconfigureOptions) -> Result<(Comm, RankMap)> {
         let ctx = self.shared.ctx.clone();
         let store = ctx.store.clone();
-        let (me, n, old_epoch) = (self.rank(), self.size(), self.epoch());
+        // EL-7: go on from an epoch a previous attempt formed but could not
+        // start, as its member.
+        let unstarted = self
+            .shared
+            .unstarted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let unstarted = unstarted.as_ref();
+        let (me, n, old_epoch) = match unstarted {
+            Some(u) => (u.rank, u.size, u.epoch),
+            None => (self.rank(), self.size(), self.epoch()),
+        };
         let next = old_epoch + 1;
         let prefix = epoch_prefix(&ctx.base, next);
         let excluded = || Error::Excluded {
@@ -805,7 +846,7 @@ impl Comm {
                 "rank {me} was declared failed in epoch {old_epoch}; join again with join_comm"
             ),
         };
-        let mut failed = self.known_failed().await;
+        let mut failed = self.known_failed(unstarted).await;
         if failed.contains(&me) {
             // Declared failed (hung, partitioned): the others moved on without us.
             return Err(excluded());
@@ -829,7 +870,7 @@ impl Comm {
             // split's child bootstrap shows here as a transport error; the
             // heartbeats name the dead rank a little later) stops the wait
             // for it, and may make this rank the coordinator.
-            let now_failed = self.known_failed().await;
+            let now_failed = self.known_failed(unstarted).await;
             if now_failed != failed {
                 if now_failed.contains(&me) {
                     return Err(excluded());
@@ -895,9 +936,12 @@ impl Comm {
         };
         // The old epoch kept running while the membership was open: its
         // heartbeats name a rank that died without its failure being seen
-        // yet (above). Now close it (a no-op if a failure aborted it).
-        if let Some(done) = self.finalize_request() {
-            let _ = done.await;
+        // yet (above). Now close it (a no-op if a failure aborted it, or if
+        // it was closed by an earlier attempt, EL-7).
+        if unstarted.is_none() {
+            if let Some(done) = self.finalize_request() {
+                let _ = done.await;
+            }
         }
         if !closed.quorum {
             return Err(Error::NoQuorum {
@@ -919,15 +963,22 @@ impl Comm {
                 ),
             });
         };
+        // The caller's ranks, through the epoch that did not start (EL-7).
+        let from_caller: Vec<Option<usize>> = match unstarted {
+            Some(u) => u.from_caller.clone(),
+            None => (0..n).map(Some).collect(),
+        };
+        let old_to_new: Vec<Option<usize>> = from_caller
+            .iter()
+            .map(|r| r.and_then(|r| closed.survivors.iter().position(|&s| s == r)))
+            .collect();
         let map = RankMap {
             epoch: next,
             size: closed.size(),
-            old_to_new: (0..n)
-                .map(|r| closed.survivors.iter().position(|&s| s == r))
-                .collect(),
+            old_to_new: old_to_new.clone(),
             joined: (closed.survivors.len()..closed.size()).collect(),
         };
-        let comm = start_epoch(
+        let started = start_epoch(
             &ctx,
             self.shared.backend_requested.clone(),
             self.device(),
@@ -935,8 +986,48 @@ impl Comm {
             closed.size(),
             next,
         )
-        .await?;
-        Ok((comm, map))
+        .await;
+        let set_unstarted = |u: Option<Unstarted>| {
+            *self
+                .shared
+                .unstarted
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = u;
+        };
+        match started {
+            Ok(comm) => {
+                set_unstarted(None);
+                Ok((comm, map))
+            }
+            Err(e) => {
+                // EL-7: fail the epoch in the store, so the ranks that did
+                // start it fail too and every rank goes on from it.
+                let failed: Vec<usize> = e
+                    .failed_ranks()
+                    .iter()
+                    .copied()
+                    .filter(|&r| r < closed.size() && r != rank)
+                    .collect();
+                if !failed.is_empty() {
+                    let notice = Notice {
+                        epoch: next,
+                        by: rank,
+                        failed_ranks: failed,
+                        detail: format!("epoch {next} could not start: {e}"),
+                        mismatch: false,
+                    };
+                    let key = notice_key(&epoch_prefix(&ctx.base, next));
+                    let _ = store.compare_set(&key, None, notice.encode()).await;
+                    set_unstarted(Some(Unstarted {
+                        epoch: next,
+                        rank,
+                        size: closed.size(),
+                        from_caller: old_to_new,
+                    }));
+                }
+                Err(e)
+            }
+        }
     }
 }
 

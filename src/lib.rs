@@ -477,6 +477,7 @@ pub(crate) async fn start_with_backend(
         _server: ctx.server.clone(),
         ctx,
         key_prefix,
+        unstarted: std::sync::Mutex::new(None),
         backend_requested: backend,
         splits: std::sync::atomic::AtomicU64::new(0),
         _parent: parent,
