@@ -983,13 +983,19 @@ impl Links {
         pool.open_all(install).await
     }
 
-    /// Stop opening links, and take the ones that opened but no op took
-    /// yet, so that an abort reaches their peers too.
-    fn close(&mut self) {
-        let (pool, mut install) = self.split();
-        for (p, l) in pool.close() {
-            install(p, l);
+    /// Stop opening links and take every open one, including those that
+    /// opened but no op took yet (so that an abort reaches their peers).
+    fn take_all(&mut self) -> (Vec<LinkWriter>, Vec<LinkReader>) {
+        {
+            let (pool, mut install) = self.split();
+            for (p, l) in pool.close() {
+                install(p, l);
+            }
         }
+        (
+            self.writers.iter_mut().filter_map(Option::take).collect(),
+            self.readers.iter_mut().filter_map(Option::take).collect(),
+        )
     }
 
     /// The pool, and what puts a link it opened in its place among the
@@ -1245,21 +1251,9 @@ impl Backend for CpuBackend {
         let payload = link::encode_abort(reason, failed);
         tracing::debug!(comm = %self.comm, rank = self.rank, reason, ?failed, "aborting data links");
         let payload = &payload;
-        // Links that opened but no op took yet: their peers may be waiting
-        // on them, so they hear of the abort too.
-        self.links.close();
-        let writers: Vec<LinkWriter> = self
-            .links
-            .writers
-            .iter_mut()
-            .filter_map(Option::take)
-            .collect();
-        let readers: Vec<LinkReader> = self
-            .links
-            .readers
-            .iter_mut()
-            .filter_map(Option::take)
-            .collect();
+        // Links that opened but no op took yet count too: their peers may
+        // be waiting on them, so they hear of the abort.
+        let (writers, readers) = self.links.take_all();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
             if !w.mid_frame() {
                 let sent =
@@ -1289,18 +1283,12 @@ impl Backend for CpuBackend {
         }
         self.windows.close(true).await;
         self.state = State::Finalized;
-        self.links.close();
-        let writers: Vec<LinkWriter> = self
-            .links
-            .writers
-            .iter_mut()
-            .filter_map(Option::take)
-            .collect();
+        let (writers, readers) = self.links.take_all();
         futures::future::join_all(writers.into_iter().map(|mut w| async move {
             let _ = tokio::time::timeout(ABORT_BOUND, w.shutdown()).await;
         }))
         .await;
-        self.links.readers.iter_mut().for_each(|r| drop(r.take()));
+        drop(readers);
     }
 }
 

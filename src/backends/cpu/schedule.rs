@@ -764,16 +764,7 @@ pub fn gather_auto(
     root: usize,
     elem_bytes: usize,
 ) -> (Schedule, usize) {
-    if rooted_tree(
-        Rooted::GatherOrScatter,
-        count.saturating_mul(elem_bytes),
-        size,
-    ) {
-        let scratch = tree_scratch(rank, size, count, root);
-        (gather_tree(rank, size, count, root), scratch)
-    } else {
-        (gather(rank, size, count, root), 0)
-    }
+    tree_or_flat(gather_tree, gather, rank, size, count, root, elem_bytes)
 }
 
 /// The scatter of the tuning table: [`scatter_tree`] where [`rooted_tree`]
@@ -786,15 +777,34 @@ pub fn scatter_auto(
     root: usize,
     elem_bytes: usize,
 ) -> (Schedule, usize) {
+    tree_or_flat(scatter_tree, scatter, rank, size, count, root, elem_bytes)
+}
+
+/// A builder of a rooted gather or scatter: `(rank, size, count, root)`.
+type RootedBuilder = fn(usize, usize, usize, usize) -> Schedule;
+
+/// `tree` with its scratch where [`rooted_tree`] picks trees for a gather
+/// or scatter of this size, else `flat` with none.
+fn tree_or_flat(
+    tree: RootedBuilder,
+    flat: RootedBuilder,
+    rank: usize,
+    size: usize,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> (Schedule, usize) {
     if rooted_tree(
         Rooted::GatherOrScatter,
         count.saturating_mul(elem_bytes),
         size,
     ) {
-        let scratch = tree_scratch(rank, size, count, root);
-        (scatter_tree(rank, size, count, root), scratch)
+        (
+            tree(rank, size, count, root),
+            tree_scratch(rank, size, count, root),
+        )
     } else {
-        (scatter(rank, size, count, root), 0)
+        (flat(rank, size, count, root), 0)
     }
 }
 

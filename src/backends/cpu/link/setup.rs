@@ -253,39 +253,15 @@ pub(crate) async fn shm_pair(
         p.advertise_cma();
     }
     let ok = [u8::from(incoming.is_some() && outgoing.is_some())];
-    let mut ack = Vec::new();
     // The peer's answer means it has mapped our ring (or given up on it):
     // unlink right then, whatever the answer or error, so the file exists
     // only for this handshake. Earlier exits drop `incoming`, which
     // unlinks too.
-    let recv_ack = async {
-        let got = r
-            .recv(
-                ctx,
-                FrameKind::Header,
-                FrameClass::Collective,
-                Tag::seq(SHM_SETUP_SEQ),
-                RecvInto::Bounded(&mut ack, 1),
-            )
-            .await;
-        if let Some(s) = incoming.as_mut() {
-            s.unlink();
-        }
-        got
-    };
-    let (sent, got) = futures::future::join(
-        w.send(
-            ctx,
-            FrameKind::Header,
-            FrameClass::Collective,
-            Tag::seq(SHM_SETUP_SEQ),
-            &ok,
-        ),
-        recv_ack,
-    )
-    .await;
-    sent?;
-    got?;
+    let ack = swap(ctx, w, r, &ok, 1).await;
+    if let Some(s) = incoming.as_mut() {
+        s.unlink();
+    }
+    let ack = ack?;
     Ok(match (incoming, outgoing) {
         (Some(i), Some(o)) if ok[0] == 1 && ack == [1] => {
             let rx = RingConsumer::new(i);
