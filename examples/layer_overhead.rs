@@ -41,6 +41,7 @@ fn init(store: &Arc<MemoryStore>, rank: usize) -> BackendInit {
         connect_timeout: Duration::from_secs(10),
         bind_ip: "127.0.0.1".parse().expect("ip"),
         links: chorus::backends::LinkPolicy::Auto,
+        host_id: None,
     }
 }
 

@@ -19,7 +19,11 @@
 # launch stays idle before its last all_reduce, default 0), PEERS_DIR,
 # KILL (1: after the table, one more launch per N with shared memory in
 # which rank N/3 is killed with SIGKILL, and a second table of how many
-# survivors got PeerFailed naming it, and how fast).
+# survivors got PeerFailed naming it, and how fast), HOSTS (H: lay the N ranks
+# out as H simulated hosts of N/H consecutive ranks, by giving rank r
+# CHORUS_HOST_ID=sim-(r*H/N): shared memory within a simulated host, TCP
+# between them, and hierarchical collectives; CHORUS_HIER=0 alongside
+# measures the same layout with flat ones).
 # Not run in CI: it oversubscribes the machine on purpose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +41,15 @@ OMPI_PY=$PEERS_DIR/ompi-venv/bin/python
 
 cargo build --release --example scale_probe --bin chorus-run >&2
 RUN=target/release/chorus-run
-PROBE=target/release/examples/scale_probe
+PROBE=(target/release/examples/scale_probe)
+if [ -n "${HOSTS:-}" ]; then
+  # chorus-run gives each rank RANK and WORLD_SIZE; the host id follows.
+  PROBE=(sh -c 'CHORUS_HOST_ID=sim-$((RANK * HOSTS / WORLD_SIZE)) exec "$0"' "${PROBE[0]}")
+  export HOSTS
+fi
 shm_before=$(df -B1 --output=used /dev/shm | tail -1)
 
-echo "# $(date -u +%FT%TZ) $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg); /dev/shm used before: $((shm_before >> 20)) MiB"
+echo "# $(date -u +%FT%TZ) $(nproc) CPUs${HOSTS:+, $HOSTS simulated hosts}${CHORUS_HIER:+, CHORUS_HIER=$CHORUS_HIER}, load $(cut -d' ' -f1-3 /proc/loadavg); /dev/shm used before: $((shm_before >> 20)) MiB"
 have_mpich=0; have_ompi=0
 [ -x "${MPICH[0]}" ] && [ -x "$MPICH_PY" ] && have_mpich=1
 [ -x "${OMPI[0]}" ] && [ -x "$OMPI_PY" ] && have_ompi=1
@@ -88,7 +97,7 @@ for n in $NS; do
     for _ in $(seq "$RUNS"); do
       t0=$(date +%s.%N)
       if out=$(SCALE_T0=$t0 SCALE_IDLE_S=$IDLE CHORUS_SHM=$shm \
-          timeout "$TIMEOUT" "$RUN" -n "$n" --timeout "$TIMEOUT" -- "$PROBE" 2>/dev/null \
+          timeout "$TIMEOUT" "$RUN" -n "$n" --timeout "$TIMEOUT" -- "${PROBE[@]}" 2>/dev/null \
           | sed -n 's/^\[rank 0\] //p' | grep '^n='); then
         t1=$(date +%s.%N)
         ok=$((ok + 1)); line=$out
@@ -124,7 +133,7 @@ if [ "${KILL:-0}" = 1 ]; then
   echo "|---|---|---|---|---|"
   for n in $NS; do
     k=$((n / 3))
-    out=$(SCALE_KILL=$k timeout "$TIMEOUT" "$RUN" -n "$n" --timeout "$TIMEOUT" -- "$PROBE" 2>/dev/null \
+    out=$(SCALE_KILL=$k timeout "$TIMEOUT" "$RUN" -n "$n" --timeout "$TIMEOUT" -- "${PROBE[@]}" 2>/dev/null \
       | grep "killed $k: told in" || true)
     told=$(printf '%s\n' "$out" | grep -c "blamed \[$k\]$" || true)
     times=$(printf '%s\n' "$out" | sed -n 's/.*told in \([0-9.]*\) ms.*/\1/p' | sort -g)

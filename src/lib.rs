@@ -324,6 +324,7 @@ impl Spec {
             connect_timeout: ctx.options.connect_timeout,
             bind_ip: ctx.bind_ip,
             links: backends::LinkPolicy::Auto,
+            host_id: None,
         }
     }
 }

@@ -40,6 +40,7 @@ fn init(
         connect_timeout: timeout,
         bind_ip: "127.0.0.1".parse().unwrap(),
         links: chorus::backends::LinkPolicy::Auto,
+        host_id: None,
     }
 }
 
@@ -1231,6 +1232,133 @@ async fn all_to_all_single_fuses_only_when_every_rank_chose_it() {
         }
         for b in &mut w {
             b.finalize().await;
+        }
+    })
+    .await;
+}
+
+/// Run one op on every rank of `w` at once, without a header exchange (the
+/// default checks), and fail on any rank's error.
+async fn run_all(w: &mut [CpuBackend], kind: OpKind, seq: u64, data: &mut [OpData]) {
+    let n = w.len();
+    let res = join_all(w.iter_mut().zip(data.iter_mut()).enumerate().map(
+        |(r, (b, d))| async move {
+            let c = OpCtx {
+                headers: false,
+                ..ctx(r, n, kind, seq)
+            };
+            b.execute(&c, d).await
+        },
+    ))
+    .await;
+    for (r, res) in res.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}, {kind:?} #{seq}: {e}"));
+    }
+}
+
+/// On a communicator that spans hosts (three of four ranks, named by
+/// `BackendInit::host_id`), all-reduce, broadcast and reduce run in two
+/// levels: their results are right, and the links a rank opens off its
+/// host go only to its rail (the ranks with its index on the other hosts)
+/// or, for a host's representative in a rooted or small op, to the other
+/// hosts' representatives.
+#[tokio::test]
+async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
+    bounded(async {
+        let (n, per_host) = (12usize, 4usize);
+        let store = Arc::new(MemoryStore::new());
+        let prefix = "comm/hier#0/epoch/3";
+        let mut w: Vec<CpuBackend> = join_all((0..n).map(|r| {
+            CpuBackend::connect(BackendInit {
+                links: LinkPolicy::Lazy,
+                host_id: Some(format!("h{}", r / per_host)),
+                ..init(&store, prefix, r, n, b"s", Duration::from_secs(10))
+            })
+        }))
+        .await
+        .into_iter()
+        .map(|b| b.expect("connect"))
+        .collect();
+        if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") {
+            // No host ids without shared memory, so no hierarchy.
+            assert!(w.iter().all(|b| b.topology().is_none()));
+            return;
+        }
+        for b in &w {
+            assert_eq!(
+                b.topology().map(|t| (t.hosts(), t.uniform())),
+                Some((3, true))
+            );
+        }
+        let (root_b, root_r) = (5usize, 6usize);
+        // 2 elements (by leaders) and 100 000 f32 (above 16 KiB: by rails).
+        for (seq, count) in [(0u64, 2usize), (1, 100_000)] {
+            let mut data: Vec<OpData> = (0..n)
+                .map(|r| OpData::AllReduce {
+                    buf: Tensor::from_vec((0..count).map(|i| (r * 3 + i % 7) as f32).collect()),
+                    op: ReduceOp::Sum,
+                })
+                .collect();
+            run_all(&mut w, OpKind::AllReduce, seq, &mut data).await;
+            let want: Vec<f32> = (0..count).map(|i| (198 + 12 * (i % 7)) as f32).collect();
+            for (r, d) in data.iter().enumerate() {
+                let OpData::AllReduce { buf, .. } = d else {
+                    unreachable!()
+                };
+                assert!(
+                    buf.to_vec::<f32>() == want,
+                    "all_reduce of {count} on rank {r}"
+                );
+            }
+        }
+        let mut data: Vec<OpData> = (0..n)
+            .map(|r| OpData::Broadcast {
+                buf: Tensor::from_vec(if r == root_b {
+                    vec![4i64, 5, 6]
+                } else {
+                    vec![0; 3]
+                }),
+                root: root_b,
+            })
+            .collect();
+        run_all(&mut w, OpKind::Broadcast, 2, &mut data).await;
+        for (r, d) in data.iter().enumerate() {
+            let OpData::Broadcast { buf, .. } = d else {
+                unreachable!()
+            };
+            assert_eq!(buf.to_vec::<i64>(), vec![4, 5, 6], "broadcast on rank {r}");
+        }
+        let mut data: Vec<OpData> = (0..n)
+            .map(|r| OpData::Reduce {
+                buf: Tensor::from_vec(vec![r as i64, 1]),
+                op: ReduceOp::Sum,
+                root: root_r,
+            })
+            .collect();
+        run_all(&mut w, OpKind::Reduce, 3, &mut data).await;
+        let OpData::Reduce { buf, .. } = &data[root_r] else {
+            unreachable!()
+        };
+        assert_eq!(buf.to_vec::<i64>(), vec![66, 12], "reduce at rank {root_r}");
+
+        let (host, local) = (|r: usize| r / per_host, |r: usize| r % per_host);
+        let rep = |r: usize| local(r) == 0 || r == root_b || r == root_r;
+        for (r, b) in w.iter().enumerate() {
+            let far: Vec<usize> = b
+                .linked_peers()
+                .into_iter()
+                .filter(|&p| host(p) != host(r))
+                .collect();
+            assert!(
+                !far.is_empty() && far.len() <= 4,
+                "rank {r} off its host: {far:?}"
+            );
+            for p in far {
+                assert!(
+                    local(p) == local(r) || (rep(r) && rep(p)),
+                    "rank {r} linked to {p} on another host"
+                );
+            }
         }
     })
     .await;

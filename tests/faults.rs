@@ -543,6 +543,7 @@ async fn data_link_from_an_older_epoch_is_rejected_at_the_handshake() {
         bind_ip: "127.0.0.1".parse().unwrap(),
         // The handshake is what is tested: open the link at creation.
         links: chorus::backends::LinkPolicy::Eager,
+        host_id: None,
     };
     let start = Instant::now();
     let (new, old) = futures::join!(

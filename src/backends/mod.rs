@@ -191,6 +191,14 @@ pub struct BackendInit {
     pub bind_ip: std::net::IpAddr,
     /// When the data links open (backends with their own links).
     pub links: LinkPolicy,
+    /// This rank's host identity, for backends that place ranks by host
+    /// (the `cpu` backend: shared memory between ranks with equal ids, and
+    /// hierarchical collectives when there are several hosts). `None`
+    /// detects it: `CHORUS_HOST_ID`, else the machine and boot ids. Set it
+    /// where the launcher knows the topology better, or to try a
+    /// multi-host layout on one machine. `CHORUS_SHM=0` still turns shared
+    /// memory and the hierarchy off.
+    pub host_id: Option<String>,
 }
 
 /// When a backend opens its data links to its peers.
@@ -253,6 +261,7 @@ impl std::fmt::Debug for BackendInit {
             .field("epoch", &self.epoch)
             .field("bind_ip", &self.bind_ip)
             .field("links", &self.links)
+            .field("host_id", &self.host_id)
             .finish_non_exhaustive()
     }
 }

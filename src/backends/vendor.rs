@@ -787,6 +787,7 @@ mod tests {
             connect_timeout: std::time::Duration::from_secs(10),
             bind_ip: std::net::IpAddr::from([127, 0, 0, 1]),
             links: crate::backends::LinkPolicy::Auto,
+            host_id: None,
         };
         let b = VendorBackend::connect(init, move || Ok(Fake { release, closed: c }))
             .await

@@ -79,6 +79,7 @@ use crate::op::{OpKind, ReduceOp};
 use crate::tensor::Tensor;
 
 mod fused;
+pub mod hier;
 mod link;
 mod plan;
 pub mod schedule;
@@ -145,6 +146,9 @@ pub struct CpuBackend {
     /// The communicator is aborted because its ranks' ops disagree
     /// ([`Backend::abort_for`]): the Abort frames say so (LK-9).
     abort_mismatch: bool,
+    /// The hosts of a communicator that spans several, whose all-reduce,
+    /// broadcast and reduce then run hierarchically ([`hier`]). O(N).
+    topo: Option<hier::Topology>,
 }
 
 /// The data parts of the Header frames of one op ([FU-3]): what each peer
@@ -195,9 +199,16 @@ impl CpuBackend {
         let span = tracing::debug_span!("cpu_connect", comm = %init.comm, rank = init.rank, size = init.size, epoch = init.epoch);
         let checksum = link::checksum_from_env();
         let policy = init.links.resolve(init.size, fused::FUSE_MAX_RANKS)?;
+        let hierarchical = hier_from_env()?;
         let pool = link::Pool::open(&init, checksum)
             .instrument(span.clone())
             .await?;
+        let topo = hierarchical
+            .then(|| hier::Topology::from_ids(&pool.host_ids()))
+            .flatten();
+        if let Some(t) = &topo {
+            tracing::debug!(comm = %init.comm, rank = init.rank, hosts = t.hosts(), uniform = t.uniform(), "hierarchical collectives");
+        }
         let mut links = Links {
             rank: init.rank,
             size: init.size,
@@ -226,7 +237,16 @@ impl CpuBackend {
             state: State::Ready,
             windows,
             abort_mismatch: false,
+            topo,
         })
+    }
+
+    /// The hosts this communicator's hierarchical collectives run over
+    /// ([`hier`]), or `None` when its ops are flat: one host, a host per
+    /// rank, a rank that uses no shared memory (`CHORUS_SHM=0`), or
+    /// `CHORUS_HIER=0`.
+    pub fn topology(&self) -> Option<&hier::Topology> {
+        self.topo.as_ref()
     }
 
     /// The peers this rank holds a data link to, in rank order. Links open
@@ -745,10 +765,10 @@ impl CpuBackend {
         let (rank, size) = (self.rank, self.size);
         let p = match data {
             OpData::AllReduce { buf, op } => Planned {
-                schedule: if small_all_reduce_enabled() {
-                    builders::all_reduce_auto(rank, size, buf.len(), buf.dtype().size())
-                } else {
-                    builders::all_reduce(rank, size, buf.len())
+                schedule: match &self.topo {
+                    _ if !small_all_reduce_enabled() => builders::all_reduce(rank, size, buf.len()),
+                    Some(t) => hier::all_reduce(rank, t, buf.len(), buf.dtype().size()),
+                    None => builders::all_reduce_auto(rank, size, buf.len(), buf.dtype().size()),
                 },
                 src: None,
                 dst: buf,
@@ -757,7 +777,10 @@ impl CpuBackend {
                 scratch: None,
             },
             OpData::Reduce { buf, op, root } => Planned {
-                schedule: builders::reduce_auto(rank, size, buf.len(), *root, buf.dtype().size()),
+                schedule: match &self.topo {
+                    Some(t) => hier::reduce(rank, t, buf.len(), *root, buf.dtype().size()),
+                    None => builders::reduce_auto(rank, size, buf.len(), *root, buf.dtype().size()),
+                },
                 src: None,
                 dst: buf,
                 op: *op,
@@ -814,7 +837,10 @@ impl CpuBackend {
                 }
             }
             OpData::Broadcast { buf, root } => Planned {
-                schedule: builders::broadcast(rank, size, buf.len(), *root),
+                schedule: match &self.topo {
+                    Some(t) => hier::broadcast(rank, t, buf.len(), *root),
+                    None => builders::broadcast(rank, size, buf.len(), *root),
+                },
                 src: None,
                 dst: buf,
                 op: ReduceOp::Sum,
@@ -886,6 +912,25 @@ impl CpuBackend {
 fn small_all_reduce_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("CHORUS_SMALL_ALLREDUCE").map_or(true, |v| v != "0"))
+}
+
+/// Whether collectives run hierarchically on a communicator that spans
+/// several hosts: `CHORUS_HIER` unset or `1` (the default), `0` for flat
+/// schedules everywhere (for A/B measurements).
+///
+/// # Errors
+/// `Config` for any other value.
+fn hier_from_env() -> Result<bool> {
+    match std::env::var("CHORUS_HIER") {
+        Err(_) => Ok(true),
+        Ok(v) => match v.trim() {
+            "" | "1" => Ok(true),
+            "0" => Ok(false),
+            other => Err(Error::Config(format!(
+                "CHORUS_HIER must be 0 or 1, not {other:?}"
+            ))),
+        },
+    }
 }
 
 /// The buffers and schedule of one collective.

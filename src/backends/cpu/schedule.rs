@@ -1207,4 +1207,4 @@ impl Builder {
 
 #[cfg(test)]
 #[path = "schedule_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -32,7 +32,7 @@ struct Match {
     payload: Vec<f64>,
 }
 
-fn combine(op: ReduceOp, a: f64, b: f64) -> f64 {
+pub(crate) fn combine(op: ReduceOp, a: f64, b: f64) -> f64 {
     match op {
         ReduceOp::Sum => a + b,
         ReduceOp::Product => a * b,
@@ -94,7 +94,7 @@ fn run_schedules(
 ///
 /// [SC-5]: crate::backends::cpu::schedule#invariants
 /// [SC-6]: crate::backends::cpu::schedule#invariants
-fn simulate(
+pub(crate) fn simulate(
     schedules: Vec<Schedule>,
     mut src: Vec<Vec<f64>>,
     mut dst: Vec<Vec<f64>>,
@@ -251,24 +251,24 @@ fn simulate(
 // Data and references.
 
 /// Distinct small integers per (rank, index): exact in f64 under any sum order.
-fn value(rank: usize, i: usize) -> f64 {
+pub(crate) fn value(rank: usize, i: usize) -> f64 {
     ((rank * 7919 + i * 104_729) % 1009) as f64 - 500.0
 }
 
-fn data(rank: usize, len: usize) -> Vec<f64> {
+pub(crate) fn data(rank: usize, len: usize) -> Vec<f64> {
     (0..len).map(|i| value(rank, i)).collect()
 }
 
 /// Filler for buffers whose content must be overwritten.
-const JUNK: f64 = -1.0e9;
+pub(crate) const JUNK: f64 = -1.0e9;
 
-fn reduced(size: usize, len: usize, op: ReduceOp) -> Vec<f64> {
+pub(crate) fn reduced(size: usize, len: usize, op: ReduceOp) -> Vec<f64> {
     (0..len)
         .map(|i| (1..size).fold(value(0, i), |acc, r| combine(op, acc, value(r, i))))
         .collect()
 }
 
-fn run(
+pub(crate) fn run(
     schedules: Vec<Schedule>,
     src: Vec<Vec<f64>>,
     dst: Vec<Vec<f64>>,

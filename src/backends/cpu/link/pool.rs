@@ -435,7 +435,7 @@ impl Pool {
         // records cannot make a real peer's connect wait for a resent SYN.
         let task = pool.rt.spawn(shared.clone().accept_loop(listener));
         shared.track(task.abort_handle());
-        let mine = host_id();
+        let mine = host_id(init.host_id.as_deref());
         init.store
             .set(
                 &record_key(&init.key_prefix, me),
@@ -619,6 +619,18 @@ impl Pool {
                 }
             }
         }
+    }
+
+    /// The host id every rank published, by rank (empty for a rank that
+    /// uses no shared memory). O(N); the records are there once
+    /// [`Pool::open`] returned.
+    pub(crate) fn host_ids(&self) -> Vec<String> {
+        self.shared
+            .records
+            .borrow()
+            .as_ref()
+            .map(|r| r.hosts.clone())
+            .unwrap_or_default()
     }
 
     /// Stop accepting and dialing, and return the links that opened but

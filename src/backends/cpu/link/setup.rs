@@ -118,23 +118,26 @@ pub(crate) fn decode_record(raw: &[u8]) -> Option<(SocketAddr, String)> {
     Some((addr.parse().ok()?, host.to_string()))
 }
 
-/// This host's identity for choosing shared-memory links: `/etc/machine-id`
-/// and the kernel boot id (equal for two processes that can share
-/// `/dev/shm`), or `CHORUS_HOST_ID` when set (the same variable that names
-/// hosts for `Comm::hierarchy`; e.g. one per network namespace to test
-/// multi-host jobs on one machine). Empty, meaning "never use shared
-/// memory", when neither is available, when `/dev/shm` is missing, or when
-/// `CHORUS_SHM=0`. Ranks that share an id but cannot open each other's ring
-/// file fall back to TCP.
-pub(crate) fn host_id() -> String {
+/// This host's identity for choosing shared-memory links and the hosts of
+/// hierarchical collectives: `given` (`BackendInit::host_id`), else
+/// `CHORUS_HOST_ID` when set (the same variable that names hosts for
+/// `Comm::hierarchy`; e.g. one per network namespace to test multi-host
+/// jobs on one machine), else `/etc/machine-id` and the kernel boot id
+/// (equal for two processes that can share `/dev/shm`). Empty, meaning
+/// "never use shared memory, and no hierarchy", when none is available,
+/// when `/dev/shm` is missing, or when `CHORUS_SHM=0`. Ranks that share an
+/// id but cannot open each other's ring file fall back to TCP.
+pub(crate) fn host_id(given: Option<&str>) -> String {
     if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") || !Path::new(SHM_DIR).is_dir() {
         return String::new();
     }
-    if let Some(id) = std::env::var("CHORUS_HOST_ID")
-        .ok()
-        .filter(|v| !v.trim().is_empty())
+    let env = std::env::var("CHORUS_HOST_ID").ok();
+    if let Some(id) = given
+        .or(env.as_deref())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
     {
-        return format!("env:{}", id.trim());
+        return format!("env:{id}");
     }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
     match (

@@ -1,0 +1,291 @@
+//! Hierarchical collectives for communicators that span several hosts.
+//!
+//! This module owns the [`Topology`] of a communicator (which host each
+//! rank is on, from the host ids of the bootstrap records) and the
+//! two-level schedules built on it. Each is composed of the flat builders
+//! of [`schedule`](super::schedule), run on subgroups of ranks: the ranks
+//! of one host, one representative per host, or one *rail* (the ranks with
+//! the same index on every host). So a collective crosses the network only
+//! between representatives or along rails, and everything else stays on
+//! the host, where the `cpu` backend uses shared memory.
+//!
+//! | builder | phases (`L` ranks on this host, `H` hosts) | cross-host messages per op |
+//! |---------|---------------------------------------------|----------------------------|
+//! | [`all_reduce`], small (up to [`SMALL_ALL_REDUCE_BYTES`]), or hosts of unequal sizes | reduce to the host's leader ([`reduce_auto`]), all-reduce among the `H` leaders ([`all_reduce_auto`]), broadcast from the leader | those of one `H`-rank all-reduce |
+//! | [`all_reduce`], larger, every host with `L` ranks | reduce-scatter on the host (`L` blocks), then for each block an all-reduce along its rail (`H` ranks, [`all_reduce_auto`] on `1/L` of the buffer), then all-gather on the host | `L` all-reduces of `1/L` of the buffer, in parallel |
+//! | [`broadcast`] | binomial tree among the hosts' representatives (the root on its host, the leader elsewhere), then within each host | `H - 1` |
+//! | [`reduce`] | [`reduce_auto`] to each host's representative, then among the representatives to the root | those of one `H`-rank reduce |
+//!
+//! A host's *leader* is its lowest rank. Every choice here is a pure
+//! function of arguments every rank agrees on (the records every rank
+//! read, the op's count and root), so all ranks build matching schedules.
+//! The composed schedules keep [SC-1]..[SC-5]; a phase that uses
+//! [`all_reduce_small`](super::schedule::all_reduce_small) breaks [SC-6] as
+//! it does on its own, and the executor stages it the same way.
+//!
+//! Memory: a [`Topology`] is O(N) per rank, built once per communicator.
+//! Building one rank's schedule is O(its transfers) plus O(L) for the host
+//! phases' block layout; nothing per op is O(N).
+//!
+//! ```
+//! use chorus::backends::cpu::hier::{all_reduce, Topology};
+//! // 8 ranks on two hosts, ranks 0..4 on "a" and 4..8 on "b".
+//! let ids: Vec<&str> = (0..8).map(|r| if r < 4 { "a" } else { "b" }).collect();
+//! let topo = Topology::from_ids(&ids).expect("two hosts of four");
+//! assert_eq!((topo.hosts(), topo.uniform()), (2, true));
+//! // An 8 B all-reduce: rank 5 (not a leader) talks only to ranks of its host.
+//! let s = all_reduce(5, &topo, 1, 8);
+//! assert!(s.transfers().filter_map(|t| t.peer()).all(|p| (4..8).contains(&p)));
+//! ```
+//!
+//! [SC-1]: super::schedule#invariants
+//! [SC-5]: super::schedule#invariants
+//! [SC-6]: super::schedule#invariants
+
+use std::collections::HashMap;
+
+use super::schedule::{
+    all_gather_in_place, all_reduce_auto, broadcast as flat_broadcast, even_counts, offsets,
+    reduce_auto, reduce_scatter, Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
+};
+
+/// Which host every rank of a communicator is on. O(N): three words per
+/// rank and one list of ranks per host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// Host index of each rank; hosts are numbered in the order of their
+    /// lowest rank, so host 0 holds rank 0.
+    host_of: Vec<usize>,
+    /// Each rank's index among its host's ranks.
+    local: Vec<usize>,
+    /// The ranks of each host, ascending.
+    members: Vec<Vec<usize>>,
+}
+
+impl Topology {
+    /// The topology given by one host id per rank (`ids[r]` for rank `r`),
+    /// or `None` where a hierarchy has nothing to gain: an empty id (a rank
+    /// that does not know its host), a single host, or every rank on a host
+    /// of its own.
+    pub fn from_ids<S: AsRef<str>>(ids: &[S]) -> Option<Topology> {
+        if ids.iter().any(|s| s.as_ref().is_empty()) {
+            return None;
+        }
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut host_of = Vec::with_capacity(ids.len());
+        let mut local = Vec::with_capacity(ids.len());
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        for (rank, id) in ids.iter().enumerate() {
+            let h = *index.entry(id.as_ref()).or_insert_with(|| {
+                members.push(Vec::new());
+                members.len() - 1
+            });
+            host_of.push(h);
+            local.push(members[h].len());
+            members[h].push(rank);
+        }
+        (members.len() >= 2 && members.len() < ids.len()).then_some(Topology {
+            host_of,
+            local,
+            members,
+        })
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.host_of.len()
+    }
+
+    /// Number of hosts.
+    pub fn hosts(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether every host has the same number of ranks (the rails of the
+    /// large all-reduce need it).
+    pub fn uniform(&self) -> bool {
+        self.members.windows(2).all(|w| w[0].len() == w[1].len())
+    }
+
+    /// The host index of `rank`.
+    pub fn host_of(&self, rank: usize) -> usize {
+        self.host_of[rank]
+    }
+
+    /// The ranks of host `h`, ascending.
+    pub fn members(&self, h: usize) -> &[usize] {
+        &self.members[h]
+    }
+
+    /// Host `h`'s representative for an op rooted at `root`: the root on
+    /// its own host, the leader (lowest rank) elsewhere.
+    fn rep(&self, h: usize, root: usize) -> usize {
+        if self.host_of[root] == h {
+            root
+        } else {
+            self.members[h][0]
+        }
+    }
+}
+
+/// Appends sub-schedules of subgroups to one rank's schedule.
+struct Composer {
+    steps: Vec<Step>,
+}
+
+impl Composer {
+    fn new() -> Composer {
+        Composer { steps: Vec::new() }
+    }
+
+    /// Append `sub`, a schedule built for a subgroup, with its peers mapped
+    /// to ranks by `rank_of` and every element range moved up by `shift`.
+    fn embed(&mut self, sub: Schedule, rank_of: impl Fn(usize) -> usize, shift: usize) {
+        let moved = |r: std::ops::Range<usize>| r.start + shift..r.end + shift;
+        for step in sub.steps {
+            let transfers = step
+                .transfers
+                .into_iter()
+                .map(|t| match t {
+                    Transfer::Send { peer, buf, range } => Transfer::Send {
+                        peer: rank_of(peer),
+                        buf,
+                        range: moved(range),
+                    },
+                    Transfer::Recv {
+                        peer,
+                        buf,
+                        range,
+                        action,
+                    } => Transfer::Recv {
+                        peer: rank_of(peer),
+                        buf,
+                        range: moved(range),
+                        action,
+                    },
+                    Transfer::LocalCopy { src, dst } => Transfer::LocalCopy {
+                        src: moved(src),
+                        dst: moved(dst),
+                    },
+                })
+                .collect();
+            self.steps.push(Step { transfers });
+        }
+    }
+
+    fn finish(self) -> Schedule {
+        Schedule { steps: self.steps }
+    }
+}
+
+/// In-place all-reduce of `count` elements of `elem_bytes` bytes in
+/// `Dst`, in two levels (see the module table): by leaders when the
+/// message is small or the hosts differ in size, along rails otherwise.
+/// Every rank ends with bitwise the same values. An empty schedule for a
+/// `rank` outside the topology ([SC-7]).
+///
+/// [SC-7]: super::schedule#invariants
+pub fn all_reduce(rank: usize, topo: &Topology, count: usize, elem_bytes: usize) -> Schedule {
+    if rank >= topo.size() {
+        return Schedule::default();
+    }
+    let (h, li) = (topo.host_of[rank], topo.local[rank]);
+    let host = &topo.members[h];
+    let l = host.len();
+    let on_host = |i: usize| host[i];
+    let mut c = Composer::new();
+    if count.saturating_mul(elem_bytes) <= SMALL_ALL_REDUCE_BYTES || !topo.uniform() {
+        c.embed(reduce_auto(li, l, count, 0, elem_bytes), on_host, 0);
+        if li == 0 {
+            let leader = |x: usize| topo.members[x][0];
+            c.embed(
+                all_reduce_auto(h, topo.hosts(), count, elem_bytes),
+                leader,
+                0,
+            );
+        }
+        c.embed(flat_broadcast(li, l, count, 0), on_host, 0);
+    } else {
+        let counts = even_counts(count, l);
+        let offs = offsets(&counts);
+        let mine = offs[li]..offs[li + 1];
+        c.embed(reduce_scatter(li, l, &counts), on_host, 0);
+        let rail = |x: usize| topo.members[x][li];
+        c.embed(
+            all_reduce_auto(h, topo.hosts(), mine.len(), elem_bytes),
+            rail,
+            mine.start,
+        );
+        c.embed(all_gather_in_place(li, l, &counts), on_host, 0);
+    }
+    c.finish()
+}
+
+/// Broadcast `count` elements of `Dst` from `root`: a binomial tree among
+/// the hosts' representatives (the root on its host, the leader
+/// elsewhere), then one within each host from its representative. Exactly
+/// `H - 1` messages cross hosts.
+pub fn broadcast(rank: usize, topo: &Topology, count: usize, root: usize) -> Schedule {
+    if rank >= topo.size() || root >= topo.size() {
+        return Schedule::default();
+    }
+    let h = topo.host_of[rank];
+    let host = &topo.members[h];
+    let rep = topo.rep(h, root);
+    let mut c = Composer::new();
+    if rank == rep {
+        c.embed(
+            flat_broadcast(h, topo.hosts(), count, topo.host_of[root]),
+            |x| topo.rep(x, root),
+            0,
+        );
+    }
+    c.embed(
+        flat_broadcast(topo.local[rank], host.len(), count, topo.local[rep]),
+        |i| host[i],
+        0,
+    );
+    c.finish()
+}
+
+/// Reduce `count` elements of `Dst` into `Dst` on `root` (other ranks'
+/// `Dst` is scratch): [`reduce_auto`] within each host to its
+/// representative, then among the representatives to the root.
+pub fn reduce(
+    rank: usize,
+    topo: &Topology,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> Schedule {
+    if rank >= topo.size() || root >= topo.size() {
+        return Schedule::default();
+    }
+    let h = topo.host_of[rank];
+    let host = &topo.members[h];
+    let rep = topo.rep(h, root);
+    let mut c = Composer::new();
+    c.embed(
+        reduce_auto(
+            topo.local[rank],
+            host.len(),
+            count,
+            topo.local[rep],
+            elem_bytes,
+        ),
+        |i| host[i],
+        0,
+    );
+    if rank == rep {
+        c.embed(
+            reduce_auto(h, topo.hosts(), count, topo.host_of[root], elem_bytes),
+            |x| topo.rep(x, root),
+            0,
+        );
+    }
+    c.finish()
+}
+
+#[cfg(test)]
+#[path = "hier_tests.rs"]
+mod tests;

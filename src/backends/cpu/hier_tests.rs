@@ -1,0 +1,300 @@
+//! Tests of the hierarchical schedules: every builder run on many
+//! topologies (contiguous, interleaved, hosts of unequal sizes) by the
+//! in-memory executor of the flat schedules' tests, against a reference,
+//! and their cross-host traffic counted, up to 4 096 ranks.
+
+use std::collections::BTreeSet;
+
+use super::*;
+use crate::backends::cpu::schedule::tests::{data, reduced, simulate, JUNK};
+use crate::backends::cpu::schedule::BufId;
+use crate::op::ReduceOp;
+
+/// Host ids from a host index per rank.
+fn ids(host_of: &[usize]) -> Vec<String> {
+    host_of.iter().map(|h| format!("host-{h}")).collect()
+}
+
+/// Topologies worth testing: contiguous and interleaved, equal and
+/// unequal hosts, with one-rank hosts among others.
+fn topologies() -> Vec<Topology> {
+    let layouts: Vec<Vec<usize>> = vec![
+        vec![0, 0, 1, 1],
+        vec![0, 0, 0, 0, 1, 1, 1, 1],
+        vec![0, 0, 0, 1, 1, 1, 2, 2, 2],
+        (0..9).map(|r| r % 3).collect(),
+        vec![0, 0, 0, 1, 2, 2, 2, 2],
+        vec![1, 0, 0, 1, 2, 0, 1, 2, 2, 0, 0],
+        (0..16).map(|r| r / 4).collect(),
+        (0..12).map(|r| r / 2).collect(),
+        vec![0, 1, 1, 1, 1, 1],
+    ];
+    layouts
+        .iter()
+        .map(|l| Topology::from_ids(&ids(l)).expect("a hierarchical layout"))
+        .collect()
+}
+
+/// Counts around the small/large boundary of `f64` all-reduces.
+fn counts() -> Vec<usize> {
+    let small = SMALL_ALL_REDUCE_BYTES / 8;
+    vec![0, 1, 5, small, small + 1, 3 * small + 7]
+}
+
+fn cross_host_sends(topo: &Topology, scheds: &[Schedule]) -> usize {
+    scheds
+        .iter()
+        .enumerate()
+        .map(|(r, s)| {
+            s.transfers()
+                .filter(|t| matches!(t, Transfer::Send { peer, .. } if topo.host_of(*peer) != topo.host_of(r)))
+                .count()
+        })
+        .sum()
+}
+
+/// Run the schedules in the in-memory executor. Not through the flat
+/// tests' `run`, which also checks [SC-6]: a phase that is a small
+/// all-reduce breaks it on purpose.
+///
+/// [SC-6]: crate::backends::cpu::schedule#invariants
+fn run(
+    scheds: Vec<Schedule>,
+    src: Vec<Vec<f64>>,
+    dst: Vec<Vec<f64>>,
+    op: ReduceOp,
+) -> Vec<Vec<f64>> {
+    let n = scheds.len();
+    for (r, s) in scheds.iter().enumerate() {
+        for t in s.transfers() {
+            assert!(!t.is_empty(), "rank {r}: zero-length {t:?}");
+            assert!(t.peer().is_none_or(|p| p < n && p != r), "rank {r}: {t:?}");
+        }
+    }
+    match simulate(scheds, src, dst, op) {
+        Ok(out) => out,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn uses_src(s: &Schedule) -> bool {
+    s.transfers().any(|t| match t {
+        Transfer::Send { buf, .. } | Transfer::Recv { buf, .. } => *buf == BufId::Src,
+        Transfer::LocalCopy { .. } => true,
+    })
+}
+
+#[test]
+fn topology_groups_ranks_by_host_id_in_rank_order() {
+    let t = Topology::from_ids(&["b", "a", "b", "c", "a"]).expect("three hosts");
+    assert_eq!(t.hosts(), 3);
+    assert_eq!(t.members(0), &[0, 2]);
+    assert_eq!(t.members(1), &[1, 4]);
+    assert_eq!(t.members(2), &[3]);
+    assert_eq!((t.host_of(4), t.size()), (1, 5));
+    assert!(!t.uniform());
+    assert!(Topology::from_ids(&["a", "a", "b", "b"])
+        .expect("two hosts")
+        .uniform());
+}
+
+#[test]
+fn topology_is_none_where_a_hierarchy_gains_nothing() {
+    assert_eq!(Topology::from_ids(&["a", "a", "a"]), None, "one host");
+    assert_eq!(
+        Topology::from_ids(&["a", "b", "c"]),
+        None,
+        "a host per rank"
+    );
+    assert_eq!(
+        Topology::from_ids(&["a", "", "a", "b"]),
+        None,
+        "unknown host"
+    );
+    assert_eq!(Topology::from_ids::<&str>(&[]), None);
+    assert_eq!(Topology::from_ids(&["a"]), None);
+}
+
+#[test]
+fn all_reduce_matches_the_reference_on_every_rank_and_topology() {
+    for topo in topologies() {
+        let n = topo.size();
+        for count in counts() {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let scheds: Vec<Schedule> =
+                    (0..n).map(|r| all_reduce(r, &topo, count, 8)).collect();
+                assert!(!scheds.iter().any(uses_src));
+                let out = run(
+                    scheds,
+                    vec![vec![]; n],
+                    (0..n).map(|r| data(r, count)).collect(),
+                    op,
+                );
+                let want = reduced(n, count, op);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(got, &want, "rank {r} of {topo:?}, count {count}, {op}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_and_reduce_match_the_reference_from_every_root() {
+    for topo in topologies() {
+        let n = topo.size();
+        for count in [1, 6, 9000] {
+            for root in 0..n {
+                let scheds: Vec<Schedule> =
+                    (0..n).map(|r| broadcast(r, &topo, count, root)).collect();
+                assert_eq!(
+                    cross_host_sends(&topo, &scheds),
+                    topo.hosts() - 1,
+                    "broadcast crosses hosts once per other host"
+                );
+                let dst = (0..n)
+                    .map(|r| {
+                        if r == root {
+                            data(r, count)
+                        } else {
+                            vec![JUNK; count]
+                        }
+                    })
+                    .collect();
+                let out = run(scheds, vec![vec![]; n], dst, ReduceOp::Sum);
+                assert!(
+                    out.iter().all(|o| *o == data(root, count)),
+                    "broadcast from {root} on {topo:?}"
+                );
+
+                let scheds: Vec<Schedule> =
+                    (0..n).map(|r| reduce(r, &topo, count, root, 8)).collect();
+                assert!(!scheds.iter().any(uses_src));
+                let out = run(
+                    scheds,
+                    vec![vec![]; n],
+                    (0..n).map(|r| data(r, count)).collect(),
+                    ReduceOp::Sum,
+                );
+                assert_eq!(
+                    out[root],
+                    reduced(n, count, ReduceOp::Sum),
+                    "reduce to {root} on {topo:?}, count {count}"
+                );
+            }
+        }
+    }
+}
+
+/// A small all-reduce crosses hosts only between leaders; a large one on
+/// equal hosts crosses only along rails (each rank with its peers of the
+/// same index on the other hosts), and moves `1/L` of the buffer each.
+#[test]
+fn all_reduce_crosses_hosts_only_between_leaders_or_along_rails() {
+    let topo = Topology::from_ids(&ids(&(0..16).map(|r| r % 4).collect::<Vec<_>>()))
+        .expect("4 interleaved hosts of 4");
+    let big = 4 * SMALL_ALL_REDUCE_BYTES / 8;
+    for r in 0..16 {
+        let h = topo.host_of(r);
+        let li = topo.members(h).iter().position(|&x| x == r).unwrap_or(0);
+        let far = |s: &Schedule| -> Vec<usize> {
+            s.transfers()
+                .filter_map(Transfer::peer)
+                .filter(|&p| topo.host_of(p) != h)
+                .collect()
+        };
+        let small = far(&all_reduce(r, &topo, 1, 8));
+        assert_eq!(small.is_empty(), li != 0, "rank {r}: {small:?}");
+        let large = all_reduce(r, &topo, big, 8);
+        for p in far(&large) {
+            assert_eq!(topo.members(topo.host_of(p))[li], p, "rank {r} to {p}");
+        }
+        let cross_elems: usize = large
+            .transfers()
+            .filter(|t| t.peer().is_some_and(|p| topo.host_of(p) != h))
+            .filter(|t| matches!(t, Transfer::Send { .. }))
+            .map(Transfer::len)
+            .sum();
+        assert!(
+            cross_elems <= 2 * big / 4,
+            "rank {r} sends {cross_elems} of {big} elements off its host"
+        );
+    }
+}
+
+/// Every rank ends with the leaders' result, bitwise equal, also when a
+/// host has one rank and the sum depends on its order.
+#[test]
+fn every_rank_ends_bitwise_equal_with_lone_ranks_on_hosts() {
+    let topo = Topology::from_ids(&["x", "y", "y", "z", "y"]).expect("three hosts");
+    let n = topo.size();
+    // Non-associative in floating point: sums of values of very different
+    // magnitudes; every rank must still end with the same bits.
+    let dst: Vec<Vec<f64>> = (0..n)
+        .map(|r| vec![1e16 * (r as f64) - 1.0, 0.1 * r as f64])
+        .collect();
+    let scheds: Vec<Schedule> = (0..n).map(|r| all_reduce(r, &topo, 2, 8)).collect();
+    let out = simulate(scheds, vec![vec![]; n], dst, ReduceOp::Sum).expect("runs");
+    let bits = |v: &Vec<f64>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(out.iter().all(|o| bits(o) == bits(&out[0])), "{out:?}");
+}
+
+/// The scale bound with hosts: 4 096 ranks, 8 per host. An 8 B all-reduce
+/// is right on every rank, sends O(N log N) messages of which only those
+/// of a 512-rank all-reduce cross hosts; a broadcast crosses hosts 511
+/// times; and after an 8 B and a 1 MiB all-reduce and a broadcast a rank
+/// has talked to O(log H + L) peers, O(log H) of them on other hosts.
+#[test]
+fn on_4096_ranks_of_8_per_host_ops_cross_hosts_o_h_log_h_times() {
+    const N: usize = 4096;
+    const L: usize = 8;
+    const H: usize = N / L;
+    let topo =
+        Topology::from_ids(&ids(&(0..N).map(|r| r / L).collect::<Vec<_>>())).expect("512 hosts");
+    let log_n = N.trailing_zeros() as usize;
+    let log_h = H.trailing_zeros() as usize;
+
+    let scheds: Vec<Schedule> = (0..N).map(|r| all_reduce(r, &topo, 1, 8)).collect();
+    let total: usize = scheds
+        .iter()
+        .map(|s| {
+            s.transfers()
+                .filter(|t| matches!(t, Transfer::Send { .. }))
+                .count()
+        })
+        .sum();
+    assert!(total <= N * log_n, "{total} messages");
+    assert_eq!(cross_host_sends(&topo, &scheds), H * log_h);
+    let out = simulate(
+        scheds,
+        vec![vec![]; N],
+        (0..N).map(|r| data(r, 1)).collect(),
+        ReduceOp::Sum,
+    )
+    .expect("runs");
+    let want = reduced(N, 1, ReduceOp::Sum);
+    assert!(out.iter().all(|o| *o == want));
+
+    let scheds: Vec<Schedule> = (0..N).map(|r| broadcast(r, &topo, 1, 1234)).collect();
+    assert_eq!(cross_host_sends(&topo, &scheds), H - 1);
+
+    let (most, most_far) = (0..N)
+        .map(|r| {
+            let peers: BTreeSet<usize> = [
+                all_reduce(r, &topo, 1, 8),
+                all_reduce(r, &topo, 1 << 17, 8),
+                broadcast(r, &topo, 1, 1234),
+            ]
+            .iter()
+            .flat_map(|s| s.transfers().filter_map(Transfer::peer).collect::<Vec<_>>())
+            .collect();
+            let far = peers
+                .iter()
+                .filter(|&&p| topo.host_of(p) != topo.host_of(r))
+                .count();
+            (peers.len(), far)
+        })
+        .fold((0, 0), |(a, b), (c, d)| (a.max(c), b.max(d)));
+    assert!(most <= 2 * log_h + L, "{most} peers on one rank");
+    assert!(most_far <= 2 * log_h + 1, "{most_far} peers off the host");
+}
