@@ -15,6 +15,7 @@
 //! | [`all_reduce`], larger, every host with `L` ranks | reduce-scatter on the host (`L` blocks), then for each block an all-reduce along its rail (`H` ranks, [`all_reduce_auto`] on `1/L` of the buffer), then all-gather on the host | `L` all-reduces of `1/L` of the buffer, in parallel |
 //! | [`broadcast`] | binomial tree among the hosts' representatives (the root on its host, the leader elsewhere), then within each host | `H - 1` |
 //! | [`reduce`] | [`reduce_auto`] to each host's representative, then among the representatives to the root | those of one `H`-rank reduce |
+//! | [`barrier_rounds`] | binomial fan-in to the leader, dissemination among the leaders, binomial fan-out | `H ceil(log2 H)` |
 //!
 //! A host's *leader* is its lowest rank. Every choice here is a pure
 //! function of arguments every rank agrees on (the records every rank
@@ -284,6 +285,59 @@ pub fn reduce(
         );
     }
     c.finish()
+}
+
+/// The rounds of a two-level barrier for `rank`, as `(send to, receive
+/// from)` pairs of empty messages, either side possibly absent: a binomial
+/// fan-in to the host's leader, the dissemination rounds of
+/// [`barrier_rounds`](super::schedule::barrier_rounds) among the `H`
+/// leaders, and a binomial fan-out from the leader. A rank leaves its last
+/// round only after every rank entered the barrier: its leader's fan-out
+/// starts after the leaders' dissemination, which ends after every
+/// leader's fan-in. At most `2 ceil(log2 L) + ceil(log2 H)` rounds;
+/// messages between hosts only among leaders. Empty for a `rank` outside
+/// the topology.
+pub fn barrier_rounds(rank: usize, topo: &Topology) -> Vec<(Option<usize>, Option<usize>)> {
+    if rank >= topo.size() {
+        return Vec::new();
+    }
+    let (h, v) = (topo.host_of[rank], topo.local[rank]);
+    let host = &topo.members[h];
+    let l = host.len();
+    let mut rounds = Vec::new();
+    // Fan-in: as `reduce_tree` rooted at local index 0.
+    let mut mask = 1usize;
+    while mask < l {
+        if v & mask != 0 {
+            rounds.push((Some(host[v - mask]), None));
+            break;
+        }
+        if v + mask < l {
+            rounds.push((None, Some(host[v + mask])));
+        }
+        mask = mask.saturating_mul(2);
+    }
+    if v == 0 {
+        let leader = |x: usize| topo.members[x][0];
+        rounds.extend(
+            super::schedule::barrier_rounds(h, topo.hosts())
+                .into_iter()
+                .map(|(to, from)| (Some(leader(to)), Some(leader(from)))),
+        );
+    }
+    // Fan-out: as `broadcast` from local index 0.
+    let mut mask = 1usize;
+    while mask < l {
+        if v < mask {
+            if v + mask < l {
+                rounds.push((Some(host[v + mask]), None));
+            }
+        } else if v - mask < mask {
+            rounds.push((None, Some(host[v - mask])));
+        }
+        mask = mask.saturating_mul(2);
+    }
+    rounds
 }
 
 #[cfg(test)]

@@ -298,3 +298,74 @@ fn on_4096_ranks_of_8_per_host_ops_cross_hosts_o_h_log_h_times() {
     assert!(most <= 2 * log_h + L, "{most} peers on one rank");
     assert!(most_far <= 2 * log_h + 1, "{most_far} peers off the host");
 }
+
+/// A barrier's rounds as a schedule the in-memory executor runs: each
+/// message carries what its sender knows of who entered the barrier (one
+/// element per rank, combined with `Max`), sent as it was before the
+/// round, as the empty messages of a real barrier are sent at its start.
+fn barrier_schedule(rounds: &[(Option<usize>, Option<usize>)], n: usize) -> Schedule {
+    let steps = rounds
+        .iter()
+        .map(|&(to, from)| Step {
+            transfers: to
+                .map(|peer| Transfer::Send {
+                    peer,
+                    buf: BufId::Dst,
+                    range: 0..n,
+                })
+                .into_iter()
+                .chain(from.map(|peer| Transfer::Recv {
+                    peer,
+                    buf: BufId::Dst,
+                    range: 0..n,
+                    action: crate::backends::cpu::schedule::RecvAction::Reduce,
+                }))
+                .collect(),
+        })
+        .collect();
+    Schedule { steps }
+}
+
+/// Every rank of the two-level barrier finishes knowing that every rank
+/// entered it, its rounds pair up (no deadlock, no unmatched message), it
+/// crosses hosts only between leaders, and it takes at most
+/// `2 ceil(log2 L) + ceil(log2 H)` rounds.
+#[test]
+fn barrier_rounds_reach_every_rank_and_cross_hosts_only_between_leaders() {
+    let mut layouts: Vec<Topology> = topologies();
+    layouts.push(
+        Topology::from_ids(&ids(&(0..64).map(|r| r / 8).collect::<Vec<_>>())).expect("8 × 8"),
+    );
+    for topo in layouts {
+        let n = topo.size();
+        let rounds: Vec<Vec<(Option<usize>, Option<usize>)>> =
+            (0..n).map(|r| barrier_rounds(r, &topo)).collect();
+        let scheds: Vec<Schedule> = rounds.iter().map(|r| barrier_schedule(r, n)).collect();
+        let known: Vec<Vec<f64>> = (0..n)
+            .map(|r| (0..n).map(|q| f64::from(u8::from(q == r))).collect())
+            .collect();
+        let out = simulate(scheds, vec![vec![]; n], known, ReduceOp::Max)
+            .unwrap_or_else(|e| panic!("{topo:?}: {e}"));
+        for (r, k) in out.iter().enumerate() {
+            assert!(
+                k.iter().all(|&x| x == 1.0),
+                "rank {r} of {topo:?} left early: {k:?}"
+            );
+        }
+        let ceil_log = |x: usize| x.next_power_of_two().trailing_zeros() as usize;
+        for (r, mine) in rounds.iter().enumerate() {
+            let h = topo.host_of(r);
+            let l = topo.members(h).len();
+            assert!(mine.len() <= 2 * ceil_log(l) + ceil_log(topo.hosts()));
+            for p in mine.iter().flat_map(|&(a, b)| [a, b]).flatten() {
+                if topo.host_of(p) != h {
+                    assert!(
+                        topo.members(h)[0] == r && topo.members(topo.host_of(p))[0] == p,
+                        "{r} and {p} are not both leaders"
+                    );
+                }
+            }
+        }
+    }
+    assert!(barrier_rounds(9, &Topology::from_ids(&["a", "a", "b"]).expect("2 hosts")).is_empty());
+}

@@ -53,7 +53,8 @@
 //!   algorithm's messages, each stamped with the op's fingerprint (LK-9):
 //!   a small op its fused plan's non-empty data parts, one Data frame each
 //!   (the direct algorithm of `fused`), a larger one its schedule, a barrier
-//!   the dissemination rounds of [`schedule::barrier_rounds`], a
+//!   the dissemination rounds of [`schedule::barrier_rounds`] (across
+//!   hosts those of [`hier::barrier_rounds`]), a
 //!   point-to-point batch one frame per transfer with that transfer's
 //!   fingerprint. An abort caused by a mismatch marks its Abort frames, so
 //!   peers report a `Mismatch` too.
@@ -147,7 +148,7 @@ pub struct CpuBackend {
     /// ([`Backend::abort_for`]): the Abort frames say so (LK-9).
     abort_mismatch: bool,
     /// The hosts of a communicator that spans several, whose all-reduce,
-    /// broadcast and reduce then run hierarchically ([`hier`]). O(N).
+    /// broadcast, reduce and barrier then run hierarchically ([`hier`]). O(N).
     topo: Option<hier::Topology>,
 }
 
@@ -1098,25 +1099,35 @@ async fn run_links<'a>(
     } = links;
     let shm = &shm[..];
     let is_shm = |p: usize| shm.get(p).is_some_and(Option::is_some);
-    let (shm_sends, tcp_sends): (Vec<_>, Vec<_>) = sends.into_iter().partition(|(p, _)| is_shm(*p));
-    let (shm_recvs, tcp_recvs): (Vec<_>, Vec<_>) = recvs.into_iter().partition(|(p, _)| is_shm(*p));
-    let mut tcp_w = Vec::with_capacity(writers.len());
-    for (p, w) in writers.iter_mut().enumerate() {
-        tcp_w.push(if is_shm(p) { None } else { w.as_mut() });
+    let (shm_sends, mut tcp_sends): (Vec<_>, Vec<_>) =
+        sends.into_iter().partition(|(p, _)| is_shm(*p));
+    let (shm_recvs, mut tcp_recvs): (Vec<_>, Vec<_>) =
+        recvs.into_iter().partition(|(p, _)| is_shm(*p));
+    // Only the step's peers' links, in O(its peers), whatever N is.
+    tcp_sends.sort_unstable_by_key(|(p, _)| *p);
+    tcp_recvs.sort_unstable_by_key(|(p, _)| *p);
+    let mut shm_peers: Vec<usize> = shm_sends.iter().map(|(p, _)| *p).collect();
+    shm_peers.extend(shm_recvs.iter().map(|(p, _)| *p));
+    shm_peers.sort_unstable();
+    shm_peers.dedup();
+    // The readers: of the TCP receives, and of the shared-memory peers for
+    // their liveness (never the same peer).
+    let (n_tcp, n_shm) = (tcp_recvs.len(), shm_peers.len());
+    let mut reader_peers = shm_peers;
+    if n_tcp > 0 {
+        reader_peers.extend(tcp_recvs.iter().map(|(p, _)| *p));
+        reader_peers.sort_unstable();
     }
-    let (mut tcp_r, mut shm_r) = (
-        Vec::with_capacity(readers.len()),
-        Vec::with_capacity(readers.len()),
-    );
-    for (p, r) in readers.iter_mut().enumerate() {
+    let mut tcp_r = Vec::with_capacity(n_tcp);
+    let mut shm_r = Vec::with_capacity(n_shm);
+    for (p, r) in pick(readers, reader_peers.into_iter()) {
         if is_shm(p) {
-            tcp_r.push(None);
-            shm_r.push(r.as_mut());
+            shm_r.push((p, r));
         } else {
-            tcp_r.push(r.as_mut());
-            shm_r.push(None);
+            tcp_r.push((p, r));
         }
     }
+    let tcp_w = pick(writers, tcp_sends.iter().map(|(p, _)| *p));
     let shm_idle = shm_sends.is_empty() && shm_recvs.is_empty();
     let tcp_idle = tcp_sends.is_empty() && tcp_recvs.is_empty();
     // SX-3: sleep in the kernel only where the turn may block its thread,
@@ -1136,14 +1147,47 @@ async fn run_links<'a>(
     }
 }
 
+/// The entries of `v` at `peers`, each with its index, as disjoint
+/// mutable borrows: one entry per item of `peers`, in order, `None` for an
+/// index past `v`, one that repeats or one below its predecessor (the
+/// callers pass ascending, distinct indices). O(peers), not O(`v.len()`):
+/// a step touches only its own peers' links.
+fn pick<T, I: Iterator<Item = usize>>(
+    v: &mut [Option<T>],
+    peers: I,
+) -> Vec<(usize, Option<&mut T>)> {
+    let mut out = Vec::with_capacity(peers.size_hint().0);
+    let mut rest = v;
+    // The index of `rest[0]`.
+    let mut base = 0;
+    for p in peers {
+        let found = match p.checked_sub(base) {
+            Some(skip) => match std::mem::take(&mut rest)
+                .get_mut(skip..)
+                .and_then(<[Option<T>]>::split_first_mut)
+            {
+                Some((first, tail)) => {
+                    rest = tail;
+                    base = p + 1;
+                    first.as_mut()
+                }
+                None => None,
+            },
+            None => None,
+        };
+        out.push((p, found));
+    }
+    out
+}
+
 /// Run per-peer send and receive lists concurrently: one task-free future per
 /// (peer, direction), frames in list order. On the first error the receives
 /// are dropped and the sends get [`DRAIN_BOUND`] to finish ([CPU-3]).
 ///
 /// [CPU-3]: self#invariants
 async fn run_transfers<'a>(
-    writers: Vec<Option<&'a mut LinkWriter>>,
-    readers: Vec<Option<&'a mut LinkReader>>,
+    writers: Vec<(usize, Option<&'a mut LinkWriter>)>,
+    readers: Vec<(usize, Option<&'a mut LinkReader>)>,
     ctx: &'a OpCtx,
     class: FrameClass,
     sends: Vec<(usize, SendFrames<'a>)>,
@@ -1151,28 +1195,9 @@ async fn run_transfers<'a>(
 ) -> Result<()> {
     let mut send_futs: FuturesUnordered<BoxFut<'a>> = FuturesUnordered::new();
     let mut recv_futs: FuturesUnordered<BoxFut<'a>> = FuturesUnordered::new();
-    let mut sends: Vec<Option<SendFrames<'a>>> = {
-        let mut v: Vec<Option<SendFrames<'a>>> = (0..writers.len()).map(|_| None).collect();
-        for (p, f) in sends {
-            if let Some(slot) = v.get_mut(p) {
-                *slot = Some(f);
-            }
-        }
-        v
-    };
-    let mut recvs: Vec<Option<RecvFrames<'a>>> = {
-        let mut v: Vec<Option<RecvFrames<'a>>> = (0..readers.len()).map(|_| None).collect();
-        for (p, f) in recvs {
-            if let Some(slot) = v.get_mut(p) {
-                *slot = Some(f);
-            }
-        }
-        v
-    };
-    for (peer, w) in writers.into_iter().enumerate() {
-        let Some(frames) = sends[peer].take() else {
-            continue;
-        };
+    // `writers` and `readers` hold the links of exactly the peers of
+    // `sends` and `recvs` (one entry per peer), in the same order.
+    for ((peer, frames), (_, w)) in sends.into_iter().zip(writers) {
         let Some(w) = w else {
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
@@ -1186,10 +1211,7 @@ async fn run_transfers<'a>(
             Ok(())
         }));
     }
-    for (peer, r) in readers.into_iter().enumerate() {
-        let Some(frames) = recvs[peer].take() else {
-            continue;
-        };
+    for ((peer, frames), (_, r)) in recvs.into_iter().zip(readers) {
         let Some(r) = r else {
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
@@ -1339,26 +1361,37 @@ impl Backend for CpuBackend {
 
 impl CpuBackend {
     /// CPU-6: a barrier without a header exchange: the dissemination
-    /// barrier's empty messages, `ceil(log2 N)` rounds.
+    /// barrier's empty messages, `ceil(log2 N)` rounds, or, across hosts,
+    /// the two-level rounds of [`hier::barrier_rounds`].
     async fn barrier(&mut self, ctx: &OpCtx) -> Result<()> {
         let class = class_of(ctx);
-        for (to, from) in builders::barrier_rounds(self.rank, self.size) {
+        let rounds: Vec<(Option<usize>, Option<usize>)> = match &self.topo {
+            Some(t) => hier::barrier_rounds(self.rank, t),
+            None => builders::barrier_rounds(self.rank, self.size)
+                .into_iter()
+                .map(|(to, from)| (Some(to), Some(from)))
+                .collect(),
+        };
+        for (to, from) in rounds {
             let mut none: [u8; 0] = [];
-            run_links(
-                &mut self.links,
-                ctx,
-                class,
-                vec![(to, vec![(FrameKind::Data, Tag::of(ctx), &[][..])])],
-                vec![(
-                    from,
-                    vec![(
-                        FrameKind::Data,
-                        Tag::of(ctx),
-                        RecvInto::Exact(&mut none[..]),
-                    )],
-                )],
-            )
-            .await?;
+            let sends = to
+                .map(|to| (to, vec![(FrameKind::Data, Tag::of(ctx), &[][..])]))
+                .into_iter()
+                .collect();
+            let recvs = from
+                .map(|from| {
+                    (
+                        from,
+                        vec![(
+                            FrameKind::Data,
+                            Tag::of(ctx),
+                            RecvInto::Exact(&mut none[..]),
+                        )],
+                    )
+                })
+                .into_iter()
+                .collect();
+            run_links(&mut self.links, ctx, class, sends, recvs).await?;
         }
         Ok(())
     }
@@ -1473,5 +1506,38 @@ impl CpuBackend {
             out.as_bytes_mut().copy_from_slice(from);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick;
+
+    #[test]
+    fn pick_borrows_exactly_the_named_entries_and_flags_bad_indices() {
+        let mut v: Vec<Option<u32>> = vec![Some(0), None, Some(2), Some(3), Some(4)];
+        let got: Vec<(usize, Option<u32>)> = pick(&mut v, [0, 1, 3, 3, 2, 9].into_iter())
+            .into_iter()
+            .map(|(p, r)| (p, r.map(|x| *x)))
+            .collect();
+        // 1 holds no link; the repeated 3, the 2 after it and 9 past the end are None.
+        assert_eq!(
+            got,
+            vec![
+                (0, Some(0)),
+                (1, None),
+                (3, Some(3)),
+                (3, None),
+                (2, None),
+                (9, None)
+            ]
+        );
+        for (_, r) in pick(&mut v, [2, 4].into_iter()) {
+            if let Some(x) = r {
+                *x += 10;
+            }
+        }
+        assert_eq!(v, vec![Some(0), None, Some(12), Some(3), Some(14)]);
+        assert!(pick(&mut v, std::iter::empty()).is_empty());
     }
 }

@@ -649,15 +649,16 @@ pub(crate) type Sends<'a> = Vec<(usize, Vec<(FrameKind, Tag, &'a [u8])>)>;
 pub(crate) type Recvs<'a> = Vec<(usize, Vec<(FrameKind, Tag, RecvInto<'a>)>)>;
 
 /// Run every frame of `sends` and `recvs` over the peers' rings, in order
-/// per (peer, direction), all peers at once. `readers[peer]` is the peer's
-/// TCP reader (liveness and Abort frames, [SX-2]). `may_block`: whether the
+/// per (peer, direction), all peers at once. `readers` holds the TCP
+/// reader of every peer of the step, with its rank (liveness and Abort
+/// frames, [SX-2]). `may_block`: whether the
 /// engine may sleep in the kernel ([SX-3]).
 ///
 /// [SX-2]: self#invariants
 /// [SX-3]: self#invariants
 pub(crate) async fn run_shm(
     links: &[Option<ShmLink>],
-    mut readers: Vec<Option<&mut LinkReader>>,
+    mut readers: Vec<(usize, Option<&mut LinkReader>)>,
     ctx: &OpCtx,
     class: FrameClass,
     sends: Sends<'_>,
@@ -824,7 +825,11 @@ pub(crate) async fn run_shm(
         peers.sort_unstable();
         peers.dedup();
         for peer in peers {
-            let Some(r) = readers.get_mut(peer).and_then(|r| r.as_deref_mut()) else {
+            let Some(r) = readers
+                .iter_mut()
+                .find(|(p, _)| *p == peer)
+                .and_then(|(_, r)| r.as_deref_mut())
+            else {
                 continue;
             };
             match r.liveness() {
