@@ -34,7 +34,10 @@
 //!   aborts fire) and checks the TCP link of every peer it waits for: a
 //!   closed link is `PeerFailed`, a readable one carries the peer's Abort
 //!   frame (nothing else travels on the TCP link of a shared-memory peer)
-//!   and becomes `PeerFailed` with the peer's reason.
+//!   and becomes `PeerFailed` with the peer's reason. A closed link fails
+//!   the step only after one more pass over the rings moved nothing: a
+//!   peer whose sends completed may exit while its data is still in the
+//!   ring.
 //! - SX-8: while it makes progress the engine also returns to the runtime,
 //!   at least every [`pace::SLICE`] of work ([PA-1]): each job moves at
 //!   most [`UNIT`] bytes (or one single-copy read step) before the engine
@@ -140,7 +143,7 @@ const CMA_COPY_STEP: usize = 1 << 20;
 const YIELDS: u32 = 8;
 
 /// CPUs this process may run on (cached).
-fn cpus() -> usize {
+pub(crate) fn cpus() -> usize {
     static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *V.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
@@ -737,7 +740,10 @@ pub(crate) async fn run_shm(
     let mut spin_since: Option<Instant> = None;
     // SX-8: when a step that keeps moving bytes gives the runtime back.
     let mut pace = Pacer::new();
-    loop {
+    // SX-2: a peer seen closed, and whether any byte moved since.
+    let mut closed_seen: Option<usize> = None;
+    let mut moved_since_close = false;
+    'rounds: loop {
         // Every round after the first follows an await: the runtime had
         // its turn.
         pace.rested();
@@ -772,6 +778,7 @@ pub(crate) async fn run_shm(
                 return Ok(());
             }
             if moved > 0 {
+                moved_since_close = true;
                 idle = 0;
                 spin_since = None;
                 if !may_block {
@@ -835,10 +842,19 @@ pub(crate) async fn run_shm(
             match r.liveness() {
                 Liveness::Quiet => {}
                 Liveness::Closed => {
+                    // A peer whose sends completed may finish and close
+                    // while what it sent still sits in the ring: fail only
+                    // if a pass over the rings after seeing the close
+                    // moved nothing.
+                    if closed_seen != Some(peer) || moved_since_close {
+                        closed_seen = Some(peer);
+                        moved_since_close = false;
+                        continue 'rounds;
+                    }
                     return Err(ctx.peer_failed(
                         vec![peer],
                         format!("rank {peer} closed its link (process exited or aborted)"),
-                    ))
+                    ));
                 }
                 Liveness::Readable => {
                     let mut junk = Vec::new();
