@@ -30,11 +30,24 @@ OPS=${OPS:-"all_reduce all_gather broadcast reduce_scatter reduce gather scatter
 BUDGET=${BUDGET:-1}
 ITERS=${ITERS:-100}     # timed ops per size (fewer where BUDGET seconds would be exceeded)
 WARMUP=${WARMUP:-10}
-SYSTEMS=${SYSTEMS:-"chorus chorus-tcp mpich openmpi gloo"}
+# openmpi-tcp: Open MPI forced onto its TCP transport (--mca pml ob1 --mca
+# btl self,tcp), the peer of chorus-tcp; tcp-raw: a C ping-pong over
+# loopback TCP (scripts/tcp_pingpong.c), the limit either can reach.
+SYSTEMS=${SYSTEMS:-"chorus chorus-tcp mpich openmpi openmpi-tcp tcp-raw gloo"}
 ROUNDS=${ROUNDS:-1}
 mkdir -p "$PEERS_DIR" "$OUT"
 
 log() { echo "compare-peers: $*" >&2; }
+# A size as chorus-perf takes it (8, 4K, 128M, 1G) in bytes.
+bytes() {
+  local v=${1^^}
+  case $v in
+    *K) echo $(( ${v%K} << 10 )) ;;
+    *M) echo $(( ${v%M} << 20 )) ;;
+    *G) echo $(( ${v%G} << 30 )) ;;
+    *) echo "$v" ;;
+  esac
+}
 
 # --- installs (idempotent) -------------------------------------------------
 MPICH_VENV=$PEERS_DIR/mpich-venv     # mpich wheel + mpi4py + torch (gloo) + plotting
@@ -64,6 +77,10 @@ fi
 log "building chorus-perf (release)"
 cargo build --release --quiet --bin chorus-perf
 PERF=target/release/chorus-perf
+RAW=$PEERS_DIR/tcp_pingpong
+if [[ " $SYSTEMS " == *" tcp-raw "* ]]; then
+  cc -O2 -o "$RAW" scripts/tcp_pingpong.c
+fi
 BENCH=scripts/peer_bench.py
 
 # --- measurements ----------------------------------------------------------
@@ -96,6 +113,20 @@ for n in $RANKS; do
           timeout 600 /usr/bin/mpirun.openmpi --oversubscribe --allow-run-as-root -n "$n" \
             "$OMPI_VENV/bin/python" "$BENCH" --system openmpi --op "$op" "${common[@]}" --budget "$BUDGET" \
             >> "$RES" 2>"$OUT/openmpi-$op-$n.err" || log "openmpi $op n=$n failed" ;;
+        openmpi-tcp)
+          timeout 600 /usr/bin/mpirun.openmpi --oversubscribe --allow-run-as-root --mca pml ob1 --mca btl self,tcp -n "$n" \
+            "$OMPI_VENV/bin/python" "$BENCH" --system openmpi-tcp --op "$op" "${common[@]}" --budget "$BUDGET" \
+            >> "$RES" 2>"$OUT/openmpi-tcp-$op-$n.err" || log "openmpi-tcp $op n=$n failed" ;;
+        tcp-raw)
+          # Only a 2-process ping-pong, once per round, at the sizes below 1 MiB.
+          if [ "$op" = ping_pong ] && [ "$n" = 2 ]; then
+            size=$(bytes "$MINBYTES"); top=$(bytes "$MAXBYTES")
+            [ "$top" -gt $((1 << 20)) ] && top=$((1 << 20))
+            while [ "$size" -le "$top" ]; do
+              timeout 600 "$RAW" "$size" 20000 >> "$RES" || log "tcp-raw size $size failed"
+              size=$((size * FACTOR))
+            done
+          fi ;;
         gloo)
           timeout 600 "$MPICH_VENV/bin/python" "$BENCH" --system gloo --op "$op" -n "$n" "${common[@]}" \
             --budget "$BUDGET" >> "$RES" 2>"$OUT/gloo-$op-$n.err" || log "gloo $op n=$n failed" ;;

@@ -43,13 +43,15 @@ def main():
     path, out = sys.argv[1], sys.argv[2]
     data, rounds = load(path)
     print(f"(median over {rounds} round(s) per point)")
-    peers = ["mpich", "openmpi", "gloo", "chorus-tcp"]
+    peers = ["mpich", "openmpi", "gloo", "chorus-tcp", "openmpi-tcp", "tcp-raw"]
     for (n, op), systems in sorted(data.items()):
         print(f"\n### {op}, {n} ranks (busbw GB/s; time µs for sizes < 64 KiB; ratio = chorus / peer)\n")
         present = [s for s in ["chorus"] + peers if s in systems]
-        hdr = "| size | " + " | ".join(present) + " | " + " | ".join(f"chorus/{p}" for p in present if p != "chorus") + " |"
+        tcp_peers = [p for p in ("openmpi-tcp", "tcp-raw") if p in present]
+        hdr = "| size | " + " | ".join(present) + " | " + " | ".join(f"chorus/{p}" for p in present if p != "chorus")
+        hdr += "".join(f" | chorus-tcp/{p}" for p in tcp_peers) + " |"
         print(hdr)
-        print("|" + "---|" * (1 + 2 * len(present) - 1))
+        print("|" + "---|" * (1 + 2 * len(present) - 1 + len(tcp_peers)))
         sizes = sorted(set().union(*[systems[s].keys() for s in present]))
         for size in sizes:
             small = size < 64 << 10
@@ -69,6 +71,19 @@ def main():
                     ratios.append(f"{c[0] / v[0]:.2f}× t")
                 else:
                     ratios.append(f"**{c[1] / v[1]:.2f}**" if c[1] < v[1] else f"{c[1] / v[1]:.2f}")
+            # The TCP path against its peers: chorus-tcp / openmpi-tcp and
+            # chorus-tcp / tcp-raw (time ratios below 64 KiB, < 1: Chorus
+            # faster; busbw ratios above).
+            t = systems.get("chorus-tcp", {}).get(size)
+            for peer in ("openmpi-tcp", "tcp-raw"):
+                if peer in present:
+                    v = systems[peer].get(size)
+                    if v is None or t is None:
+                        ratios.append("-")
+                    elif small:
+                        ratios.append(f"tcp {t[0] / v[0]:.2f}× t")
+                    else:
+                        ratios.append(f"tcp {t[1] / v[1]:.2f}")
             print(f"| {size} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     try:
         import matplotlib

@@ -1365,3 +1365,145 @@ async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
     })
     .await;
 }
+
+/// Two ranks on different hosts (so their link is TCP) whose ops run as a
+/// blocked caller runs them (`may_block`): each on its own thread, which
+/// may wait in the kernel (the TCP latency path).
+async fn tcp_pair() -> Vec<CpuBackend> {
+    let store = Arc::new(MemoryStore::new());
+    let prefix = "comm/tcp-pair#0/epoch/3";
+    join_all((0..2).map(|r| {
+        CpuBackend::connect(BackendInit {
+            host_id: Some(format!("host-{r}")),
+            ..init(&store, prefix, r, 2, b"s", Duration::from_secs(10))
+        })
+    }))
+    .await
+    .into_iter()
+    .map(|b| b.expect("connect"))
+    .collect()
+}
+
+/// Run `f` on a thread of its own that may block, as a blocked caller's
+/// turn does.
+fn blocking<T: Send + 'static>(
+    f: impl FnOnce(&tokio::runtime::Handle) -> T + Send + 'static,
+) -> tokio::task::JoinHandle<T> {
+    let h = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || f(&h))
+}
+
+fn blocked_ctx(rank: usize, kind: OpKind, seq: u64) -> OpCtx {
+    OpCtx {
+        headers: false,
+        may_block: true,
+        ..ctx(rank, 2, kind, seq)
+    }
+}
+
+/// Ping-pong and all-reduce over TCP from blocked callers (the latency
+/// path: sockets polled and waited on by the caller's thread) deliver every
+/// message in order, interleaved with ops polled as tasks (the reactor
+/// path) on the same links.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_callers_over_tcp_get_every_message_in_order() {
+    bounded(async {
+        let mut w = tcp_pair().await;
+        let b1 = w.pop().expect("rank 1");
+        let b0 = w.pop().expect("rank 0");
+        let rounds = 300u64;
+        let run = |mut b: CpuBackend, rank: usize| {
+            blocking(move |h| {
+                for i in 0..rounds {
+                    // Every third round polled as a task: the reactor path.
+                    let mut c = blocked_ctx(rank, OpKind::AllReduce, i);
+                    c.may_block = i % 3 != 0;
+                    let mut d = OpData::AllReduce {
+                        buf: Tensor::from_vec(vec![(rank as i64 + 1) * i as i64; 3]),
+                        op: ReduceOp::Sum,
+                    };
+                    h.block_on(b.execute(&c, &mut d))?;
+                    let OpData::AllReduce { buf, .. } = d else {
+                        unreachable!()
+                    };
+                    assert_eq!(buf.to_vec::<i64>(), vec![3 * i as i64; 3], "round {i}");
+                    let mut p = OpData::P2P {
+                        ops: vec![P2PTransfer {
+                            peer: 1 - rank,
+                            seq: i,
+                            send: rank == (i % 2) as usize,
+                            buf: Tensor::from_vec(vec![i as u32, rank as u32]),
+                        }],
+                    };
+                    let c = OpCtx {
+                        may_block: c.may_block,
+                        ..blocked_ctx(rank, OpKind::P2P, i)
+                    };
+                    h.block_on(b.execute(&c, &mut p))?;
+                    let OpData::P2P { ops } = p else {
+                        unreachable!()
+                    };
+                    if rank != (i % 2) as usize {
+                        assert_eq!(ops[0].buf.to_vec::<u32>(), vec![i as u32, 1 - rank as u32]);
+                    }
+                }
+                Ok::<_, Error>(b)
+            })
+        };
+        let (r0, r1) = (run(b0, 0), run(b1, 1));
+        let b0 = r0.await.expect("join").expect("rank 0");
+        let b1 = r1.await.expect("join").expect("rank 1");
+        assert!(b0.topology().is_none() && b1.topology().is_none());
+    })
+    .await;
+}
+
+/// A blocked caller waiting in the kernel for a TCP peer that dies gets
+/// `PeerFailed` naming it promptly, not after a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_caller_over_tcp_learns_at_once_that_its_peer_died() {
+    bounded(async {
+        let mut w = tcp_pair().await;
+        let mut b1 = w.pop().expect("rank 1");
+        let mut b0 = w.pop().expect("rank 0");
+        let p2p = |rank: usize, send: bool| OpData::P2P {
+            ops: vec![P2PTransfer {
+                peer: 1 - rank,
+                seq: 0,
+                send,
+                buf: Tensor::from_vec(vec![7u8]),
+            }],
+        };
+        let waiter = blocking(move |h| {
+            // Tell rank 1 that this rank is about to wait.
+            h.block_on(b0.execute(&blocked_ctx(0, OpKind::P2P, 0), &mut p2p(0, true)))
+                .expect("send");
+            let mut d = OpData::AllReduce {
+                buf: Tensor::from_vec(vec![1.0f32; 4]),
+                op: ReduceOp::Sum,
+            };
+            let t = Instant::now();
+            let r = h.block_on(b0.execute(&blocked_ctx(0, OpKind::AllReduce, 0), &mut d));
+            (r, t.elapsed())
+        });
+        // Once rank 0 is on its way into the wait, rank 1 goes away without
+        // a word.
+        b1.execute(
+            &OpCtx {
+                headers: false,
+                ..ctx(1, 2, OpKind::P2P, 0)
+            },
+            &mut p2p(1, false),
+        )
+        .await
+        .expect("recv");
+        drop(b1);
+        let (r, took) = waiter.await.expect("join");
+        match r {
+            Err(Error::PeerFailed { failed_ranks, .. }) => assert_eq!(failed_ranks, vec![1]),
+            other => panic!("expected PeerFailed naming rank 1, got {other:?}"),
+        }
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+    })
+    .await;
+}

@@ -64,13 +64,10 @@
 //! [SC-2]: crate::backends::cpu::schedule#invariants
 //! [SC-6]: crate::backends::cpu::schedule#invariants
 
-use std::future::Future;
 use std::ops::Range;
-use std::pin::Pin;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::stream::{FuturesUnordered, StreamExt};
 use tracing::Instrument;
 
 use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
@@ -86,6 +83,7 @@ mod plan;
 pub mod schedule;
 mod shm;
 mod shm_exec;
+mod tcp_exec;
 mod window;
 
 use crate::pace::Pacer;
@@ -96,15 +94,12 @@ use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule};
 use shm_exec::ShmLink;
+use tcp_exec::{run_tcp, RecvFrames, SendFrames};
 
 /// How long `abort` waits for each peer to take its Abort frame.
 const ABORT_BOUND: Duration = Duration::from_secs(1);
 /// How long an aborted link keeps draining its peer's data before closing.
 const ABORT_LINGER: Duration = Duration::from_secs(2);
-/// How long a failed op lets its in-flight sends finish ([CPU-3]).
-///
-/// [CPU-3]: self#invariants
-const DRAIN_BOUND: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
 enum State {
@@ -180,10 +175,6 @@ enum AfterCarried {
     /// fused (per peer: sends to it, receives from it).
     P2P(Vec<bool>, Vec<bool>),
 }
-
-type SendFrames<'a> = Vec<(FrameKind, Tag, &'a [u8])>;
-type RecvFrames<'a> = Vec<(FrameKind, Tag, RecvInto<'a>)>;
-type BoxFut<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
 
 impl CpuBackend {
     /// Bootstrap this rank's data links through the store, and, under the
@@ -1130,16 +1121,32 @@ async fn run_links<'a>(
     let tcp_w = pick(writers, tcp_sends.iter().map(|(p, _)| *p));
     let shm_idle = shm_sends.is_empty() && shm_recvs.is_empty();
     let tcp_idle = tcp_sends.is_empty() && tcp_recvs.is_empty();
-    // SX-3: sleep in the kernel only where the turn may block its thread,
-    // and when no TCP transfer of this step needs this task to poll it.
-    let may_block = tcp_idle && ctx.may_block;
+    // SX-3, TX-2: sleep in the kernel only where the turn may block its
+    // thread, and when no transfer of the other kind in this step needs
+    // this thread to poll it.
     match (shm_idle, tcp_idle) {
-        (true, _) => run_transfers(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs).await,
+        (true, _) => {
+            // TX-2: poll before sleeping only when each rank can have a CPU.
+            let spin = ctx.size <= shm_exec::cpus();
+            let how = tcp_exec::Wait {
+                may_block: ctx.may_block,
+                spin,
+            };
+            run_tcp(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs, how).await
+        }
         (false, true) => {
-            shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, may_block).await
+            shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, ctx.may_block).await
         }
         (false, false) => futures::future::try_join(
-            run_transfers(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs),
+            run_tcp(
+                tcp_w,
+                tcp_r,
+                ctx,
+                class,
+                tcp_sends,
+                tcp_recvs,
+                tcp_exec::Wait::default(),
+            ),
             shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, false),
         )
         .await
@@ -1178,73 +1185,6 @@ fn pick<T, I: Iterator<Item = usize>>(
         out.push((p, found));
     }
     out
-}
-
-/// Run per-peer send and receive lists concurrently: one task-free future per
-/// (peer, direction), frames in list order. On the first error the receives
-/// are dropped and the sends get [`DRAIN_BOUND`] to finish ([CPU-3]).
-///
-/// [CPU-3]: self#invariants
-async fn run_transfers<'a>(
-    writers: Vec<(usize, Option<&'a mut LinkWriter>)>,
-    readers: Vec<(usize, Option<&'a mut LinkReader>)>,
-    ctx: &'a OpCtx,
-    class: FrameClass,
-    sends: Vec<(usize, SendFrames<'a>)>,
-    recvs: Vec<(usize, RecvFrames<'a>)>,
-) -> Result<()> {
-    let mut send_futs: FuturesUnordered<BoxFut<'a>> = FuturesUnordered::new();
-    let mut recv_futs: FuturesUnordered<BoxFut<'a>> = FuturesUnordered::new();
-    // `writers` and `readers` hold the links of exactly the peers of
-    // `sends` and `recvs` (one entry per peer), in the same order.
-    for ((peer, frames), (_, w)) in sends.into_iter().zip(writers) {
-        let Some(w) = w else {
-            return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
-        };
-        send_futs.push(Box::pin(async move {
-            // CPU-5: one pacer per (peer, direction), across its frames.
-            let mut pace = Pacer::new();
-            for (kind, tag, payload) in frames {
-                w.send_paced(ctx, kind, class, tag, payload, &mut pace)
-                    .await?;
-            }
-            Ok(())
-        }));
-    }
-    for ((peer, frames), (_, r)) in recvs.into_iter().zip(readers) {
-        let Some(r) = r else {
-            return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
-        };
-        recv_futs.push(Box::pin(async move {
-            let mut pace = Pacer::new();
-            for (kind, tag, into) in frames {
-                r.recv_paced(ctx, kind, class, tag, into, &mut pace).await?;
-            }
-            Ok(())
-        }));
-    }
-    let mut failure = None;
-    while !send_futs.is_empty() || !recv_futs.is_empty() {
-        let r = tokio::select! {
-            Some(r) = send_futs.next(), if !send_futs.is_empty() => r,
-            Some(r) = recv_futs.next(), if !recv_futs.is_empty() => r,
-        };
-        if let Err(e) = r {
-            failure = Some(e);
-            break;
-        }
-    }
-    match failure {
-        None => Ok(()),
-        Some(e) => {
-            drop(recv_futs);
-            let _ = tokio::time::timeout(DRAIN_BOUND, async {
-                while send_futs.next().await.is_some() {}
-            })
-            .await;
-            Err(e)
-        }
-    }
 }
 
 #[async_trait]

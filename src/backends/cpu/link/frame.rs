@@ -65,9 +65,10 @@
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 
+use super::direct::DirectRead;
 use crate::backends::OpCtx;
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
@@ -517,6 +518,14 @@ pub(crate) enum RecvInto<'a> {
 }
 
 impl RecvInto<'_> {
+    /// The most bytes this target takes.
+    pub(crate) fn capacity(&self) -> usize {
+        match self {
+            RecvInto::Exact(b) | RecvInto::Reduce(b, ..) => b.len(),
+            RecvInto::Bounded(_, max) => usize::try_from(*max).unwrap_or(usize::MAX),
+        }
+    }
+
     /// Whether a payload of `len` bytes fits this target (`Err` says why not).
     pub(crate) fn accepts(&self, len: u64) -> std::result::Result<(), String> {
         match self {
@@ -548,7 +557,7 @@ pub(crate) enum Liveness {
 pub(crate) struct LinkReader {
     peer: usize,
     epoch: u64,
-    half: BufReader<OwnedReadHalf>,
+    half: BufReader<DirectRead>,
     /// Require and check a CRC32C on every Header and Data frame ([LK-7](self#invariants)).
     checksum: bool,
 }
@@ -733,13 +742,25 @@ impl LinkReader {
 }
 
 impl LinkReader {
+    /// The socket's file descriptor, to wait on it in the kernel
+    /// ([`super::direct::wait_readable`]).
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
+        self.half.get_ref().fd()
+    }
+
+    /// The switch that makes reads go straight to the socket (DR-1 in
+    /// [`super::direct`]): on only while a blocked caller's latency path
+    /// polls.
+    pub(crate) fn direct_switch(&self) -> super::direct::Switch {
+        self.half.get_ref().switch()
+    }
+
     /// Peek at the socket without blocking: closed, readable, or quiet.
     pub(crate) fn liveness(&self) -> Liveness {
-        use std::os::fd::AsRawFd;
         if !self.half.buffer().is_empty() {
             return Liveness::Readable;
         }
-        let fd = self.half.get_ref().as_ref().as_raw_fd();
+        let fd = self.half.get_ref().fd();
         let mut b = [0u8; 1];
         // SAFETY: `fd` is the live socket owned by this reader; the 1-byte
         // buffer is valid for writes; MSG_PEEK leaves the data in the socket.
@@ -794,7 +815,7 @@ pub(crate) fn split_link(
         LinkReader {
             peer,
             epoch,
-            half: BufReader::with_capacity(64 << 10, r),
+            half: BufReader::with_capacity(64 << 10, DirectRead::new(r)),
             checksum,
         },
         LinkWriter {

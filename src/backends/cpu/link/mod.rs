@@ -6,6 +6,7 @@
 //! | module | owns |
 //! |--------|------|
 //! | [`admission`] | which unauthenticated connections a listener keeps while they handshake |
+//! | [`direct`] | reading a link's socket from a blocked caller's thread, and waiting for it in the kernel |
 //! | [`frame`] | the frame header and Abort payload, and the two halves of an established link |
 //! | [`handshake`] | the four-message proof of the job secret (and the verdict) that opens every link |
 //! | [`pool`] | which links exist, and opening the ones an op needs when it needs them |
@@ -13,7 +14,8 @@
 //!
 //! Each module lists its own invariants ([LK-1], [LK-2], [LK-10] and [LK-11] in [`setup`],
 //! [LK-13]..[LK-15] in [`pool`], [LK-12] in [`admission`], [LK-3], [LK-4],
-//! [LK-7], [LK-8] and [LK-9] in [`frame`], [LK-5] and [LK-6] in [`handshake`]).
+//! [LK-7], [LK-8] and [LK-9] in [`frame`], [LK-5] and [LK-6] in [`handshake`], DR-1
+//! and DR-2 in [`direct`]).
 //!
 //! [LK-1]: crate::backends::cpu::link::setup#invariants
 //! [LK-2]: crate::backends::cpu::link::setup#invariants
@@ -29,6 +31,7 @@
 //! [LK-12]: crate::backends::cpu::link::admission#invariants
 
 pub(crate) mod admission;
+pub(crate) mod direct;
 pub(crate) mod frame;
 pub(crate) mod handshake;
 pub(crate) mod pool;
