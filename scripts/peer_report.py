@@ -51,7 +51,8 @@ def main():
         hdr = "| size | " + " | ".join(present) + " | " + " | ".join(f"chorus/{p}" for p in present if p != "chorus")
         hdr += "".join(f" | chorus-tcp/{p}" for p in tcp_peers) + " |"
         print(hdr)
-        print("|" + "---|" * (1 + 2 * len(present) - 1 + len(tcp_peers)))
+        ncols = 1 + len(present) + len([p for p in present if p != "chorus"]) + len(tcp_peers)
+        print("|" + "---|" * ncols)
         sizes = sorted(set().union(*[systems[s].keys() for s in present]))
         for size in sizes:
             small = size < 64 << 10
