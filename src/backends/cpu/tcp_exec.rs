@@ -20,8 +20,8 @@
 //!   step that receives less than [`CHECK_BYTES`](crate::pace::CHECK_BYTES)
 //!   in all (so a pending receive is always waiting for its socket, never
 //!   for its own pacing, PA-2), and only while every send of the step is
-//!   done, so a blocked wait never holds
-//!   back this rank's own sends. It polls the sockets it waits for
+//!   done, so a blocked wait never holds back this rank's own sends. It
+//!   polls the sockets it waits for
 //!   ([`SPIN_FOR`], only when the communicator has no more ranks than this
 //!   process has CPUs), then sleeps in `ppoll` on them, and returns to the
 //!   runtime at least every [`ROUND`], so aborts and op timeouts fire
@@ -177,12 +177,14 @@ async fn drive<'a>(
         // DR-1: straight from the socket, without a waker, only where this
         // loop will poll again itself.
         let direct_now = direct && sends.is_empty();
+        // DR-3: while this loop polls, the reactor need not hear of what it
+        // reads itself; the socket stays quiet between blocking ops, until
+        // something waits on it (and is not quieted again after its first
+        // sleep, so a long wait costs no socket option calls).
+        let quieting = direct_now && spin && spin_since.is_none_or(|t| t.elapsed() < SPIN_FOR);
         for (fd, switch, slot) in recvs.iter_mut() {
             if let Some(f) = slot {
-                if direct_now {
-                    // DR-3: the reactor need not hear of what this loop
-                    // reads itself; the socket stays quiet between blocking
-                    // ops, until something waits on it.
+                if quieting {
                     switch.quiet(*fd);
                 }
                 switch.set_direct(direct_now);
