@@ -25,8 +25,9 @@
 //! it does on its own, and the executor stages it the same way.
 //!
 //! Memory: a [`Topology`] is O(N) per rank, built once per communicator.
-//! Building one rank's schedule is O(its transfers) plus O(L) for the host
-//! phases' block layout; nothing per op is O(N).
+//! Building one rank's schedule is O(its transfers) plus the block layouts
+//! of its phases, O(L) on the host and O(H) among hosts (as a flat
+//! all-reduce on `H` ranks); nothing per op is O(N).
 //!
 //! ```
 //! use chorus::backends::cpu::hier::{all_reduce, Topology};

@@ -17,15 +17,19 @@
 //!   itself. Otherwise a read goes through tokio, which registers the
 //!   task's waker. Bytes are never read twice or skipped: both paths read
 //!   the same socket in order, under the one `&mut` of the reader.
+//! - DR-2: [`wait_readable`] blocks the calling thread for at most its
+//!   timeout, and only the caller of a blocking op calls it (a thread that
+//!   is not a runtime worker), so no task of the runtime is held up.
 //! - DR-3: while a caller polls sockets itself it may make them quiet
 //!   (`SO_RCVLOWAT` raised, so `epoll` does not report them and the
 //!   reactor is not woken for each message it reads itself); a socket is
 //!   made readable again before anything waits on it: before a `ppoll`
 //!   sleep, and by any read through the reactor. A quiet socket still
 //!   reports a closed connection. Nothing else waits on a link's socket.
-//! - DR-2: [`wait_readable`] blocks the calling thread for at most its
-//!   timeout, and only the caller of a blocking op calls it (a thread that
-//!   is not a runtime worker), so no task of the runtime is held up.
+//!   (Linux caps the raised mark at half of `tcp_rmem`'s maximum and
+//!   grows the socket's receive buffer to hold it, up to that maximum,
+//!   where autotuning may take it anyway; putting the mark back leaves the
+//!   buffer so.)
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -80,7 +84,7 @@ impl Mode {
 pub(crate) struct DirectRead {
     inner: OwnedReadHalf,
     fd: RawFd,
-    direct: Switch,
+    mode: Switch,
 }
 
 impl DirectRead {
@@ -90,7 +94,7 @@ impl DirectRead {
         DirectRead {
             inner,
             fd,
-            direct: Switch::default(),
+            mode: Switch::default(),
         }
     }
 
@@ -101,7 +105,7 @@ impl DirectRead {
 
     /// The switch of this reader's direct mode (off until turned on).
     pub(crate) fn switch(&self) -> Switch {
-        self.direct.clone()
+        self.mode.clone()
     }
 }
 
@@ -111,7 +115,7 @@ impl AsyncRead for DirectRead {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if self.direct.direct.load(Ordering::Relaxed) {
+        if self.mode.direct.load(Ordering::Relaxed) {
             if buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
             }
@@ -145,7 +149,7 @@ impl AsyncRead for DirectRead {
             }
         }
         // DR-3: the reactor must see this socket again before it waits.
-        self.direct.wake(self.fd);
+        self.mode.wake(self.fd);
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
