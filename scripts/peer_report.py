@@ -39,6 +39,18 @@ def load(path):
     return data, rounds
 
 
+def ratio(mine, theirs, small, label=""):
+    """One ratio cell: time ratio below 64 KiB (< 1: ours is faster),
+    busbw ratio above (bold where ours is slower); "-" where either is
+    missing."""
+    if mine is None or theirs is None:
+        return "-"
+    if small:
+        return f"{label}{mine[0] / theirs[0]:.2f}× t"
+    r = f"{mine[1] / theirs[1]:.2f}"
+    return f"{label}**{r}**" if mine[1] < theirs[1] else f"{label}{r}"
+
+
 def main():
     path, out = sys.argv[1], sys.argv[2]
     data, rounds = load(path)
@@ -62,29 +74,13 @@ def main():
                 v = systems[s].get(size)
                 cells.append("-" if v is None else (f"{v[0]:.1f} µs" if small else f"{v[1]:.2f}"))
             for s in present:
-                if s == "chorus":
-                    continue
-                v = systems[s].get(size)
-                if v is None or c is None:
-                    ratios.append("-")
-                elif small:
-                    # Latency ratio: < 1 means Chorus is faster.
-                    ratios.append(f"{c[0] / v[0]:.2f}× t")
-                else:
-                    ratios.append(f"**{c[1] / v[1]:.2f}**" if c[1] < v[1] else f"{c[1] / v[1]:.2f}")
+                if s != "chorus":
+                    ratios.append(ratio(c, systems[s].get(size), small))
             # The TCP path against its peers: chorus-tcp / openmpi-tcp and
-            # chorus-tcp / tcp-raw (time ratios below 64 KiB, < 1: Chorus
-            # faster; busbw ratios above).
+            # chorus-tcp / tcp-raw.
             t = systems.get("chorus-tcp", {}).get(size)
-            for peer in ("openmpi-tcp", "tcp-raw"):
-                if peer in present:
-                    v = systems[peer].get(size)
-                    if v is None or t is None:
-                        ratios.append("-")
-                    elif small:
-                        ratios.append(f"tcp {t[0] / v[0]:.2f}× t")
-                    else:
-                        ratios.append(f"tcp {t[1] / v[1]:.2f}")
+            for peer in tcp_peers:
+                ratios.append(ratio(t, systems[peer].get(size), small, "tcp "))
             print(f"| {size} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     try:
         import matplotlib

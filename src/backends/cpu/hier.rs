@@ -119,6 +119,17 @@ impl Topology {
         &self.members[h]
     }
 
+    /// For `rank` in an op rooted at `root`: its host, that host's ranks
+    /// and that host's representative ([`Topology::rep`]); `None` when
+    /// either rank is outside the topology.
+    fn rooted(&self, rank: usize, root: usize) -> Option<(usize, &[usize], usize)> {
+        if rank >= self.size() || root >= self.size() {
+            return None;
+        }
+        let h = self.host_of[rank];
+        Some((h, &self.members[h], self.rep(h, root)))
+    }
+
     /// Host `h`'s representative for an op rooted at `root`: the root on
     /// its own host, the leader (lowest rank) elsewhere.
     fn rep(&self, h: usize, root: usize) -> usize {
@@ -228,12 +239,9 @@ pub fn all_reduce(rank: usize, topo: &Topology, count: usize, elem_bytes: usize)
 /// elsewhere), then one within each host from its representative. Exactly
 /// `H - 1` messages cross hosts.
 pub fn broadcast(rank: usize, topo: &Topology, count: usize, root: usize) -> Schedule {
-    if rank >= topo.size() || root >= topo.size() {
+    let Some((h, host, rep)) = topo.rooted(rank, root) else {
         return Schedule::default();
-    }
-    let h = topo.host_of[rank];
-    let host = &topo.members[h];
-    let rep = topo.rep(h, root);
+    };
     let mut c = Composer::new();
     if rank == rep {
         c.embed(
@@ -260,12 +268,9 @@ pub fn reduce(
     root: usize,
     elem_bytes: usize,
 ) -> Schedule {
-    if rank >= topo.size() || root >= topo.size() {
+    let Some((h, host, rep)) = topo.rooted(rank, root) else {
         return Schedule::default();
-    }
-    let h = topo.host_of[rank];
-    let host = &topo.members[h];
-    let rep = topo.rep(h, root);
+    };
     let mut c = Composer::new();
     c.embed(
         reduce_auto(

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 
 use super::*;
-use crate::backends::cpu::schedule::tests::{data, reduced, simulate, JUNK};
+use crate::backends::cpu::schedule::tests::{broadcast_input, data, reduced, simulate};
 use crate::backends::cpu::schedule::BufId;
 use crate::op::ReduceOp;
 
@@ -152,15 +152,7 @@ fn broadcast_and_reduce_match_the_reference_from_every_root() {
                     topo.hosts() - 1,
                     "broadcast crosses hosts once per other host"
                 );
-                let dst = (0..n)
-                    .map(|r| {
-                        if r == root {
-                            data(r, count)
-                        } else {
-                            vec![JUNK; count]
-                        }
-                    })
-                    .collect();
+                let dst = broadcast_input(n, count, root);
                 let out = run(scheds, vec![vec![]; n], dst, ReduceOp::Sum);
                 assert!(
                     out.iter().all(|o| *o == data(root, count)),

@@ -393,9 +393,9 @@ fn check_all_gather_in_place(size: usize, counts: &[usize]) {
     }
 }
 
-fn check_broadcast(size: usize, count: usize, root: usize) {
-    let scheds = (0..size).map(|r| broadcast(r, size, count, root)).collect();
-    let dst = (0..size)
+/// A broadcast's buffers: the root's data on `root`, filler elsewhere.
+pub(crate) fn broadcast_input(size: usize, count: usize, root: usize) -> Vec<Vec<f64>> {
+    (0..size)
         .map(|r| {
             if r == root {
                 data(r, count)
@@ -403,7 +403,12 @@ fn check_broadcast(size: usize, count: usize, root: usize) {
                 vec![JUNK; count]
             }
         })
-        .collect();
+        .collect()
+}
+
+fn check_broadcast(size: usize, count: usize, root: usize) {
+    let scheds = (0..size).map(|r| broadcast(r, size, count, root)).collect();
+    let dst = broadcast_input(size, count, root);
     let out = run(scheds, vec![vec![]; size], dst, ReduceOp::Sum);
     for (r, got) in out.iter().enumerate() {
         assert_eq!(
