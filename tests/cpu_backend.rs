@@ -1257,8 +1257,8 @@ async fn run_all(w: &mut [CpuBackend], kind: OpKind, seq: u64, data: &mut [OpDat
 }
 
 /// On a communicator that spans hosts (three of four ranks, named by
-/// `BackendInit::host_id`), all-reduce, broadcast, reduce and barrier run
-/// in two levels: their results are right, and the links a rank opens off its
+/// `BackendInit::host_id`), all-reduce, all-gather, broadcast, reduce and
+/// barrier run in two levels: their results are right, and the links a rank opens off its
 /// host go only to its rail (the ranks with its index on the other hosts)
 /// or, for a host's representative in a rooted or small op, to the other
 /// hosts' representatives.
@@ -1342,6 +1342,22 @@ async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
         assert_eq!(buf.to_vec::<i64>(), vec![66, 12], "reduce at rank {root_r}");
         let mut data: Vec<OpData> = (0..n).map(|_| OpData::Barrier).collect();
         run_all(&mut w, OpKind::Barrier, 4, &mut data).await;
+        let mut data: Vec<OpData> = (0..n)
+            .map(|r| OpData::AllGather {
+                input: Tensor::from_vec(vec![r as i32; 2]),
+                output: Tensor::zeros(DType::I32, 2 * n),
+                counts: vec![2; n],
+                in_place: false,
+            })
+            .collect();
+        run_all(&mut w, OpKind::AllGather, 5, &mut data).await;
+        let want: Vec<i32> = (0..n as i32).flat_map(|r| [r, r]).collect();
+        for (r, d) in data.iter().enumerate() {
+            let OpData::AllGather { output, .. } = d else {
+                unreachable!()
+            };
+            assert_eq!(output.to_vec::<i32>(), want, "all_gather on rank {r}");
+        }
 
         let (host, local) = (|r: usize| r / per_host, |r: usize| r % per_host);
         let rep = |r: usize| local(r) == 0 || r == root_b || r == root_r;

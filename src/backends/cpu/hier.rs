@@ -15,6 +15,7 @@
 //! | [`all_reduce`], larger, every host with `L` ranks | reduce-scatter on the host (`L` blocks), then for each block an all-reduce along its rail (`H` ranks, [`all_reduce_auto`] on `1/L` of the buffer), then all-gather on the host | `L` all-reduces of `1/L` of the buffer, in parallel |
 //! | [`broadcast`] | binomial tree among the hosts' representatives (the root on its host, the leader elsewhere), then within each host | `H - 1` |
 //! | [`reduce`] | [`reduce_auto`] to each host's representative, then among the representatives to the root | those of one `H`-rank reduce |
+//! | [`all_gather`], hosts of consecutive ranks | every rank's block to its host's leader, all-gather of the hosts' spans among the leaders ([`all_gather_auto`](super::schedule::all_gather_auto)), broadcast of the whole output from each leader | those of one `H`-rank all-gather |
 //! | [`barrier_rounds`] | binomial fan-in to the leader, dissemination among the leaders, binomial fan-out | `H ceil(log2 H)` |
 //!
 //! A host's *leader* is its lowest rank. Every choice here is a pure
@@ -47,8 +48,9 @@
 use std::collections::HashMap;
 
 use super::schedule::{
-    all_gather_in_place, all_reduce_auto, broadcast as flat_broadcast, even_counts, offsets,
-    reduce_auto, reduce_scatter, Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
+    all_gather_auto as flat_all_gather, all_gather_in_place, all_reduce_auto,
+    broadcast as flat_broadcast, even_counts, offsets, reduce_auto, reduce_scatter, BufId,
+    Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
 };
 
 /// Which host every rank of a communicator is on. O(N): three words per
@@ -117,6 +119,15 @@ impl Topology {
     /// The ranks of host `h`, ascending.
     pub fn members(&self, h: usize) -> &[usize] {
         &self.members[h]
+    }
+
+    /// Whether every host's ranks are consecutive (hosts then follow one
+    /// another in rank order), as block placement by a launcher makes
+    /// them: the two-level all-gather needs it.
+    pub fn contiguous(&self) -> bool {
+        self.members
+            .iter()
+            .all(|m| m.windows(2).all(|w| w[1] == w[0] + 1))
     }
 
     /// For `rank` in an op rooted at `root`: its host, that host's ranks
@@ -290,6 +301,93 @@ pub fn reduce(
             0,
         );
     }
+    c.finish()
+}
+
+/// All-gather of `counts[r]` elements from every rank `r` (`elem_bytes`
+/// each), buffers as the flat [`all_gather`](super::schedule::all_gather)
+/// (or, with `in_place`, as
+/// [`all_gather_in_place`]), in two
+/// levels when every host's ranks are consecutive ([`Topology::contiguous`]):
+/// each rank's block goes to its host's leader, the leaders all-gather
+/// their hosts' spans of the output, and each leader broadcasts the whole
+/// output on its host. Otherwise the flat all-gather of the tuning table.
+/// An empty schedule for a `rank` outside the topology or `counts` of the
+/// wrong length ([SC-7]).
+///
+/// [SC-7]: super::schedule#invariants
+pub fn all_gather(
+    rank: usize,
+    topo: &Topology,
+    counts: &[usize],
+    in_place: bool,
+    elem_bytes: usize,
+) -> Schedule {
+    let n = topo.size();
+    if rank >= n || counts.len() != n {
+        return Schedule::default();
+    }
+    if !topo.contiguous() {
+        return flat_all_gather(rank, n, counts, in_place, elem_bytes);
+    }
+    let offs = offsets(counts);
+    let total = offs[n];
+    let (h, li) = (topo.host_of[rank], topo.local[rank]);
+    let host = &topo.members[h];
+    let mut c = Composer::new();
+    // The host's blocks to its leader (one step; zero-length blocks skipped).
+    let mut gather = Step::default();
+    let mine = offs[rank]..offs[rank + 1];
+    if li == 0 {
+        for &r in &host[1..] {
+            if counts[r] > 0 {
+                gather.transfers.push(Transfer::Recv {
+                    peer: r,
+                    buf: BufId::Dst,
+                    range: offs[r]..offs[r + 1],
+                    action: super::schedule::RecvAction::Copy,
+                });
+            }
+        }
+        if !in_place && !mine.is_empty() {
+            gather.transfers.push(Transfer::LocalCopy {
+                src: 0..mine.len(),
+                dst: mine,
+            });
+        }
+    } else if !mine.is_empty() {
+        gather.transfers.push(if in_place {
+            Transfer::Send {
+                peer: host[0],
+                buf: BufId::Dst,
+                range: mine,
+            }
+        } else {
+            Transfer::Send {
+                peer: host[0],
+                buf: BufId::Src,
+                range: 0..mine.len(),
+            }
+        });
+    }
+    if !gather.transfers.is_empty() {
+        c.steps.push(gather);
+    }
+    if li == 0 {
+        // The hosts' spans, consecutive in the output.
+        let spans: Vec<usize> = topo
+            .members
+            .iter()
+            .map(|m| offs[m[m.len() - 1] + 1] - offs[m[0]])
+            .collect();
+        let leader = |x: usize| topo.members[x][0];
+        c.embed(
+            flat_all_gather(h, topo.hosts(), &spans, true, elem_bytes),
+            leader,
+            0,
+        );
+    }
+    c.embed(flat_broadcast(li, host.len(), total, 0), |i| host[i], 0);
     c.finish()
 }
 

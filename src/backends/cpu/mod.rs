@@ -143,7 +143,7 @@ pub struct CpuBackend {
     /// ([`Backend::abort_for`]): the Abort frames say so (LK-9).
     abort_mismatch: bool,
     /// The hosts of a communicator that spans several, whose all-reduce,
-    /// broadcast, reduce and barrier then run hierarchically ([`hier`]). O(N).
+    /// all-gather, broadcast, reduce and barrier then run hierarchically ([`hier`]). O(N).
     topo: Option<hier::Topology>,
 }
 
@@ -813,14 +813,12 @@ impl CpuBackend {
                         counts.len()
                     )));
                 }
+                let es = output.dtype().size();
                 Planned {
-                    schedule: builders::all_gather_auto(
-                        rank,
-                        size,
-                        counts,
-                        *in_place,
-                        output.dtype().size(),
-                    ),
+                    schedule: match &self.topo {
+                        Some(t) => hier::all_gather(rank, t, counts, *in_place, es),
+                        None => builders::all_gather_auto(rank, size, counts, *in_place, es),
+                    },
                     src: (!*in_place).then_some(input),
                     dst: output,
                     op: ReduceOp::Sum,
