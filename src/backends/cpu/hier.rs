@@ -49,8 +49,8 @@ use std::collections::HashMap;
 
 use super::schedule::{
     all_gather_auto as flat_all_gather, all_gather_in_place, all_reduce_auto,
-    broadcast as flat_broadcast, even_counts, offsets, reduce_auto, reduce_scatter, BufId,
-    Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
+    broadcast as flat_broadcast, even_counts, offsets, reduce_auto, reduce_scatter, reduce_tree,
+    BufId, Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
 };
 
 /// Which host every rank of a communicator is on. O(N): three words per
@@ -408,19 +408,9 @@ pub fn barrier_rounds(rank: usize, topo: &Topology) -> Vec<(Option<usize>, Optio
     let (h, v) = (topo.host_of[rank], topo.local[rank]);
     let host = &topo.members[h];
     let l = host.len();
-    let mut rounds = Vec::new();
-    // Fan-in: as `reduce_tree` rooted at local index 0.
-    let mut mask = 1usize;
-    while mask < l {
-        if v & mask != 0 {
-            rounds.push((Some(host[v - mask]), None));
-            break;
-        }
-        if v + mask < l {
-            rounds.push((None, Some(host[v + mask])));
-        }
-        mask = mask.saturating_mul(2);
-    }
+    let on_host = |i: usize| host[i];
+    // Fan-in: the messages of a one-element `reduce_tree` to local index 0.
+    let mut rounds = as_rounds(reduce_tree(v, l, 1, 0), on_host);
     if v == 0 {
         let leader = |x: usize| topo.members[x][0];
         rounds.extend(
@@ -429,19 +419,28 @@ pub fn barrier_rounds(rank: usize, topo: &Topology) -> Vec<(Option<usize>, Optio
                 .map(|(to, from)| (Some(leader(to)), Some(leader(from)))),
         );
     }
-    // Fan-out: as `broadcast` from local index 0.
-    let mut mask = 1usize;
-    while mask < l {
-        if v < mask {
-            if v + mask < l {
-                rounds.push((Some(host[v + mask]), None));
-            }
-        } else if v - mask < mask {
-            rounds.push((None, Some(host[v - mask])));
-        }
-        mask = mask.saturating_mul(2);
-    }
+    // Fan-out: those of a one-element binomial broadcast from local index 0.
+    rounds.extend(as_rounds(flat_broadcast(v, l, 1, 0), on_host));
     rounds
+}
+
+/// The steps of a schedule whose steps each hold at most one send and one
+/// receive (a binomial tree's), as barrier rounds: the rank each step
+/// sends to and receives from, through `rank_of`.
+fn as_rounds(s: Schedule, rank_of: impl Fn(usize) -> usize) -> Vec<(Option<usize>, Option<usize>)> {
+    s.steps
+        .iter()
+        .map(|step| {
+            let peer = |send: bool| {
+                step.transfers
+                    .iter()
+                    .find(|t| matches!(t, Transfer::Send { .. }) == send)
+                    .and_then(Transfer::peer)
+                    .map(&rank_of)
+            };
+            (peer(true), peer(false))
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -88,13 +88,14 @@ mod window;
 
 use crate::pace::Pacer;
 use link::{
-    FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Tag, MAX_HEADER_FRAME, WORK_UNIT,
+    FrameClass, FrameKind, LinkReader, LinkWriter, RecvFrames, RecvInto, SendFrames, Tag,
+    MAX_HEADER_FRAME, WORK_UNIT,
 };
 use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
 use schedule::{BufId, RecvAction, Schedule};
 use shm_exec::ShmLink;
-use tcp_exec::{run_tcp, RecvFrames, SendFrames};
+use tcp_exec::run_tcp;
 
 /// How long `abort` waits for each peer to take its Abort frame.
 const ABORT_BOUND: Duration = Duration::from_secs(1);

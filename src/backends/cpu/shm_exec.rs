@@ -89,7 +89,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto, Tag};
+use super::link::{
+    self, FrameClass, FrameKind, LinkReader, Liveness, RecvFrames, RecvInto, SendFrames, Tag,
+};
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
@@ -646,10 +648,10 @@ impl RecvJob<'_> {
     }
 }
 
-/// Per-peer frames to send / receive (as for the TCP links).
-pub(crate) type Sends<'a> = Vec<(usize, Vec<(FrameKind, Tag, &'a [u8])>)>;
+/// Per-peer frames to send (as for the TCP links).
+pub(crate) type Sends<'a> = Vec<(usize, SendFrames<'a>)>;
 /// Per-peer frames to receive.
-pub(crate) type Recvs<'a> = Vec<(usize, Vec<(FrameKind, Tag, RecvInto<'a>)>)>;
+pub(crate) type Recvs<'a> = Vec<(usize, RecvFrames<'a>)>;
 
 /// Run every frame of `sends` and `recvs` over the peers' rings, in order
 /// per (peer, direction), all peers at once. `readers` holds the TCP

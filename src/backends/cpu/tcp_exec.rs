@@ -40,15 +40,11 @@ use std::time::{Duration, Instant};
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use super::link::direct::{wait_readable, Switch};
-use super::link::{FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Tag};
+use super::link::{FrameClass, LinkReader, LinkWriter, RecvFrames, SendFrames};
 use crate::backends::OpCtx;
 use crate::error::Result;
 use crate::pace::Pacer;
 
-/// Per-peer frames to send.
-pub(crate) type SendFrames<'a> = Vec<(FrameKind, Tag, &'a [u8])>;
-/// Per-peer frames to receive.
-pub(crate) type RecvFrames<'a> = Vec<(FrameKind, Tag, RecvInto<'a>)>;
 type BoxFut<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
 /// One peer's receives: its socket, its reader's direct switch, and the
 /// future (`None` once done).
@@ -217,6 +213,10 @@ async fn drive<'a>(
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
+        if spin && spin_since.get_or_insert_with(Instant::now).elapsed() < SPIN_FOR {
+            std::hint::spin_loop();
+            continue;
+        }
         fds.clear();
         fds.extend(
             recvs
@@ -224,10 +224,6 @@ async fn drive<'a>(
                 .filter(|(_, _, f)| f.is_some())
                 .map(|(fd, _, _)| *fd),
         );
-        if spin && spin_since.get_or_insert_with(Instant::now).elapsed() < SPIN_FOR {
-            std::hint::spin_loop();
-            continue;
-        }
         // DR-3: readable again before sleeping on it.
         for (fd, switch, f) in recvs.iter() {
             if f.is_some() {

@@ -505,6 +505,11 @@ impl LinkWriter {
     }
 }
 
+/// The frames to send to one peer in one step, in order.
+pub(crate) type SendFrames<'a> = Vec<(FrameKind, Tag, &'a [u8])>;
+/// The frames to receive from one peer in one step, in order.
+pub(crate) type RecvFrames<'a> = Vec<(FrameKind, Tag, RecvInto<'a>)>;
+
 /// Where a received payload goes.
 pub(crate) enum RecvInto<'a> {
     /// Exactly this many bytes, into this slice.
