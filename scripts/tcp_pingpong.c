@@ -4,12 +4,19 @@
  * line in chorus-perf's --json schema (op ping_pong, half the round trip,
  * as chorus-perf reports it), system "tcp-raw".
  *
+ * With a third argument `stream`, it measures one stream's bandwidth
+ * instead: the parent writes `iters` messages of `size` bytes back to back,
+ * the child reads them all and answers one byte at the end; reported as op
+ * send_recv (time per message), the limit of a one-way transfer.
+ *
  *   cc -O2 -o tcp_pingpong scripts/tcp_pingpong.c && ./tcp_pingpong 8 20000
+ *   ./tcp_pingpong 16777216 50 stream
  */
 #include <arpa/inet.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -33,6 +40,7 @@ static void full(int s, char *b, size_t n, int rd) {
 int main(int argc, char **argv) {
   size_t size = argc > 1 ? strtoul(argv[1], 0, 10) : 8;
   int iters = argc > 2 ? atoi(argv[2]) : 20000;
+  int stream = argc > 3 && strcmp(argv[3], "stream") == 0;
   char *buf = calloc(size ? size : 1, 1);
   int one = 1, l = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {0};
@@ -47,6 +55,11 @@ int main(int argc, char **argv) {
     int s = socket(AF_INET, SOCK_STREAM, 0);
     if (connect(s, (void *)&a, sizeof a)) return 1;
     setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (stream) {
+      for (int i = 0; i < iters / 10 + 1 + iters; i++) full(s, buf, size, 1);
+      full(s, buf, 1, 0);
+      return 0;
+    }
     for (;;) {
       ssize_t k = read(s, buf, 1);
       if (k <= 0) return 0;
@@ -56,6 +69,20 @@ int main(int argc, char **argv) {
   }
   int s = accept(l, 0, 0);
   setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (stream) {
+    for (int i = 0; i < iters / 10 + 1; i++) full(s, buf, size, 0);
+    double t0 = now();
+    for (int i = 0; i < iters; i++) full(s, buf, size, 0);
+    full(s, buf, 1, 1);
+    double per = (now() - t0) / iters;
+    close(s);
+    waitpid(child, 0, 0);
+    double algbw = size / per / 1e9;
+    printf("{\"system\":\"tcp-raw\",\"op\":\"send_recv\",\"nranks\":2,\"size\":%zu,\"count\":%zu,"
+           "\"type\":\"float\",\"in_place\":{\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f}}\n",
+           size, size / 4, per * 1e6, algbw, algbw);
+    return 0;
+  }
   for (int i = 0; i < iters / 10 + 1; i++) {
     full(s, buf, size, 0);
     full(s, buf, size, 1);

@@ -40,6 +40,21 @@ pub(crate) const SLICE: Duration = Duration::from_micros(100);
 /// [PA-2]: self#invariants
 pub(crate) const CHECK_BYTES: usize = 64 << 10;
 
+thread_local! {
+    /// Pacer yields started on this thread ([`yields`]).
+    static YIELDS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many pacer yields this thread has started so far: a loop that polls
+/// transfers itself (the TCP direct path) compares two readings to tell a
+/// transfer that yielded to give the runtime back ([PA-1]) from one that
+/// waits for its socket. Only differences mean anything.
+///
+/// [PA-1]: self#invariants
+pub(crate) fn yields() -> u64 {
+    YIELDS.with(std::cell::Cell::get)
+}
+
 /// Counts the work of one step (or one transfer of a step) and says when to
 /// yield. Create one per step; it starts a slice lazily, at the first
 /// [`CHECK_BYTES`] of work, so a small step never reads the clock ([PA-2]).
@@ -94,6 +109,7 @@ impl Pacer {
     ///
     /// [PA-1]: self#invariants
     pub(crate) async fn yield_now(&mut self) {
+        YIELDS.with(|y| y.set(y.get().wrapping_add(1)));
         tokio::task::yield_now().await;
         self.rested();
     }

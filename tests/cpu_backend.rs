@@ -1474,6 +1474,84 @@ async fn blocked_callers_over_tcp_get_every_message_in_order() {
     .await;
 }
 
+/// Large transfers over TCP from blocked callers (the direct path: both
+/// ranks write and read their sockets themselves, each filling the other's
+/// buffers) arrive whole and in order, including sizes that end mid-piece
+/// of a reduction, interleaved with the same ops polled as tasks (the
+/// reactor path) on the same links.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocked_callers_move_large_transfers_over_tcp_both_ways_at_once() {
+    bounded(async {
+        let mut w = tcp_pair().await;
+        let b1 = w.pop().expect("rank 1");
+        let b0 = w.pop().expect("rank 0");
+        // f32 counts: below, at and above a 64 KiB reduction piece, and
+        // several MiB, which fill both directions' socket buffers at once.
+        let counts = [16 << 10, (256 << 10) + 3, (3 << 20) + 1];
+        let run = |mut b: CpuBackend, rank: usize| {
+            blocking(move |h| {
+                for (i, &n) in counts.iter().chain(counts.iter()).enumerate() {
+                    let seq = i as u64;
+                    let may_block = i < counts.len();
+                    let mut c = blocked_ctx(rank, OpKind::AllReduce, seq);
+                    c.may_block = may_block;
+                    let mine = |j: usize| ((j % 1000) * (rank + 1)) as f32;
+                    let mut d = OpData::AllReduce {
+                        buf: Tensor::from_vec((0..n).map(mine).collect::<Vec<f32>>()),
+                        op: ReduceOp::Sum,
+                    };
+                    h.block_on(b.execute(&c, &mut d))?;
+                    let OpData::AllReduce { buf, .. } = d else {
+                        unreachable!()
+                    };
+                    let got = buf.to_vec::<f32>();
+                    assert_eq!(got.len(), n);
+                    for (j, v) in got.iter().enumerate() {
+                        assert_eq!(*v, ((j % 1000) * 3) as f32, "size {n}, element {j}");
+                    }
+                    // Both ranks send n words to each other at once.
+                    let word = |from: usize, j: usize| (from * 1_000_000_007 + j * 31) as u64;
+                    let mut p = OpData::P2P {
+                        ops: vec![
+                            P2PTransfer {
+                                peer: 1 - rank,
+                                seq,
+                                send: true,
+                                buf: Tensor::from_vec((0..n).map(|j| word(rank, j)).collect()),
+                            },
+                            P2PTransfer {
+                                peer: 1 - rank,
+                                seq,
+                                send: false,
+                                buf: Tensor::from_vec(vec![0u64; n]),
+                            },
+                        ],
+                    };
+                    let c = OpCtx {
+                        may_block,
+                        ..blocked_ctx(rank, OpKind::P2P, seq)
+                    };
+                    h.block_on(b.execute(&c, &mut p))?;
+                    let OpData::P2P { ops } = p else {
+                        unreachable!()
+                    };
+                    let got = ops[1].buf.to_vec::<u64>();
+                    assert!(
+                        got.iter().enumerate().all(|(j, v)| *v == word(1 - rank, j)),
+                        "size {n}: the words from rank {} differ",
+                        1 - rank
+                    );
+                }
+                Ok::<_, Error>(b)
+            })
+        };
+        let (r0, r1) = (run(b0, 0), run(b1, 1));
+        r0.await.expect("join").expect("rank 0");
+        r1.await.expect("join").expect("rank 1");
+    })
+    .await;
+}
+
 /// A blocked caller waiting in the kernel for a TCP peer that dies gets
 /// `PeerFailed` naming it promptly, not after a timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,25 +1,27 @@
-//! Reading a link's socket from a blocked caller's own thread, without the
-//! async runtime's reactor in between (the TCP latency path).
+//! Reading and writing a link's socket from a blocked caller's own thread,
+//! without the async runtime's reactor in between (the TCP direct path).
 //!
-//! A link's receiving half normally waits for data through tokio: the
-//! reactor thread sees the socket become readable in `epoll_wait`, wakes
-//! the task, and the thread that runs the op is woken in turn: two
-//! wake-ups and a thread hop per message. A caller that blocks on its op
-//! can instead wait in `ppoll(2)` on the socket itself ([`wait_readable`]),
-//! so the kernel wakes it directly when the message arrives, and then read
-//! the socket itself ([`DirectRead`] in direct mode), since tokio only
-//! tries a read once its reactor has said the socket is readable.
+//! A link's halves normally wait through tokio: the reactor thread sees the
+//! socket become readable (or writable) in `epoll_wait`, wakes the task,
+//! and the thread that runs the op is woken in turn: two wake-ups and a
+//! thread hop each time the socket runs dry or its send buffer fills. A
+//! caller that blocks on its op can instead wait in `ppoll(2)` on the
+//! sockets itself ([`wait_ready`]), so the kernel wakes it directly, and
+//! then read and write the sockets itself ([`DirectRead`], [`DirectWrite`]
+//! in direct mode), since tokio only tries a socket call once its reactor
+//! has said the socket is ready.
 //!
 //! # Invariants
-//! - DR-1: in direct mode a read tries only the socket, with a
-//!   non-blocking `recv`, and registers no waker: direct mode is on only
-//!   while the latency path polls (its [`Switch`]), which polls again
-//!   itself. Otherwise a read goes through tokio, which registers the
-//!   task's waker. Bytes are never read twice or skipped: both paths read
-//!   the same socket in order, under the one `&mut` of the reader.
-//! - DR-2: [`wait_readable`] blocks the calling thread for at most its
+//! - DR-1: in direct mode a read or write tries only the socket, with a
+//!   non-blocking `recv` or `send`, and registers no waker: direct mode is
+//!   on only while the direct path polls (its [`Switch`]), which polls
+//!   again itself. Otherwise a read or write goes through tokio, which
+//!   registers the task's waker. Bytes are never read or written twice or
+//!   skipped: both paths use the same socket in order, under the one
+//!   `&mut` of the half.
+//! - DR-2: [`wait_ready`] blocks the calling thread for at most its
 //!   timeout, and only the caller of a blocking op calls it (a thread that
-//!   is not a runtime worker), so no task of the runtime is held up.
+//!   may block), so no task of the runtime is held up.
 //! - DR-3: while a caller polls sockets itself it may make them quiet
 //!   (`SO_RCVLOWAT` raised, so `epoll` does not report them and the
 //!   reactor is not woken for each message it reads itself); a socket is
@@ -30,7 +32,11 @@
 //!   grows the socket's receive buffer to hold it, up to that maximum,
 //!   where autotuning may take it anyway; putting the mark back leaves the
 //!   buffer so.)
+//! - DR-4: every byte a direct read or write moves is counted on the
+//!   calling thread ([`moved`]), so the direct path can tell a pass that
+//!   moved bytes from one that only found its sockets not ready.
 
+use std::cell::Cell;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
@@ -39,8 +45,23 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, ReadBuf};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+thread_local! {
+    /// Bytes moved by direct reads and writes on this thread (DR-4).
+    static MOVED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Bytes this thread's direct reads and writes have moved so far (DR-4);
+/// only differences between two calls mean anything.
+pub(crate) fn moved() -> u64 {
+    MOVED.with(Cell::get)
+}
+
+fn count_moved(n: usize) {
+    MOVED.with(|m| m.set(m.get().wrapping_add(n as u64)));
+}
 
 /// A reader's mode, set from outside the future that holds the reader.
 #[derive(Debug, Default)]
@@ -98,7 +119,7 @@ impl DirectRead {
         }
     }
 
-    /// The socket's file descriptor (to wait on with [`wait_readable`]).
+    /// The socket's file descriptor (to wait on with [`wait_ready`]).
     pub(crate) fn fd(&self) -> RawFd {
         self.fd
     }
@@ -137,12 +158,13 @@ impl AsyncRead for DirectRead {
                     // SAFETY: `recv` initialized the first `n` bytes.
                     unsafe { buf.assume_init(n) };
                     buf.advance(n);
+                    count_moved(n);
                     return Poll::Ready(Ok(()));
                 }
                 let e = io::Error::last_os_error();
                 match e.kind() {
                     io::ErrorKind::Interrupted => continue,
-                    // DR-1: the latency path polls again itself.
+                    // DR-1: the direct path polls again itself.
                     io::ErrorKind::WouldBlock => return Poll::Pending,
                     _ => return Poll::Ready(Err(e)),
                 }
@@ -151,6 +173,109 @@ impl AsyncRead for DirectRead {
         // DR-3: the reactor must see this socket again before it waits.
         self.mode.wake(self.fd);
         Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+/// A link's write half that, in direct mode, writes the socket itself
+/// instead of asking tokio (DR-1). O(1).
+#[derive(Debug)]
+pub(crate) struct DirectWrite {
+    inner: OwnedWriteHalf,
+    fd: RawFd,
+    mode: Switch,
+}
+
+impl DirectWrite {
+    /// Wrap `inner`, with direct mode off.
+    pub(crate) fn new(inner: OwnedWriteHalf) -> DirectWrite {
+        let fd = inner.as_ref().as_raw_fd();
+        DirectWrite {
+            inner,
+            fd,
+            mode: Switch::default(),
+        }
+    }
+
+    /// The socket's file descriptor (to wait on with [`wait_ready`]).
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    /// The switch of this writer's direct mode (off until turned on).
+    pub(crate) fn switch(&self) -> Switch {
+        self.mode.clone()
+    }
+
+    /// One non-blocking `sendmsg` of `bufs` (DR-1); `None` when the socket
+    /// cannot take a byte now.
+    fn send_now(&self, bufs: &[io::IoSlice<'_>]) -> Option<io::Result<usize>> {
+        loop {
+            // SAFETY: `IoSlice` is ABI-compatible with `iovec` and every
+            // slice outlives the call; the message header is zeroed (no
+            // address, no control data) apart from the vector.
+            let n = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+                msg.msg_iovlen = bufs.len() as _;
+                libc::sendmsg(self.fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+            };
+            if n >= 0 {
+                let n = n as usize;
+                count_moved(n);
+                return Some(Ok(n));
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return None,
+                _ => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for DirectWrite {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.mode.direct.load(Ordering::Relaxed) {
+            if buf.is_empty() {
+                return Poll::Ready(Ok(0));
+            }
+            // DR-1: the direct path polls again itself.
+            return self
+                .send_now(&[io::IoSlice::new(buf)])
+                .map_or(Poll::Pending, Poll::Ready);
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        if self.mode.direct.load(Ordering::Relaxed) {
+            if bufs.iter().all(|b| b.is_empty()) {
+                return Poll::Ready(Ok(0));
+            }
+            return self.send_now(bufs).map_or(Poll::Pending, Poll::Ready);
+        }
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -168,20 +293,23 @@ fn set_rcvlowat(fd: RawFd, v: i32) {
     }
 }
 
-/// Block the calling thread until one of `fds` is readable (or closed, or
-/// in error), or `timeout` passes (DR-2); with a zero `timeout`, only
-/// look. Whether one is. O(`fds`). Looking takes no socket lock, unlike
-/// a `recv`, so polling this way does not slow the peer's sends into the
-/// socket.
-pub(crate) fn wait_readable(fds: &[RawFd], timeout: Duration) -> bool {
-    let mut pfds: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
+/// Block the calling thread until one of `read` is readable or one of
+/// `write` writable (or either closed, or in error), or `timeout` passes
+/// (DR-2); with a zero `timeout`, only look. Whether one is. O(sockets).
+/// Looking takes no socket lock, unlike a `recv`, so polling this way does
+/// not slow the peer's sends into the socket.
+pub(crate) fn wait_ready(read: &[RawFd], write: &[RawFd], timeout: Duration) -> bool {
+    let want = |fds: &[RawFd], events| {
+        fds.iter()
+            .map(move |&fd| libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut pfds = want(read, libc::POLLIN);
+    pfds.extend(want(write, libc::POLLOUT));
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -228,7 +356,7 @@ mod tests {
         let (_ra, mut wa) = a.into_split();
         wa.write_all(b"hello").await.expect("write");
         // Wait in the kernel, as a blocked caller does, then read directly.
-        assert!(wait_readable(&[r.fd()], Duration::from_secs(5)));
+        assert!(wait_ready(&[r.fd()], &[], Duration::from_secs(5)));
         let switch = r.switch();
         switch.set_direct(true);
         // Quiet: no longer reported readable, still read directly.
@@ -240,7 +368,7 @@ mod tests {
         let mut one = [0u8; 1];
         assert!(futures::FutureExt::now_or_never(r.read(&mut one)).is_none());
         wa.write_all(b"?").await.expect("write");
-        assert!(!wait_readable(&[r.fd()], Duration::from_millis(50)));
+        assert!(!wait_ready(&[r.fd()], &[], Duration::from_millis(50)));
         r.read_exact(&mut one)
             .await
             .expect("direct read of a quiet socket");
@@ -257,22 +385,66 @@ mod tests {
         assert_eq!(reader.await.expect("join").expect("read"), b'!');
     }
 
-    /// `wait_readable` returns when data arrives, and after its timeout
+    /// `wait_ready` returns when data arrives, and after its timeout
     /// when none does; with no timeout it only looks.
     #[tokio::test]
-    async fn wait_readable_wakes_on_data_and_times_out_without() {
+    async fn wait_ready_wakes_on_data_and_times_out_without() {
         let (a, b) = pair().await;
         let (r, _w) = b.into_split();
         let r = DirectRead::new(r);
         let t = Instant::now();
-        assert!(!wait_readable(&[r.fd()], Duration::from_millis(20)));
+        assert!(!wait_ready(&[r.fd()], &[], Duration::from_millis(20)));
         assert!(t.elapsed() >= Duration::from_millis(20));
-        assert!(!wait_readable(&[r.fd()], Duration::ZERO));
+        assert!(!wait_ready(&[r.fd()], &[], Duration::ZERO));
         let (_ra, mut wa) = a.into_split();
         wa.write_all(b"x").await.expect("write");
         let t = Instant::now();
-        assert!(wait_readable(&[r.fd()], Duration::from_secs(10)));
+        assert!(wait_ready(&[r.fd()], &[], Duration::from_secs(10)));
         assert!(t.elapsed() < Duration::from_secs(5));
-        assert!(wait_readable(&[r.fd()], Duration::ZERO));
+        assert!(wait_ready(&[r.fd()], &[], Duration::ZERO));
+    }
+
+    /// A direct write fills the socket without waiting, is pending (with
+    /// no waker) once the send buffer is full, counts what it moved, and
+    /// the bytes arrive in order with the ones written through tokio;
+    /// `wait_ready` reports the socket writable again once the peer reads.
+    #[tokio::test]
+    async fn direct_writes_fill_the_socket_and_wait_ready_sees_it_drain() {
+        let (a, b) = pair().await;
+        let (_ra, wa) = a.into_split();
+        let mut w = DirectWrite::new(wa);
+        let (rb, _wb) = b.into_split();
+        let mut rb = DirectRead::new(rb);
+        w.write_all(b"via tokio;").await.expect("write");
+        let switch = w.switch();
+        switch.set_direct(true);
+        let chunk = vec![7u8; 64 << 10];
+        let before = moved();
+        let mut sent = 0usize;
+        // Fill the send and receive buffers: a direct write never waits.
+        loop {
+            match futures::FutureExt::now_or_never(w.write(&chunk)) {
+                Some(Ok(n)) => sent += n,
+                Some(Err(e)) => panic!("direct write failed: {e}"),
+                None => break,
+            }
+            assert!(sent < 1 << 30, "the socket never filled");
+        }
+        assert!(sent > 0);
+        assert_eq!(moved().wrapping_sub(before), sent as u64);
+        assert!(!wait_ready(&[], &[w.fd()], Duration::ZERO));
+        // The reader drains everything; then the socket is writable again.
+        let mut head = [0u8; 10];
+        rb.read_exact(&mut head).await.expect("read");
+        assert_eq!(&head, b"via tokio;");
+        let mut rest = vec![0u8; sent];
+        rb.read_exact(&mut rest).await.expect("read");
+        assert!(rest.iter().all(|&b| b == 7));
+        assert!(wait_ready(&[], &[w.fd()], Duration::from_secs(10)));
+        switch.set_direct(false);
+        w.write_all(b"!").await.expect("write through tokio");
+        let mut one = [0u8; 1];
+        rb.read_exact(&mut one).await.expect("read");
+        assert_eq!(one[0], b'!');
     }
 }

@@ -58,6 +58,12 @@
 //!   payload byte is read; an Abort frame whose byte 2 is 1 becomes a fatal
 //!   `Mismatch` on the reader (the sender found the ranks' ops disagree),
 //!   any other Abort frame `PeerFailed`.
+//! - LK-10: without checksums, a reduction combines each piece of
+//!   [`REDUCE_PIECE`] bytes as soon as it has arrived, through the link's
+//!   one scratch buffer (no allocation per frame); a step that fails in the
+//!   middle of a frame leaves its reduction target partly combined, which
+//!   only a failed op can observe. With checksums the whole payload is
+//!   checked first (LK-7).
 //!
 //! [PA-1]: crate::backends::cpu::pace#invariants
 //! [PA-2]: crate::backends::cpu::pace#invariants
@@ -65,10 +71,9 @@
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 
-use super::direct::DirectRead;
+use super::direct::{DirectRead, DirectWrite};
 use crate::backends::OpCtx;
 use crate::error::{Error, Result};
 use crate::op::ReduceOp;
@@ -146,6 +151,10 @@ pub(crate) fn fingerprint_mismatch(ctx: &OpCtx, peer: usize, want: u64, got: u64
 pub(crate) const MAX_HEADER_FRAME: u64 = 16 << 20;
 /// Largest Abort frame payload accepted ([LK-3](self#invariants)).
 pub(crate) const MAX_ABORT_FRAME: u64 = 64 << 10;
+/// Largest piece of an unchecksummed reduction read before it is combined
+/// ([LK-10](self#invariants)): small enough to stay in cache between the
+/// read and the reduction, a multiple of every element size.
+pub(crate) const REDUCE_PIECE: usize = 64 << 10;
 /// Payloads up to this size are written together with their header, in one
 /// `write`: a small op's Header frame carries up to 16 KiB of data plus its
 /// op header, and two writes would be two segments on a `TCP_NODELAY` link.
@@ -353,7 +362,7 @@ fn decode_abort(payload: &[u8]) -> (Vec<usize>, String) {
 pub(crate) struct LinkWriter {
     peer: usize,
     epoch: u64,
-    half: OwnedWriteHalf,
+    half: DirectWrite,
     /// Set while a frame is partly written; still set if that write was
     /// cancelled, in which case the link cannot carry another frame ([LK-4](self#invariants)).
     mid_frame: bool,
@@ -431,8 +440,9 @@ impl LinkWriter {
     }
 
     /// Write `hdr` and `payload` as one frame: together in one `write` up to
-    /// [`COALESCE_LIMIT`], else [`SOCKET_UNIT`] at a time; `mid_frame` is set
-    /// while it is under way ([LK-4](self#invariants)).
+    /// [`COALESCE_LIMIT`], else the header with the first [`SOCKET_UNIT`] of
+    /// the payload in one vectored `write`, then the rest a unit at a time;
+    /// `mid_frame` is set while it is under way ([LK-4](self#invariants)).
     async fn write_raw(
         &mut self,
         hdr: &[u8; FRAME_HEADER_LEN],
@@ -448,8 +458,18 @@ impl LinkWriter {
             self.half.write_all(buf).await?;
             pace.account(buf.len()).await;
         } else {
-            self.half.write_all(hdr).await?;
-            for piece in payload.chunks(SOCKET_UNIT) {
+            let (first, rest) = payload.split_at(SOCKET_UNIT.min(payload.len()));
+            let mut n = self
+                .half
+                .write_vectored(&[std::io::IoSlice::new(hdr), std::io::IoSlice::new(first)])
+                .await?;
+            if n < hdr.len() {
+                self.half.write_all(&hdr[n..]).await?;
+                n = hdr.len();
+            }
+            self.half.write_all(&first[n - hdr.len()..]).await?;
+            pace.account(first.len()).await;
+            for piece in rest.chunks(SOCKET_UNIT) {
                 self.half.write_all(piece).await?;
                 pace.account(piece.len()).await;
             }
@@ -503,6 +523,19 @@ impl LinkWriter {
     pub(crate) async fn shutdown(&mut self) {
         let _ = self.half.shutdown().await;
     }
+
+    /// The socket's file descriptor, to wait on it in the kernel
+    /// ([`super::direct::wait_ready`]).
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
+        self.half.fd()
+    }
+
+    /// The switch that makes writes go straight to the socket (DR-1 in
+    /// [`super::direct`]): on only while a blocked caller's direct path
+    /// polls.
+    pub(crate) fn direct_switch(&self) -> super::direct::Switch {
+        self.half.switch()
+    }
 }
 
 /// The frames to send to one peer in one step, in order.
@@ -523,14 +556,6 @@ pub(crate) enum RecvInto<'a> {
 }
 
 impl RecvInto<'_> {
-    /// The most bytes this target takes.
-    pub(crate) fn capacity(&self) -> usize {
-        match self {
-            RecvInto::Exact(b) | RecvInto::Reduce(b, ..) => b.len(),
-            RecvInto::Bounded(_, max) => usize::try_from(*max).unwrap_or(usize::MAX),
-        }
-    }
-
     /// Whether a payload of `len` bytes fits this target (`Err` says why not).
     pub(crate) fn accepts(&self, len: u64) -> std::result::Result<(), String> {
         match self {
@@ -565,6 +590,11 @@ pub(crate) struct LinkReader {
     half: BufReader<DirectRead>,
     /// Require and check a CRC32C on every Header and Data frame ([LK-7](self#invariants)).
     checksum: bool,
+    /// Where an unchecksummed reduction's pieces land before they are
+    /// combined ([LK-10](self#invariants)): empty until this link first
+    /// reduces, then at most [`REDUCE_PIECE`] bytes, kept for the link's
+    /// life.
+    scratch: Vec<u8>,
 }
 
 impl LinkReader {
@@ -718,14 +748,31 @@ impl LinkReader {
                         expect()
                     )));
                 }
-                let mut tmp = vec![0u8; buf.len()];
-                let got = self.read_paced(ctx, &mut tmp, fold, pace).await?;
-                // LK-7: checked before a byte is combined.
-                check(got)?;
-                // WORK_UNIT is a multiple of every element size.
-                for (dst, src) in buf.chunks_mut(WORK_UNIT).zip(tmp.chunks(WORK_UNIT)) {
-                    crate::kernels::reduce_into(dtype, op, dst, src)?;
-                    pace.account(src.len()).await;
+                if fold {
+                    let mut tmp = vec![0u8; buf.len()];
+                    let got = self.read_paced(ctx, &mut tmp, fold, pace).await?;
+                    // LK-7: checked before a byte is combined.
+                    check(got)?;
+                    // WORK_UNIT is a multiple of every element size.
+                    for (dst, src) in buf.chunks_mut(WORK_UNIT).zip(tmp.chunks(WORK_UNIT)) {
+                        crate::kernels::reduce_into(dtype, op, dst, src)?;
+                        pace.account(src.len()).await;
+                    }
+                } else {
+                    // LK-10: no checksum to wait for, so each piece is
+                    // combined as it arrives, while the next one is on
+                    // its way.
+                    check(0)?;
+                    let mut scratch = std::mem::take(&mut self.scratch);
+                    scratch.resize(REDUCE_PIECE.min(buf.len()), 0);
+                    // REDUCE_PIECE is a multiple of every element size.
+                    for dst in buf.chunks_mut(REDUCE_PIECE) {
+                        let src = &mut scratch[..dst.len()];
+                        self.read_paced(ctx, src, false, pace).await?;
+                        crate::kernels::reduce_into(dtype, op, dst, src)?;
+                        pace.account(src.len()).await;
+                    }
+                    self.scratch = scratch;
                 }
             }
             RecvInto::Bounded(buf, max) => {
@@ -748,13 +795,13 @@ impl LinkReader {
 
 impl LinkReader {
     /// The socket's file descriptor, to wait on it in the kernel
-    /// ([`super::direct::wait_readable`]).
+    /// ([`super::direct::wait_ready`]).
     pub(crate) fn fd(&self) -> std::os::fd::RawFd {
         self.half.get_ref().fd()
     }
 
     /// The switch that makes reads go straight to the socket (DR-1 in
-    /// [`super::direct`]): on only while a blocked caller's latency path
+    /// [`super::direct`]): on only while a blocked caller's direct path
     /// polls.
     pub(crate) fn direct_switch(&self) -> super::direct::Switch {
         self.half.get_ref().switch()
@@ -822,11 +869,12 @@ pub(crate) fn split_link(
             epoch,
             half: BufReader::with_capacity(64 << 10, DirectRead::new(r)),
             checksum,
+            scratch: Vec::new(),
         },
         LinkWriter {
             peer,
             epoch,
-            half: w,
+            half: DirectWrite::new(w),
             mid_frame: false,
             checksum,
             coalesce: Vec::new(),
