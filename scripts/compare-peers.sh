@@ -33,7 +33,8 @@ WARMUP=${WARMUP:-10}
 # openmpi-tcp: Open MPI forced onto its TCP transport (--mca pml ob1 --mca
 # btl self,tcp), the peer of chorus-tcp; tcp-raw: a C ping-pong over
 # loopback TCP (scripts/tcp_pingpong.c), the limit either can reach, and
-# under send_recv the same program streaming (one stream's bandwidth).
+# under send_recv from 64 KiB the same program streaming (one stream's
+# bandwidth).
 SYSTEMS=${SYSTEMS:-"chorus chorus-tcp mpich openmpi openmpi-tcp tcp-raw gloo"}
 ROUNDS=${ROUNDS:-1}
 mkdir -p "$PEERS_DIR" "$OUT"
@@ -120,14 +121,15 @@ for n in $RANKS; do
             >> "$RES" 2>"$OUT/openmpi-tcp-$op-$n.err" || log "openmpi-tcp $op n=$n failed" ;;
         tcp-raw)
           # 2 processes only: a ping-pong (the round trip) up to 1 MiB, and
-          # for send_recv one stream's bandwidth (messages back to back).
+          # for send_recv from 64 KiB one stream's bandwidth (messages back
+          # to back; below that it would measure batching, not a transfer).
           if { [ "$op" = ping_pong ] || [ "$op" = send_recv ]; } && [ "$n" = 2 ]; then
             size=$(bytes "$MINBYTES"); top=$(bytes "$MAXBYTES")
             [ "$op" = ping_pong ] && [ "$top" -gt $((1 << 20)) ] && top=$((1 << 20))
             while [ "$size" -le "$top" ]; do
               if [ "$op" = ping_pong ]; then
                 timeout 600 "$RAW" "$size" 20000 >> "$RES" || log "tcp-raw size $size failed"
-              else
+              elif [ "$size" -ge $((64 << 10)) ]; then
                 iters=$(( (1 << 30) / size )); [ "$iters" -lt 20 ] && iters=20
                 [ "$iters" -gt 20000 ] && iters=20000
                 timeout 600 "$RAW" "$size" "$iters" stream >> "$RES" || log "tcp-raw stream size $size failed"

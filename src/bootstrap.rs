@@ -137,6 +137,33 @@ fn servers() -> &'static Mutex<HashMap<SocketAddr, Weak<RendezvousServer>>> {
     S.get_or_init(Default::default)
 }
 
+/// How long a rank whose communicator failed to start waits for the store
+/// it hosts to close its clients' connections ([`close_hosted_store`]).
+const STORE_CLOSE_WAIT: Duration = Duration::from_millis(200);
+
+/// Close `server`, the store this rank hosts, when nothing else in this
+/// process still uses it, and wait up to [`STORE_CLOSE_WAIT`] for the close
+/// to reach its clients. Called when a communicator fails to start: the
+/// caller may exit right after, and a closing server's last datagrams are
+/// sent by its endpoint task, so without the wait a client with a request
+/// in flight heard nothing and waited for its response margin.
+pub(crate) async fn close_hosted_store(server: Arc<RendezvousServer>) {
+    {
+        // Under the registry's lock, so that no other communicator takes
+        // the server up between the check and the removal.
+        let Ok(mut m) = servers().lock() else {
+            return;
+        };
+        if Arc::strong_count(&server) > 1 {
+            return;
+        }
+        let ours = Arc::downgrade(&server);
+        m.retain(|_, w| !w.ptr_eq(&ours));
+    }
+    server.shutdown();
+    let _ = tokio::time::timeout(STORE_CLOSE_WAIT, server.stopped()).await;
+}
+
 /// A connected store, plus the server this rank hosts (kept alive with the comm).
 pub struct Connected {
     /// The store.

@@ -239,52 +239,64 @@ async fn create(
     )
     .await?;
     drop(_g);
-    let job = if connected.shared {
-        let role = if rank == 0 {
-            bootstrap::JobRole::Rank0
+    // A store this rank hosts is closed with a bounded wait when creation
+    // fails, so that its clients hear of it before this process can exit.
+    let server = connected.server.clone();
+    let res: Result<Comm> = async move {
+        let job = if connected.shared {
+            let role = if rank == 0 {
+                bootstrap::JobRole::Rank0
+            } else {
+                bootstrap::JobRole::Rank
+            };
+            bootstrap::agreed_job_id(
+                connected.store.as_ref(),
+                role,
+                size,
+                secret.as_deref().unwrap_or_default(),
+                options.connect_timeout,
+            )
+            .await?
         } else {
-            bootstrap::JobRole::Rank
+            bootstrap::job_id(secret.as_deref().unwrap_or_default())?
         };
-        bootstrap::agreed_job_id(
-            connected.store.as_ref(),
-            role,
+        let base = format!("chorus/{job}/{name}/{instance}");
+        let spec = Spec {
+            backend,
+            device,
+            rank,
             size,
-            secret.as_deref().unwrap_or_default(),
-            options.connect_timeout,
-        )
-        .await?
-    } else {
-        bootstrap::job_id(secret.as_deref().unwrap_or_default())?
-    };
-    let base = format!("chorus/{job}/{name}/{instance}");
-    let spec = Spec {
-        backend,
-        device,
-        rank,
-        size,
-        epoch: 0,
-        key_prefix: format!("{base}/epoch/0"),
-        ctx: Arc::new(elastic::CommCtx {
-            name,
-            job,
-            base,
-            store: connected.store.clone(),
-            secret: Arc::from(secret.unwrap_or_default()),
-            bind_ip: bootstrap::bind_ip(&options, connected.local_ip)?,
-            options,
-            server: connected
-                .server
-                .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
-            store_host: connected.store_host,
-            lineage: None,
-        }),
-        parent: None,
-    };
-    let comm = start(spec).await?;
-    if comm.rank() == 0 && comm.size() > 1 {
-        elastic::publish_latest(&comm).await;
+            epoch: 0,
+            key_prefix: format!("{base}/epoch/0"),
+            ctx: Arc::new(elastic::CommCtx {
+                name,
+                job,
+                base,
+                store: connected.store.clone(),
+                secret: Arc::from(secret.unwrap_or_default()),
+                bind_ip: bootstrap::bind_ip(&options, connected.local_ip)?,
+                options,
+                server: connected
+                    .server
+                    .map(|s| s as Arc<dyn std::any::Any + Send + Sync>),
+                store_host: connected.store_host,
+                lineage: None,
+            }),
+            parent: None,
+        };
+        let comm = start(spec).await?;
+        if comm.rank() == 0 && comm.size() > 1 {
+            elastic::publish_latest(&comm).await;
+        }
+        Ok(comm)
     }
-    Ok(comm)
+    .await;
+    if res.is_err() {
+        if let Some(s) = server {
+            bootstrap::close_hosted_store(s).await;
+        }
+    }
+    res
 }
 
 /// Everything needed to start one communicator on one rank whose store is

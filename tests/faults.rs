@@ -826,7 +826,7 @@ fn fault_worker(what: &str) {
             .expect("SIGTERM handler");
         (rt, sig)
     });
-    if what == "boot" && rank == 3 {
+    if (what == "boot" || what == "boot_host") && rank == 3 {
         println!("@@booting");
         let mut s = String::new();
         let _ = std::io::stdin().read_line(&mut s); // killed here
@@ -834,6 +834,8 @@ fn fault_worker(what: &str) {
     }
     let connect = match what {
         "boot" | "split" => Duration::from_secs(3),
+        // Rank 0 (which hosts the store) gives up long before the others.
+        "boot_host" if rank == 0 => Duration::from_secs(1),
         _ => Duration::from_secs(20),
     };
     let o = CommOptions::default()
@@ -1020,6 +1022,22 @@ fn peer_killed_during_bootstrap_fails_new_comm_on_every_rank_in_time() {
         assert!(ms < (Duration::from_secs(3) + SLACK).as_millis(), "{line}");
     }
     ranks.wait_lines(&[0, 1, 2], "@@alive", deadline);
+}
+
+#[test]
+fn a_store_hosting_rank_whose_start_fails_closes_the_store_before_it_exits() {
+    // Rank 3 never starts. Rank 0, which hosts the store, gives up after
+    // 1 s and its process exits at once; ranks 1 and 2 would wait 20 s,
+    // so they can fail in time only by hearing that the store closed.
+    let deadline = Instant::now() + MP_DEADLINE;
+    let mut ranks = spawn_ranks(4, "boot_host");
+    ranks.wait_lines(&[3], "@@booting", deadline);
+    for line in ranks.wait_lines(&[0, 1, 2], "@@error", deadline) {
+        let (k, ms, _) = parse_error(&line);
+        assert!(["PeerFailed", "Transport"].contains(&k.as_str()), "{line}");
+        assert!(ms < (Duration::from_secs(1) + SLACK).as_millis(), "{line}");
+    }
+    ranks.signal(3, "KILL");
 }
 
 #[test]
