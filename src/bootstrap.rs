@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -129,10 +129,16 @@ pub fn resolve_env(size: usize) -> Result<Rendezvous> {
     }
 }
 
-/// The store servers this process hosts, by address (rank 0 of several
-/// communicators may share one).
-fn servers() -> &'static Mutex<HashMap<SocketAddr, Weak<RendezvousServer>>> {
-    static S: std::sync::OnceLock<Mutex<HashMap<SocketAddr, Weak<RendezvousServer>>>> =
+/// The store servers this process hosts, by the address asked for. A server
+/// stays here, serving, until the process exits: rank 0 of every
+/// communicator created at that address uses it, one after another or at
+/// once, so finalizing one communicator never takes the store from under
+/// the ranks that already create the next (their keys are scoped by the
+/// communicator's name and instance). Only a communicator that fails to
+/// start while no other uses the server closes it ([`close_hosted_store`]).
+/// O(addresses hosted).
+fn servers() -> &'static Mutex<HashMap<SocketAddr, Arc<RendezvousServer>>> {
+    static S: std::sync::OnceLock<Mutex<HashMap<SocketAddr, Arc<RendezvousServer>>>> =
         std::sync::OnceLock::new();
     S.get_or_init(Default::default)
 }
@@ -141,8 +147,8 @@ fn servers() -> &'static Mutex<HashMap<SocketAddr, Weak<RendezvousServer>>> {
 /// it hosts to close its clients' connections ([`close_hosted_store`]).
 const STORE_CLOSE_WAIT: Duration = Duration::from_millis(200);
 
-/// Close `server`, the store this rank hosts, when nothing else in this
-/// process still uses it, and wait up to [`STORE_CLOSE_WAIT`] for the close
+/// Close `server`, the store this rank hosts, when no communicator of this
+/// process uses it, and wait up to [`STORE_CLOSE_WAIT`] for the close
 /// to reach its clients. Called when a communicator fails to start: the
 /// caller may exit right after, and a closing server's last datagrams are
 /// sent by its endpoint task, so without the wait a client with a request
@@ -154,11 +160,11 @@ pub(crate) async fn close_hosted_store(server: Arc<RendezvousServer>) {
         let Ok(mut m) = servers().lock() else {
             return;
         };
-        if Arc::strong_count(&server) > 1 {
+        let listed = m.values().any(|s| Arc::ptr_eq(s, &server));
+        if Arc::strong_count(&server) > 1 + usize::from(listed) {
             return;
         }
-        let ours = Arc::downgrade(&server);
-        m.retain(|_, w| !w.ptr_eq(&ours));
+        m.retain(|_, s| !Arc::ptr_eq(s, &server));
     }
     server.shutdown();
     let _ = tokio::time::timeout(STORE_CLOSE_WAIT, server.stopped()).await;
@@ -239,13 +245,13 @@ pub async fn connect_store(
                 let existing = servers()
                     .lock()
                     .ok()
-                    .and_then(|m| m.get(&addr).and_then(Weak::upgrade));
+                    .and_then(|m| m.get(&addr).filter(|s| s.is_serving()).cloned());
                 let s = match existing {
                     Some(s) => s,
                     None => {
                         let s = Arc::new(RendezvousServer::bind(addr, &secret).await?);
                         if let Ok(mut m) = servers().lock() {
-                            m.insert(addr, Arc::downgrade(&s));
+                            m.insert(addr, s.clone());
                         }
                         s
                     }

@@ -14,15 +14,14 @@ fn free_port() -> u16 {
 }
 
 /// Rank 0 hosts the QUIC store on a fixed port; dropping its communicator
-/// and creating the next one at once, on the same port, must work (the old
-/// socket may still be closing).
+/// and creating the next one at once, on the same port, must work.
 #[test]
 fn new_comm_right_after_dropping_the_previous_one_works_on_rank_0() {
     let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let (tx, rx) = mpsc::channel();
     // Both ranks drop round k's communicator before either creates round
-    // k+1's: otherwise rank 1 could reach the old store just before rank 0
-    // shuts it down.
+    // k+1's, so that rank 0 creates the next one right after its drop
+    // (the late-finalize test below covers the other order).
     let dropped = std::sync::Arc::new(std::sync::Barrier::new(2));
     for rank in 0..2usize {
         let (tx, dropped) = (tx.clone(), dropped.clone());
@@ -57,6 +56,57 @@ fn new_comm_right_after_dropping_the_previous_one_works_on_rank_0() {
         let left = deadline.saturating_duration_since(Instant::now());
         let (rank, r) = rx.recv_timeout(left).expect("ranks finish in time");
         assert_eq!(r, Ok(vec![2, 2, 2]), "rank {rank}");
+    }
+}
+
+/// Communicators come and go with the store on rank 0: 20 create/finalize
+/// cycles on 4 ranks with no barrier between them, and in every other
+/// cycle rank 0 finalizes 300 ms after the others (the late finalize is
+/// the fault under test), who meanwhile create the next communicator
+/// through the store rank 0 still hosts. Names alternate between a
+/// reused one and fresh ones. Before, the store shut down with rank 0's
+/// communicator and the others' next creation failed.
+#[test]
+fn twenty_create_finalize_cycles_with_the_store_on_rank_0_finalizing_late() {
+    const RANKS: usize = 4;
+    const CYCLES: usize = 20;
+    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..RANKS {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let run = || -> chorus::Result<Vec<i32>> {
+                let mut sums = Vec::new();
+                for cycle in 0..CYCLES {
+                    let opts = CommOptions::default()
+                        .with_rank(rank, RANKS)
+                        .with_rendezvous(Rendezvous::Master(addr))
+                        .with_secret("cycles")
+                        .with_timeout(Duration::from_secs(20))
+                        .with_connect_timeout(Duration::from_secs(20));
+                    let name = if cycle % 2 == 0 {
+                        "cycle".to_string()
+                    } else {
+                        format!("cycle{cycle}")
+                    };
+                    let c = new_comm("cpu", Device::Cpu, &name, opts)?;
+                    let t = c.all_reduce(Tensor::from_vec(vec![1i32]), ReduceOp::Sum)?;
+                    sums.push(t.as_slice::<i32>()[0]);
+                    if rank == 0 && cycle % 2 == 1 {
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                    c.finalize()?;
+                }
+                Ok(sums)
+            };
+            let _ = tx.send((rank, run().map_err(|e| e.to_string())));
+        });
+    }
+    let deadline = Instant::now() + DEADLINE;
+    for _ in 0..RANKS {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (rank, r) = rx.recv_timeout(left).expect("ranks finish in time");
+        assert_eq!(r, Ok(vec![RANKS as i32; CYCLES]), "rank {rank}");
     }
 }
 

@@ -166,6 +166,11 @@ impl RendezvousServer {
         );
     }
 
+    /// Whether the server still serves (no [`shutdown`](Self::shutdown) yet).
+    pub fn is_serving(&self) -> bool {
+        !self.stop.is_cancelled()
+    }
+
     /// Resolves once the server has stopped (after [`shutdown`](Self::shutdown)).
     pub async fn stopped(&self) {
         self.stop.cancelled().await;
