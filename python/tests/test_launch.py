@@ -74,6 +74,36 @@ def test_a_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert "rank 1 exited with status 3" in res.stderr
 
 
+def test_communicators_come_and_go_with_rank_0_finalizing_late(tmp_path):
+    """Under python -m chorus.run rank 0 hosts the store: five communicators
+    in sequence on 4 ranks, as TorchComms' setUp/tearDown make them, with
+    rank 0 finalizing 1 s after the others in every other one (the others
+    meanwhile create the next), under a reused name and fresh ones."""
+    script = tmp_path / "cycles.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            import numpy as np
+            import chorus
+            for cycle in range(5):
+                name = "cycle" if cycle % 2 == 0 else f"cycle{cycle}"
+                comm = chorus.new_comm("cpu", "cpu", name)
+                t = np.ones(4, dtype=np.float32)
+                comm.all_reduce(t, chorus.ReduceOp.SUM)
+                assert t.tolist() == [4.0] * 4, t
+                if comm.get_rank() == 0 and cycle % 2 == 1:
+                    time.sleep(1.0)
+                comm.finalize()
+            print("cycles ok")
+            """
+        )
+    )
+    res = launch("-n", "4", str(script), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("cycles ok") == 4, res.stdout
+
+
 def test_launcher_timeout_exits_124(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import signal\nsignal.pause()\n")
