@@ -184,6 +184,17 @@ def _same(code, other, what):
     return code if code is not None else other
 
 
+def _row_width(x):
+    """Elements per row of dimension 0 of ``x`` (1 for 1-D or shapeless)."""
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 2:
+        return 1
+    width = 1
+    for d in tuple(shape)[1:]:
+        width *= int(d)
+    return width
+
+
 def _seconds(timeout):
     """A ``timedelta`` or number of seconds as float seconds, or ``None``."""
     if timeout is None:
@@ -349,12 +360,14 @@ class CommOptions:
 
 
 class OpName(str, enum.Enum):
-    """The name of an op, as hooks see it (TorchComms' ``OpName``). A
-    ``str``: ``name == "all_reduce"`` works. Chorus reports an op by its
-    Chorus kind, so ``all_gather_single`` and ``all_gather_v`` arrive as
-    ``all_gather``, ``reduce_scatter_*`` as ``reduce_scatter``; batched
-    point-to-point is ``batch_p2p`` and window ops ``window_put``, ... A name
-    not listed here arrives as a plain ``str``."""
+    """The name of an op (TorchComms' ``OpName``, with all of its names). A
+    ``str``: ``name == "all_reduce"`` works. Hooks see an op by its Chorus
+    kind, so ``all_gather_single`` and ``all_gather_v`` arrive as
+    ``all_gather``, ``reduce_scatter_*`` as ``reduce_scatter``,
+    ``all_to_all_v_single`` as ``all_to_all_single`` and ``gather_single``
+    as ``gather``; ``split`` and ``finalize`` are not ops and reach no hook.
+    Batched point-to-point is ``batch_p2p`` and window ops ``window_put``,
+    ... A name not listed here arrives as a plain ``str``."""
 
     send = "send"
     recv = "recv"
@@ -363,12 +376,20 @@ class OpName(str, enum.Enum):
     all_reduce = "all_reduce"
     reduce = "reduce"
     all_gather = "all_gather"
+    all_gather_single = "all_gather_single"
+    all_gather_v = "all_gather_v"
     reduce_scatter = "reduce_scatter"
+    reduce_scatter_single = "reduce_scatter_single"
+    reduce_scatter_v = "reduce_scatter_v"
     all_to_all_single = "all_to_all_single"
+    all_to_all_v_single = "all_to_all_v_single"
     all_to_all = "all_to_all"
     barrier = "barrier"
     scatter = "scatter"
     gather = "gather"
+    gather_single = "gather_single"
+    split = "split"
+    finalize = "finalize"
     new_window = "new_window"
     free_window = "free_window"
     window_put = "window_put"
@@ -810,8 +831,17 @@ class Comm:
         hints=None,
         timeout=None,
     ):
-        """Split sizes count elements of the flat buffers (TorchComms counts
-        rows of dimension 0; for 1-D arrays these are the same)."""
+        """Split sizes count rows of dimension 0, as in TorchComms: for a 2-D
+        ``input`` of shape ``(rows, k)`` a split of 2 moves ``2 * k``
+        elements; ``input`` and ``output`` must have the same shape past
+        dimension 0. For 1-D arrays (and buffers without a ``shape``) a row
+        is one element."""
+        width = _row_width(input)
+        if _row_width(output) != width:
+            raise ValueError(
+                "input and output of all_to_all_v_single must have the same shape past "
+                f"dimension 0 (got {tuple(input.shape)} and {tuple(output.shape)})"
+            )
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
@@ -819,8 +849,8 @@ class Comm:
             self._on(hints).all_to_all_v_single(
                 oview,
                 iview,
-                list(output_split_sizes),
-                list(input_split_sizes),
+                [int(s) * width for s in output_split_sizes],
+                [int(s) * width for s in input_split_sizes],
                 code,
                 _seconds(timeout),
             ),

@@ -1,9 +1,12 @@
 """Exceptions raised by Chorus, one class per kind of ``chorus::Error``.
 
-Every class derives from :class:`ChorusError`. Some also derive from the
-builtin exception a Python caller would expect (``TimeoutError`` from
-``builtins.TimeoutError``, ``InvalidArgumentError`` from ``ValueError``), so
-``except TimeoutError`` works with either name.
+Every class derives from :class:`ChorusError`, a ``RuntimeError`` (what
+TorchComms raises for a failed op, so ``except RuntimeError`` written for
+TorchComms catches Chorus's errors too). Some also derive from the builtin
+exception a Python caller would expect (``TimeoutError`` from
+``builtins.TimeoutError``, ``InvalidArgumentError`` and
+``UnknownBackendError`` from ``ValueError``), so ``except TimeoutError``
+works with either name.
 
 Attributes of every instance:
 
@@ -36,7 +39,7 @@ __all__ = [
 ]
 
 
-class ChorusError(Exception):
+class ChorusError(RuntimeError):
     """Base class of every error from a Chorus communicator."""
 
     def __init__(self, message, *, failed_ranks=(), fatal=False):

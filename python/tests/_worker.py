@@ -661,7 +661,131 @@ def fingerprint_mismatch(comm):
         assert "CHORUS_CHECKS" in str(e), e
 
 
+class Point:
+    """A class instance: refused with weights_only=True, fine without."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __eq__(self, other):
+        return isinstance(other, Point) and other.x == self.x
+
+
+def objcol(comm):
+    """chorus.objcol on every count of the grid (TorchComms' ObjCol tests
+    use tensors of these counts as the objects) and root, plus the
+    weights_only rule and argument errors raised before anything is sent."""
+    import pickle
+
+    from chorus import objcol as oc
+
+    rank, n = comm.get_rank(), comm.get_size()
+
+    def obj(r, count):
+        return {"rank": r, "data": values(np.float32, r, count), "tag": ("t", r, None)}
+
+    def same(a, b):
+        return (
+            a["rank"] == b["rank"]
+            and a["tag"] == b["tag"]
+            and a["data"].dtype == b["data"].dtype
+            and np.array_equal(a["data"], b["data"])
+        )
+
+    for count in COUNTS:
+        got = [None] * n
+        oc.all_gather_object(comm, got, obj(rank, count))
+        assert all(same(got[r], obj(r, count)) for r in range(n)), "all_gather_object"
+        for root in range(n):
+            # Objects of different sizes on different ranks: padded.
+            mine = obj(rank, count + rank)
+            out = [None] * n if rank == root else None
+            oc.gather_object(comm, mine, root, out)
+            if rank == root:
+                assert all(same(out[r], obj(r, count + r)) for r in range(n)), "gather_object"
+            lst = [obj(root, count), "second", 3] if rank == root else [None, None, None]
+            oc.broadcast_object_list(comm, lst, root)
+            assert same(lst[0], obj(root, count)) and lst[1:] == ["second", 3], "broadcast"
+            inputs = [obj(r, count * r) for r in range(n)] if rank == root else None
+            out1 = [None]
+            oc.scatter_object_list(comm, root, out1, inputs)
+            assert same(out1[0], obj(rank, count * rank)), "scatter_object_list"
+        if rank == 0:
+            oc.send_object_list(comm, [obj(0, count), {"k": [1, 2]}], 1)
+            back = [None]
+            oc.recv_object_list(comm, back, 1)
+            assert back == [count], back
+        elif rank == 1:
+            got = [None, None]
+            oc.recv_object_list(comm, got, 0)
+            assert same(got[0], obj(0, count)) and got[1] == {"k": [1, 2]}, got
+            oc.send_object_list(comm, [count], 0)
+    # Only plain data by default: a class instance is refused on every
+    # receiving rank, after the bytes moved (the communicator goes on).
+    got = [None] * n
+    try:
+        oc.all_gather_object(comm, got, Point(rank) if rank == 0 else rank)
+        raise AssertionError("a class instance was unpickled with weights_only=True")
+    except pickle.UnpicklingError as e:
+        assert "Point" in str(e), e
+    oc.all_gather_object(comm, got, Point(rank), weights_only=False)
+    assert got == [Point(r) for r in range(n)], got
+    # Argument errors are raised on the calling rank before anything is sent.
+    for bad in (
+        lambda: oc.all_gather_object(comm, [None] * (n + 1), 1),
+        lambda: oc.scatter_object_list(comm, 0, [], [1] * n),
+        lambda: oc.broadcast_object_list(comm, "not a list", 0),
+    ):
+        try:
+            bad()
+            raise AssertionError("a bad argument was accepted")
+        except ValueError:
+            pass
+    if rank == 0:
+        try:
+            oc.gather_object(comm, 1, 0, [None])
+            raise AssertionError("a short gather list was accepted on the root")
+        except ValueError:
+            pass
+    comm.barrier()
+
+
+def a2av_rows(comm):
+    """all_to_all_v_single counts rows of dimension 0 (TorchComms'
+    AllToAllvSingle test shape): rank r sends r + j + 1 rows of width 3 to
+    rank j; 1-D arrays count elements; differing row shapes are refused."""
+    rank, n = comm.get_rank(), comm.get_size()
+    width = 3
+    ins = [rank + j + 1 for j in range(n)]
+    outs = [i + rank + 1 for i in range(n)]
+    rows_in = np.concatenate(
+        [np.full((k, width), 100 * rank + j, dtype=np.int32) for j, k in enumerate(ins)]
+    )
+    out = np.full((sum(outs), width), -1, dtype=np.int32)
+    comm.all_to_all_v_single(out, rows_in, outs, ins)
+    want = np.concatenate(
+        [np.full((k, width), 100 * i + rank, dtype=np.int32) for i, k in enumerate(outs)]
+    )
+    assert np.array_equal(out, want), out
+    flat = np.arange(sum(ins), dtype=np.float32) + rank
+    out1 = np.zeros(sum(outs), dtype=np.float32)
+    comm.all_to_all_v_single(out1, flat, outs, ins)
+    at = 0
+    for i, k in enumerate(outs):
+        start = sum(i + j + 1 for j in range(rank))
+        assert np.array_equal(out1[at : at + k], np.arange(start, start + k, dtype=np.float32) + i)
+        at += k
+    try:
+        comm.all_to_all_v_single(np.zeros((sum(outs), 2), np.int32), rows_in, outs, ins)
+        raise AssertionError("row shapes that differ were accepted")
+    except ValueError:
+        pass
+    comm.barrier()
+
+
 SCENARIOS = {
+    "a2av_rows": a2av_rows,
+    "objcol": objcol,
     "grid": grid,
     "fingerprint_mismatch": fingerprint_mismatch,
     "buffers": buffers,

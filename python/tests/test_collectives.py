@@ -71,3 +71,11 @@ def test_persistent_all_gather_reuses_its_output_and_checks_agreement(ranks):
 
 def test_window_put_signal_wait_signal_ring(ranks):
     ranks(3, "window").assert_ok("window")
+
+
+def test_object_collectives_of_torchcomms_objcol(ranks):
+    ranks(3, "objcol").assert_ok("objcol")
+
+
+def test_all_to_all_v_single_counts_rows_of_dimension_0(ranks):
+    ranks(3, "a2av_rows").assert_ok("a2av_rows")
