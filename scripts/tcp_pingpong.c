@@ -37,6 +37,14 @@ static void full(int s, char *b, size_t n, int rd) {
   }
 }
 
+/* One JSON line for `op`: `secs` per message of `size` bytes. */
+static void report(const char *op, size_t size, double secs) {
+  double algbw = size / secs / 1e9;
+  printf("{\"system\":\"tcp-raw\",\"op\":\"%s\",\"nranks\":2,\"size\":%zu,\"count\":%zu,"
+         "\"type\":\"float\",\"in_place\":{\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f}}\n",
+         op, size, size / 4, secs * 1e6, algbw, algbw);
+}
+
 int main(int argc, char **argv) {
   size_t size = argc > 1 ? strtoul(argv[1], 0, 10) : 8;
   int iters = argc > 2 ? atoi(argv[2]) : 20000;
@@ -77,10 +85,7 @@ int main(int argc, char **argv) {
     double per = (now() - t0) / iters;
     close(s);
     waitpid(child, 0, 0);
-    double algbw = size / per / 1e9;
-    printf("{\"system\":\"tcp-raw\",\"op\":\"send_recv\",\"nranks\":2,\"size\":%zu,\"count\":%zu,"
-           "\"type\":\"float\",\"in_place\":{\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f}}\n",
-           size, size / 4, per * 1e6, algbw, algbw);
+    report("send_recv", size, per);
     return 0;
   }
   for (int i = 0; i < iters / 10 + 1; i++) {
@@ -95,9 +100,6 @@ int main(int argc, char **argv) {
   double half = (now() - t0) / iters / 2;
   close(s);
   waitpid(child, 0, 0);
-  double algbw = size / half / 1e9;
-  printf("{\"system\":\"tcp-raw\",\"op\":\"ping_pong\",\"nranks\":2,\"size\":%zu,\"count\":%zu,"
-         "\"type\":\"float\",\"in_place\":{\"time_us\":%.3f,\"algbw_gbs\":%.4f,\"busbw_gbs\":%.4f}}\n",
-         size, size / 4, half * 1e6, algbw, algbw);
+  report("ping_pong", size, half);
   return 0;
 }

@@ -99,20 +99,26 @@ impl Mode {
     }
 }
 
-/// A link's read half that, in direct mode, reads the socket itself
-/// instead of asking tokio (DR-1). O(1).
+/// A link's socket half that, in direct mode, reads or writes the socket
+/// itself instead of asking tokio (DR-1): [`DirectRead`] and
+/// [`DirectWrite`]. O(1).
 #[derive(Debug)]
-pub(crate) struct DirectRead {
-    inner: OwnedReadHalf,
+pub(crate) struct Direct<H> {
+    inner: H,
     fd: RawFd,
     mode: Switch,
 }
 
-impl DirectRead {
+/// A link's read half with a direct mode (DR-1).
+pub(crate) type DirectRead = Direct<OwnedReadHalf>;
+/// A link's write half with a direct mode (DR-1).
+pub(crate) type DirectWrite = Direct<OwnedWriteHalf>;
+
+impl<H: AsRef<tokio::net::TcpStream>> Direct<H> {
     /// Wrap `inner`, with direct mode off.
-    pub(crate) fn new(inner: OwnedReadHalf) -> DirectRead {
+    pub(crate) fn new(inner: H) -> Direct<H> {
         let fd = inner.as_ref().as_raw_fd();
-        DirectRead {
+        Direct {
             inner,
             fd,
             mode: Switch::default(),
@@ -124,7 +130,7 @@ impl DirectRead {
         self.fd
     }
 
-    /// The switch of this reader's direct mode (off until turned on).
+    /// The switch of this half's direct mode (off until turned on).
     pub(crate) fn switch(&self) -> Switch {
         self.mode.clone()
     }
@@ -176,36 +182,7 @@ impl AsyncRead for DirectRead {
     }
 }
 
-/// A link's write half that, in direct mode, writes the socket itself
-/// instead of asking tokio (DR-1). O(1).
-#[derive(Debug)]
-pub(crate) struct DirectWrite {
-    inner: OwnedWriteHalf,
-    fd: RawFd,
-    mode: Switch,
-}
-
 impl DirectWrite {
-    /// Wrap `inner`, with direct mode off.
-    pub(crate) fn new(inner: OwnedWriteHalf) -> DirectWrite {
-        let fd = inner.as_ref().as_raw_fd();
-        DirectWrite {
-            inner,
-            fd,
-            mode: Switch::default(),
-        }
-    }
-
-    /// The socket's file descriptor (to wait on with [`wait_ready`]).
-    pub(crate) fn fd(&self) -> RawFd {
-        self.fd
-    }
-
-    /// The switch of this writer's direct mode (off until turned on).
-    pub(crate) fn switch(&self) -> Switch {
-        self.mode.clone()
-    }
-
     /// One non-blocking `sendmsg` of `bufs` (DR-1); `None` when the socket
     /// cannot take a byte now.
     fn send_now(&self, bufs: &[io::IoSlice<'_>]) -> Option<io::Result<usize>> {
