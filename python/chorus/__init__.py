@@ -28,11 +28,13 @@ import datetime
 import enum
 import inspect
 import os
+import secrets
+import socket
 import sys
 
 from . import _chorus
 from ._errors import *  # noqa: F401,F403
-from ._errors import ConfigError, MismatchError, __all__ as _error_names
+from ._errors import ConfigError, MismatchError, NotSupportedError, __all__ as _error_names
 
 __all__ = [
     "new_comm",
@@ -741,16 +743,49 @@ class Comm:
         child = self._on(hints).split(list(ranks), name, _seconds(timeout))
         return Comm(child) if child is not None else None
 
-    def reconfigure(self, timeout=None, min_size=None, wait_joiners=0):
-        """Chorus only: form the next epoch from the ranks still alive.
+    def reconfigure(self, timeout=None, min_size=None, wait_joiners=0, *, uuid=None, init_handles=None):
+        """Form the next epoch from the ranks still alive (Chorus's quorum
+        reconfigure).
 
         Returns ``(comm, rank_map)``: the new communicator and
         ``{"epoch", "size", "old_to_new", "joined"}``. Raises
         ``NoQuorumError`` when no more than half of the ranks (or fewer than
         ``min_size``) survived.
+
+        TorchComms' form, ``reconfigure(uuid, init_handles, ...)`` with
+        handles from :meth:`get_init_handle`, is not supported: it raises
+        ``NotSupportedError`` (a ``RuntimeError``), as TorchComms does for a
+        backend without it.
         """
+        if uuid is not None or init_handles is not None or isinstance(timeout, str):
+            raise NotSupportedError(
+                "reconfigure(uuid, init_handles) not implemented: Chorus reconfigures by "
+                "quorum, reconfigure(timeout, min_size, wait_joiners)"
+            )
         child, rank_map = self._c.reconfigure(_seconds(timeout), min_size, wait_joiners)
         return Comm(child), rank_map
+
+    def get_init_handle(self):
+        """TorchComms' init handle for ``reconfigure(uuid, init_handles)``:
+        not supported, raises ``NotSupportedError`` (a ``RuntimeError``)
+        saying ``getInitHandle not implemented``, as TorchComms does for a
+        backend without it."""
+        raise NotSupportedError(
+            f"getInitHandle not implemented for backend {self.get_backend()!r}: Chorus "
+            "reconfigures by quorum (reconfigure(timeout, min_size, wait_joiners))"
+        )
+
+    def tensor_register(self, tensor):
+        """Register ``tensor`` for transfers without a copy (TorchComms).
+        Chorus's backends need no registration (the ``cpu`` backend reads and
+        writes host buffers in place), so this only checks that ``tensor``
+        is a buffer ops can use (raising as an op would) and keeps nothing."""
+        _buffer(tensor)
+
+    def tensor_deregister(self, tensor):
+        """Undo :meth:`tensor_register`: checks ``tensor`` as it does and
+        keeps nothing."""
+        _buffer(tensor)
 
     # -------------------------------------------------------------- collectives
 
@@ -973,6 +1008,56 @@ class Comm:
 TorchComm = Comm
 
 
+# Per process: the job secret and store address this process's rank 0
+# publishes through a torch.distributed Store (one store server per process,
+# which outlives communicators, so every communicator it hosts has the same).
+_HOSTED = {}
+
+
+def _rendezvous_through(store, name, rank, size, secret):
+    """Find Chorus's store through a ``torch.distributed`` ``Store`` (any
+    object with its ``set(key, value)`` and blocking ``get(key)``): rank 0
+    publishes the address of the QUIC store it hosts and the job secret
+    under ``chorus/<name>/rendezvous``; every other rank reads them.
+    Returns ``(address, secret, host_store)`` for the native ``new_comm``."""
+    if not (callable(getattr(store, "set", None)) and callable(getattr(store, "get", None))):
+        raise TypeError(
+            "store must be None, the \"host:port\" of a chorus-rendezvous, or a "
+            f"torch.distributed Store (with set and get), not {type(store).__name__}"
+        )
+    me, _ = _chorus.rank_size(rank, size)
+    key = f"chorus/{name}/rendezvous"
+    if me == 0:
+        if not _HOSTED:
+            host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+            port = os.environ.get("MASTER_PORT")
+            port = port or _free_udp_port(host)
+            _HOSTED["addr"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            # The job's secret when it has one (so that communicators created
+            # without a torch store reach the same store), else a fresh one.
+            _HOSTED["secret"] = os.environ.get("CHORUS_SECRET") or secrets.token_hex(32)
+        # A secret the caller gave is not published: every rank must pass it.
+        value = f"{_HOSTED['addr']} {'-' if secret else _HOSTED['secret']}"
+        store.set(key, value.encode())
+    else:
+        raw = store.get(key)
+        value = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    addr, _, published = value.partition(" ")
+    if not published:
+        raise ConfigError(f"malformed Chorus rendezvous record under {key!r} in the torch store")
+    if secret is None and published == "-":
+        raise ConfigError(
+            "rank 0 passed its own secret to new_comm, so every rank must pass it too"
+        )
+    return addr, (secret if secret is not None else published), True
+
+
+def _free_udp_port(host):
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _torchrun_without_secret():
     """Whether this looks like a multi-rank torchrun launch with no secret."""
     if os.environ.get("CHORUS_SECRET"):
@@ -1011,8 +1096,12 @@ def new_comm(
 
     ``store``: ``None`` (from the environment: ``MASTER_ADDR``/``MASTER_PORT``,
     rank 0 hosting Chorus's QUIC store, or ``CHORUS_STORE_ADDR``), or the
-    ``"host:port"`` of a running ``chorus-rendezvous``. A ``torch.distributed``
-    store is not accepted. ``abort_process_on_timeout_or_error``,
+    ``"host:port"`` of a running ``chorus-rendezvous``, or a
+    ``torch.distributed`` ``Store`` (``TCPStore``, ``PrefixStore``, ...): rank 0
+    then hosts Chorus's QUIC store (on ``MASTER_ADDR``/``MASTER_PORT`` when
+    set, else on a free port) and publishes its address and a fresh job
+    secret through that store, so no ``CHORUS_SECRET`` is needed; every rank
+    must pass a store of the same job. ``abort_process_on_timeout_or_error``,
     ``hints``: a ``dict`` of strings carried by every op of the
     communicator (see :class:`Comm`); a malformed value of a known key is
     ``InvalidArgumentError``. ``high_priority_stream`` and
@@ -1027,11 +1116,9 @@ def new_comm(
     ``CHORUS_CHECKS``, else ``"fingerprint"``; see "Mismatches" in
     docs/runtime-semantics.md).
     """
+    host_store = False
     if store is not None and not isinstance(store, str):
-        raise TypeError(
-            "store must be None or the \"host:port\" of a chorus-rendezvous; Chorus "
-            "bootstraps through its own authenticated QUIC store, not a torch.distributed Store"
-        )
+        store, secret, host_store = _rendezvous_through(store, name, rank, size, secret)
     if abort_process_on_timeout_or_error:
         raise ValueError(
             "abort_process_on_timeout_or_error=True is not supported: Chorus fails the ops "
@@ -1058,6 +1145,7 @@ def new_comm(
         size=size,
         hints={str(k): str(v) for k, v in dict(hints or {}).items()},
         checks=checks,
+        host_store=host_store,
     )
     return Comm(native)
 

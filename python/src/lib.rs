@@ -1361,11 +1361,15 @@ impl PyWindow {
     }
 }
 
-/// Options from `new_comm`'s / `join_comm`'s keywords.
+/// Options from `new_comm`'s / `join_comm`'s keywords; `host_store`: rank 0
+/// hosts the store at `store` (the rendezvous `MASTER_ADDR`/`MASTER_PORT`
+/// give), instead of `store` naming a running `chorus-rendezvous`.
+#[allow(clippy::too_many_arguments)]
 fn options(
     timeout: Option<f64>,
     connect_timeout: Option<f64>,
     store: Option<String>,
+    host_store: bool,
     secret: Option<String>,
     rank: Option<usize>,
     size: Option<usize>,
@@ -1388,7 +1392,11 @@ fn options(
             .ok_or_else(|| {
                 PyValueError::new_err(format!("store {addr:?} is not a host:port address"))
             })?;
-        opts.rendezvous = Rendezvous::Server(sa);
+        opts.rendezvous = if host_store {
+            Rendezvous::Master(sa)
+        } else {
+            Rendezvous::Server(sa)
+        };
     }
     if let Some(s) = secret {
         opts = opts.with_secret(s.into_bytes());
@@ -1404,7 +1412,7 @@ fn options(
 /// Create a communicator (blocking, without the GIL, until every rank has
 /// joined or `connect_timeout` passed).
 #[pyfunction]
-#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None, hints=None, checks=None))]
+#[pyo3(signature = (backend, device, name, timeout=None, connect_timeout=None, store=None, secret=None, rank=None, size=None, hints=None, checks=None, host_store=false))]
 #[allow(clippy::too_many_arguments)]
 fn new_comm(
     py: Python<'_>,
@@ -1419,16 +1427,35 @@ fn new_comm(
     size: Option<usize>,
     hints: Option<BTreeMap<String, String>>,
     checks: Option<String>,
+    host_store: bool,
 ) -> PyResult<PyComm> {
     drain_releases(py);
     let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
-    let mut opts = options(timeout, connect_timeout, store, secret, rank, size, hints)?;
+    let mut opts = options(
+        timeout,
+        connect_timeout,
+        store,
+        host_store,
+        secret,
+        rank,
+        size,
+        hints,
+    )?;
     if let Some(c) = checks {
         opts.checks = chorus::checks::parse_checks(&c).map_err(|e| chorus_err(py, e))?;
     }
     py.detach(move || chorus::new_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))
+}
+
+/// This process's `(rank, size)` as `new_comm` resolves them: `rank` and
+/// `size` when given, else the launcher's environment, else `(0, 1)`.
+#[pyfunction]
+#[pyo3(signature = (rank=None, size=None))]
+fn rank_size(py: Python<'_>, rank: Option<usize>, size: Option<usize>) -> PyResult<(usize, usize)> {
+    let opts = options(None, None, None, false, None, rank, size, None)?;
+    chorus::bootstrap::rank_size(&opts).map_err(|e| chorus_err(py, e))
 }
 
 /// Join a running communicator as a new rank: blocks (without the GIL)
@@ -1448,7 +1475,7 @@ fn join_comm(
 ) -> PyResult<PyComm> {
     drain_releases(py);
     let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
-    let opts = options(timeout, connect_timeout, store, secret, None, None, None)?;
+    let opts = options(timeout, connect_timeout, store, false, secret, None, None, None)?;
     py.detach(move || chorus::join_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))
@@ -1477,6 +1504,7 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyHandle>()?;
     m.add_class::<PyWindow>()?;
     m.add_function(wrap_pyfunction!(new_comm, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_size, m)?)?;
     m.add_function(wrap_pyfunction!(join_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;
     m.add_function(wrap_pyfunction!(_copy_stats, m)?)?;

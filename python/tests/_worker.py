@@ -783,7 +783,89 @@ def a2av_rows(comm):
     comm.barrier()
 
 
+def torchcomms_surface(comm):
+    """TorchComms' tensor_register/tensor_deregister around a broadcast
+    (its RegisterTensor test), and get_init_handle and the uuid form of
+    reconfigure refused with a RuntimeError saying so (its GetInitHandle
+    test for a backend without them)."""
+    rank = comm.get_rank()
+    for count in (4, 1024, 1 << 20):
+        for dtype in (np.float32, np.int32, np.int8):
+            t = np.full(count, 99, dtype=dtype) if rank == 0 else np.zeros(count, dtype=dtype)
+            comm.tensor_register(t)
+            try:
+                work = comm.broadcast(t, 0, False)
+                assert work.is_completed()
+                assert np.array_equal(t, np.full(count, 99, dtype=dtype)), t[:4]
+            finally:
+                comm.tensor_deregister(t)
+    try:
+        comm.tensor_register([1, 2, 3])
+        raise AssertionError("a list was registered")
+    except (TypeError, ValueError):
+        pass
+    try:
+        comm.get_init_handle()
+        raise AssertionError("get_init_handle returned")
+    except RuntimeError as e:
+        assert "getInitHandle not implemented" in str(e), e
+        assert isinstance(e, chorus.NotSupportedError), type(e)
+    try:
+        comm.reconfigure(uuid="u", init_handles=["h"])
+        raise AssertionError("reconfigure(uuid, init_handles) returned")
+    except RuntimeError as e:
+        assert isinstance(e, chorus.NotSupportedError), type(e)
+    comm.barrier()
+
+
+class CommStore:
+    """A stand-in for a torch.distributed Store, for runs without torch: the
+    two methods Chorus calls, ``set`` on rank 0 and a blocking ``get``
+    elsewhere, carried by a broadcast over an existing communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def set(self, key, value):
+        from chorus import objcol
+
+        objcol.broadcast_object_list(self.comm, [(key, bytes(value))], 0)
+
+    def get(self, key):
+        from chorus import objcol
+
+        got = [None]
+        objcol.broadcast_object_list(self.comm, got, 0)
+        assert got[0][0] == key, got
+        return got[0][1]
+
+
+def torch_store(comm):
+    """new_comm(store=<torch Store>) with no CHORUS_SECRET and no
+    MASTER_PORT: rank 0 hosts the QUIC store on a free port and publishes it
+    with a fresh secret; two communicators of one name in sequence; a store
+    of another type is refused."""
+    os.environ.pop("CHORUS_SECRET", None)
+    os.environ.pop("MASTER_PORT", None)
+    store = CommStore(comm)
+    n = comm.get_size()
+    for _ in range(2):
+        c = chorus.new_comm("cpu", "cpu", "via-torch-store", store=store, connect_timeout=60)
+        assert (c.get_rank(), c.get_size()) == (comm.get_rank(), n)
+        t = np.ones(8, dtype=np.float32)
+        c.all_reduce(t, ReduceOp.SUM)
+        assert t.tolist() == [float(n)] * 8, t
+        c.finalize()
+    try:
+        chorus.new_comm("cpu", "cpu", "bad-store", store=42)
+        raise AssertionError("a store of another type was accepted")
+    except TypeError:
+        pass
+
+
 SCENARIOS = {
+    "torch_store": torch_store,
+    "torchcomms_surface": torchcomms_surface,
     "a2av_rows": a2av_rows,
     "objcol": objcol,
     "grid": grid,

@@ -79,3 +79,11 @@ def test_object_collectives_of_torchcomms_objcol(ranks):
 
 def test_all_to_all_v_single_counts_rows_of_dimension_0(ranks):
     ranks(3, "a2av_rows").assert_ok("a2av_rows")
+
+
+def test_tensor_register_init_handle_and_uuid_reconfigure_as_torchcomms(ranks):
+    ranks(2, "torchcomms_surface").assert_ok("torchcomms_surface")
+
+
+def test_new_comm_through_a_torch_store_needs_no_secret(ranks):
+    ranks(3, "torch_store").assert_ok("torch_store")
