@@ -1475,7 +1475,16 @@ fn join_comm(
 ) -> PyResult<PyComm> {
     drain_releases(py);
     let device: Device = device.parse().map_err(|e| chorus_err(py, e))?;
-    let opts = options(timeout, connect_timeout, store, false, secret, None, None, None)?;
+    let opts = options(
+        timeout,
+        connect_timeout,
+        store,
+        false,
+        secret,
+        None,
+        None,
+        None,
+    )?;
     py.detach(move || chorus::join_comm(&backend, device, &name, opts))
         .map(|comm| PyComm { comm })
         .map_err(|e| chorus_err(py, e))
