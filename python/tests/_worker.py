@@ -863,7 +863,29 @@ def torch_store(comm):
         pass
 
 
+def split_errors(comm):
+    """TorchComms' Split tests of bad lists: every rank passing duplicates,
+    or every rank a list without itself, raises a RuntimeError on every
+    rank, and the communicator goes on."""
+    n, rank = comm.get_size(), comm.get_rank()
+    try:
+        comm.split(list(range(n)) * 2, "duplicate_comm")
+        raise AssertionError("duplicate ranks were accepted")
+    except RuntimeError as e:
+        assert isinstance(e, chorus.InvalidArgumentError), type(e)
+    try:
+        comm.split([r for r in range(n) if r != rank], "exclude_self_comm")
+        raise AssertionError("a list without the caller was accepted")
+    except RuntimeError as e:
+        assert isinstance(e, (chorus.InvalidArgumentError, chorus.MismatchError)), type(e)
+    assert not comm.is_aborted()
+    t = np.ones(4, dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM)
+    assert t.tolist() == [float(n)] * 4, t
+
+
 SCENARIOS = {
+    "split_errors": split_errors,
     "torch_store": torch_store,
     "torchcomms_surface": torchcomms_surface,
     "a2av_rows": a2av_rows,

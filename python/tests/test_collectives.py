@@ -87,3 +87,7 @@ def test_tensor_register_init_handle_and_uuid_reconfigure_as_torchcomms(ranks):
 
 def test_new_comm_through_a_torch_store_needs_no_secret(ranks):
     ranks(3, "torch_store").assert_ok("torch_store")
+
+
+def test_bad_split_lists_raise_runtime_error_on_every_rank(ranks):
+    ranks(3, "split_errors").assert_ok("split_errors")
