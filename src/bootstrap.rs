@@ -136,11 +136,19 @@ pub fn resolve_env(size: usize) -> Result<Rendezvous> {
 /// the ranks that already create the next (their keys are scoped by the
 /// communicator's name and instance). Only a communicator that fails to
 /// start while no other uses the server closes it ([`close_hosted_store`]).
-/// O(addresses hosted).
-fn servers() -> &'static Mutex<HashMap<SocketAddr, Arc<RendezvousServer>>> {
-    static S: std::sync::OnceLock<Mutex<HashMap<SocketAddr, Arc<RendezvousServer>>>> =
-        std::sync::OnceLock::new();
+/// Each server is listed with the SHA-256 of the job secret it checks, so
+/// that a communicator with another secret is told so instead of reaching
+/// a store that refuses its ranks. O(addresses hosted).
+fn servers() -> &'static Mutex<HashMap<SocketAddr, Hosted>> {
+    static S: std::sync::OnceLock<Mutex<HashMap<SocketAddr, Hosted>>> = std::sync::OnceLock::new();
     S.get_or_init(Default::default)
+}
+
+/// A store server this process hosts, and the digest of its job secret.
+type Hosted = (Arc<RendezvousServer>, ring::digest::Digest);
+
+fn secret_digest(secret: &[u8]) -> ring::digest::Digest {
+    ring::digest::digest(&ring::digest::SHA256, secret)
 }
 
 /// How long a rank whose communicator failed to start waits for the store
@@ -160,11 +168,11 @@ pub(crate) async fn close_hosted_store(server: Arc<RendezvousServer>) {
         let Ok(mut m) = servers().lock() else {
             return;
         };
-        let listed = m.values().any(|s| Arc::ptr_eq(s, &server));
+        let listed = m.values().any(|(s, _)| Arc::ptr_eq(s, &server));
         if Arc::strong_count(&server) > 1 + usize::from(listed) {
             return;
         }
-        m.retain(|_, s| !Arc::ptr_eq(s, &server));
+        m.retain(|_, (s, _)| !Arc::ptr_eq(s, &server));
     }
     server.shutdown();
     let _ = tokio::time::timeout(STORE_CLOSE_WAIT, server.stopped()).await;
@@ -242,16 +250,23 @@ pub async fn connect_store(
             let mut server = None;
             let mut connect_to = addr;
             if rank == 0 {
+                let digest = secret_digest(&secret);
                 let existing = servers()
                     .lock()
                     .ok()
-                    .and_then(|m| m.get(&addr).filter(|s| s.is_serving()).cloned());
+                    .and_then(|m| m.get(&addr).filter(|(s, _)| s.is_serving()).cloned());
                 let s = match existing {
-                    Some(s) => s,
+                    Some((s, d)) if d.as_ref() == digest.as_ref() => s,
+                    Some(_) => {
+                        return Err(Error::Config(format!(
+                            "rank 0 already hosts a store at {addr} for another job secret; give \
+                             this communicator the same secret, or another MASTER_PORT"
+                        )))
+                    }
                     None => {
                         let s = Arc::new(RendezvousServer::bind(addr, &secret).await?);
                         if let Ok(mut m) = servers().lock() {
-                            m.insert(addr, s.clone());
+                            m.insert(addr, (s.clone(), digest));
                         }
                         s
                     }

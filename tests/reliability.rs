@@ -110,6 +110,36 @@ fn twenty_create_finalize_cycles_with_the_store_on_rank_0_finalizing_late() {
     }
 }
 
+/// Rank 0 hosts a store at an address for one job secret: a communicator
+/// at that address with another secret is refused at once with a `Config`
+/// error saying why (it used to reach the running store, which refused its
+/// ranks as strangers), and the store goes on serving the first secret.
+#[test]
+fn another_secret_at_an_address_rank_0_already_serves_is_a_config_error() {
+    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
+    let opts = |secret: &str| {
+        CommOptions::default()
+            .with_rank(0, 1)
+            .with_rendezvous(Rendezvous::Master(addr))
+            .with_secret(secret)
+            .with_connect_timeout(Duration::from_secs(10))
+    };
+    let first = new_comm("cpu", Device::Cpu, "first", opts("one")).expect("first communicator");
+    let t0 = Instant::now();
+    match new_comm("cpu", Device::Cpu, "second", opts("two")) {
+        Err(chorus::Error::Config(m)) => assert!(m.contains("another job secret"), "{m}"),
+        Err(e) => panic!("expected a Config error, got {e}"),
+        Ok(_) => panic!("a second secret was accepted at {addr}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    let third = new_comm("cpu", Device::Cpu, "third", opts("one")).expect("the first secret");
+    let t = third
+        .all_reduce(Tensor::from_vec(vec![5i32]), ReduceOp::Sum)
+        .expect("all_reduce");
+    assert_eq!(t.as_slice::<i32>(), &[5]);
+    drop(first);
+}
+
 /// ST-6: 900 connections from one address that finish the QUIC handshake
 /// but never authenticate must not deny the store to a legitimate job from
 /// another address (before: they held every pending slot for 10 s).
