@@ -764,7 +764,12 @@ impl LinkReader {
                     // its way.
                     check(0)?;
                     let mut scratch = std::mem::take(&mut self.scratch);
-                    scratch.resize(REDUCE_PIECE.min(buf.len()), 0);
+                    // Grown once to its largest need, never shrunk: a
+                    // smaller frame after a larger one fills no bytes.
+                    let need = REDUCE_PIECE.min(buf.len());
+                    if scratch.len() < need {
+                        scratch.resize(need, 0);
+                    }
                     // REDUCE_PIECE is a multiple of every element size.
                     for dst in buf.chunks_mut(REDUCE_PIECE) {
                         let src = &mut scratch[..dst.len()];
