@@ -9,11 +9,20 @@
 #
 # Needs CPython >= 3.11 (PYTHON=..., default python3) and a Rust toolchain.
 # Extra arguments go to pytest, e.g. ./scripts/python-test.sh -k grid
-# CHORUS_PY_TORCH=1 also installs torch from PyPI (several GB, with its CUDA
-# libraries) so that the torch tests run, e.g. the real torchrun launch:
-#   CHORUS_PY_VENV=target/torch-venv CHORUS_PY_TORCH=1 ./scripts/python-test.sh -k torch
+# --torch (first argument; or CHORUS_PY_TORCH=1) also installs torch from
+# PyPI (several GB, with its CUDA libraries) into target/torch-venv (unless
+# CHORUS_PY_VENV names another), so that the torch tests run: the
+# torch.distributed backend (DDP, FSDP, device meshes), the real torchrun
+# launch. CI runs without it (the torch tests skip):
+#   ./scripts/python-test.sh --torch [-k torch]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = --torch ]; then
+  shift
+  export CHORUS_PY_TORCH=1
+  export CHORUS_PY_VENV=${CHORUS_PY_VENV:-target/torch-venv}
+fi
 
 python=${PYTHON:-python3}
 venv=${CHORUS_PY_VENV:-.venv-py}

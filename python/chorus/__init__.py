@@ -1029,9 +1029,7 @@ def _rendezvous_through(store, name, rank, size, secret):
     key = f"chorus/{name}/rendezvous"
     if me == 0:
         if not _HOSTED:
-            host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-            port = os.environ.get("MASTER_PORT")
-            port = port or _free_udp_port(host)
+            host, port = _store_host_port()
             _HOSTED["addr"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             # The job's secret when it has one (so that communicators created
             # without a torch store reach the same store), else a fresh one.
@@ -1050,6 +1048,27 @@ def _rendezvous_through(store, name, rank, size, secret):
             "rank 0 passed its own secret to new_comm, so every rank must pass it too"
         )
     return addr, (secret if secret is not None else published), True
+
+
+def _store_host_port():
+    """Where this process hosts Chorus's store for communicators found
+    through a torch store: the job's rank 0 (``RANK`` 0 or unset) on
+    ``MASTER_ADDR``/``MASTER_PORT`` when both are set (the UDP port beside
+    torch's TCP store, as ``chorus.run`` and torchrun leave free); any other
+    process (rank 0 of a subgroup) on the address it reaches ``MASTER_ADDR``
+    from (the loopback address when that is local) and a free UDP port, so
+    that group leaders on one host never race for one port."""
+    master = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not master:
+        return "127.0.0.1", _free_udp_port("127.0.0.1")
+    if port and os.environ.get("RANK", "0") == "0":
+        return master, port
+    family = socket.AF_INET6 if ":" in master else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((master, int(port or 9)))  # no datagram is sent
+        host = s.getsockname()[0]
+    return host, _free_udp_port(host)
 
 
 def _free_udp_port(host):
@@ -1098,10 +1117,12 @@ def new_comm(
     rank 0 hosting Chorus's QUIC store, or ``CHORUS_STORE_ADDR``), or the
     ``"host:port"`` of a running ``chorus-rendezvous``, or a
     ``torch.distributed`` ``Store`` (``TCPStore``, ``PrefixStore``, ...): rank 0
-    then hosts Chorus's QUIC store (on ``MASTER_ADDR``/``MASTER_PORT`` when
-    set, else on a free port) and publishes its address and a fresh job
-    secret through that store, so no ``CHORUS_SECRET`` is needed; every rank
-    must pass a store of the same job. ``abort_process_on_timeout_or_error``,
+    then hosts Chorus's QUIC store (the job's rank 0 on
+    ``MASTER_ADDR``/``MASTER_PORT`` when set, any other process on a free
+    port of its own address) and publishes its address and the job secret
+    (``CHORUS_SECRET``, else a fresh one) through that store, so no
+    ``CHORUS_SECRET`` is needed; every rank must pass a store of the same
+    job. ``abort_process_on_timeout_or_error``,
     ``hints``: a ``dict`` of strings carried by every op of the
     communicator (see :class:`Comm`); a malformed value of a known key is
     ``InvalidArgumentError``. ``high_priority_stream`` and

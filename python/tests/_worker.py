@@ -681,15 +681,25 @@ def objcol(comm):
 
     rank, n = comm.get_rank(), comm.get_size()
 
+    try:
+        import torch
+    except ImportError:
+        torch = None
+
     def obj(r, count):
-        return {"rank": r, "data": values(np.float32, r, count), "tag": ("t", r, None)}
+        data = values(np.float32, r, count)
+        if torch is not None:
+            # torch.load(weights_only=True), as TorchComms uses it, refuses
+            # NumPy arrays; torch tensors are what its ObjCol tests send.
+            data = torch.from_numpy(data)
+        return {"rank": r, "data": data, "tag": ("t", r, None)}
 
     def same(a, b):
         return (
             a["rank"] == b["rank"]
             and a["tag"] == b["tag"]
             and a["data"].dtype == b["data"].dtype
-            and np.array_equal(a["data"], b["data"])
+            and np.array_equal(np.asarray(a["data"]), np.asarray(b["data"]))
         )
 
     for count in COUNTS:

@@ -30,10 +30,10 @@ class Ranks:
             )
 
 
-def spawn_ranks(n, *args, extra_env=None, timeout=RANK_TIMEOUT, port=None, joiners=0):
-    """Run `_worker.py args...` on `n` ranks (plus `joiners` processes with
-    CHORUS_TEST_JOINER=1 and the last rank's environment); kill them all on
-    timeout."""
+def spawn_ranks(n, *args, extra_env=None, timeout=RANK_TIMEOUT, port=None, joiners=0, worker=WORKER):
+    """Run `worker args...` (default `_worker.py`) on `n` ranks (plus
+    `joiners` processes with CHORUS_TEST_JOINER=1 and the last rank's
+    environment); kill them all on timeout."""
     port = port or free_port()
     secret, job = secrets.token_hex(16), secrets.token_hex(8)
     procs = []
@@ -44,7 +44,7 @@ def spawn_ranks(n, *args, extra_env=None, timeout=RANK_TIMEOUT, port=None, joine
             env["CHORUS_TEST_JOINER"] = "1"
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
+                [sys.executable, str(worker), *args],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
