@@ -9,10 +9,18 @@
 //! op took and its result ([`PostHookArgs`]); abort hooks once, with the
 //! cause, when the communicator is aborted ([`AbortHookArgs`]).
 //!
-//! Hooks never run on a thread that runs or owns the communicator's core:
-//! they run on one process-wide hook thread (`chorus-hooks`), in the order
-//! the events happened, so a slow hook delays only later hooks. A hook that
-//! panics is caught and logged (`tracing` error), and the op is unaffected.
+//! Hooks never run on a thread that runs or owns the communicator's core.
+//! Each communicator with hooks queues its events, in the order they
+//! happened, for a hook thread of its own (`chorus-hooks`, started with the
+//! first event). Waiting for an op ([`crate::Work`]'s `wait`,
+//! `wait_timeout` and `.await`) returns only after the op's pre and post
+//! hooks ran, as TorchComms calls them around the op on the caller's side;
+//! a blocking waiter runs the queued events itself, in order, when the hook
+//! thread is not running one (a hand-off to a sleeping thread and back
+//! costs two context switches). A slow hook delays its own communicator's
+//! waits, never another communicator. A wait from inside a hook does not
+//! wait for hooks. A hook that panics is caught and logged (`tracing`
+//! error), and the op is unaffected.
 //! Registering returns a [`RemovableHandle`]; dropping it or calling
 //! [`RemovableHandle::remove`] unregisters the hook.
 //!
@@ -29,11 +37,13 @@
 //! | HK-3 | abort hooks are called once per communicator, with the cause, before the ops still outstanding are failed; the abort waits for them at most [`ABORT_HOOK_DEADLINE`]. |
 //! | HK-4 | once [`RemovableHandle::remove`] returned (or the handle was dropped), the hook is not called again, except for a call already running. |
 //! | HK-5 | a panicking hook is caught and logged; it never reaches an op, a caller or the hook thread. |
+//! | HK-6 | an op whose pre or post hooks were sent completes its `Work` with a ticket, signalled once they ran; waiting for the `Work`, except from inside a hook, also waits for the ticket. Each communicator's events are queued apart and run one at a time in order (by its hook thread or a waiter holding the queue's runner lock), so a ticket never waits behind another communicator's hooks. |
 
 use std::collections::BTreeMap;
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
@@ -130,6 +140,17 @@ pub(crate) struct HookSet {
     pre: RwLock<Vec<(u64, Arc<PreFn>)>>,
     post: RwLock<Vec<(u64, Arc<PostFn>)>>,
     abort: RwLock<Vec<(u64, Arc<AbortFn>)>>,
+    /// This communicator's events not yet run, made with its hook thread
+    /// by the first event. O(events not yet run).
+    queue: OnceLock<Arc<HookQueue>>,
+}
+
+impl Drop for HookSet {
+    fn drop(&mut self) {
+        if let Some(q) = self.queue.get() {
+            q.close();
+        }
+    }
 }
 
 fn read<T: Clone>(l: &RwLock<Vec<(u64, T)>>) -> Vec<T> {
@@ -194,6 +215,103 @@ impl HookSet {
     fn has(&self, kind: Kind) -> bool {
         self.per_kind[kind as usize].load(Ordering::Acquire) != 0
     }
+
+    /// Queue `job` for this communicator's hook thread (started with the
+    /// first event; it ends once the set is dropped and the queue ran dry).
+    /// A thread waiting for one of the queued events may run it first
+    /// ([`HookTicket`]). If the thread cannot be started, that is logged
+    /// and only waiters run the jobs.
+    fn dispatch(&self, job: Job) -> &Arc<HookQueue> {
+        let queue = self.queue.get_or_init(|| {
+            let q = Arc::new(HookQueue::default());
+            let runner = q.clone();
+            if let Err(e) = std::thread::Builder::new()
+                .name("chorus-hooks".into())
+                .spawn(move || runner.serve())
+            {
+                tracing::error!(error = %e, "cannot start a hook thread; this communicator's hooks run only when their ops are waited for");
+            }
+            q
+        });
+        queue.push(job);
+        queue
+    }
+}
+
+/// One communicator's hook events, in order: run one at a time by its hook
+/// thread, or by a thread that waits for one of them (HK-6), whichever
+/// holds `runner`. O(events queued).
+#[derive(Default)]
+pub(crate) struct HookQueue {
+    state: Mutex<QueueState>,
+    more: Condvar,
+    /// Held while running jobs, so that they run one at a time, in order.
+    runner: Mutex<()>,
+}
+
+#[derive(Default)]
+struct QueueState {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+impl HookQueue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn push(&self, job: Job) {
+        self.lock().jobs.push_back(job);
+        self.more.notify_one();
+    }
+
+    fn pop(&self) -> Option<Job> {
+        self.lock().jobs.pop_front()
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.more.notify_one();
+    }
+
+    /// The hook thread: run jobs as they come, until closed and empty.
+    fn serve(&self) {
+        ON_HOOK_THREAD.with(|on| on.set(true));
+        loop {
+            {
+                let mut st = self.lock();
+                while st.jobs.is_empty() && !st.closed {
+                    st = self.more.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+                if st.jobs.is_empty() {
+                    return;
+                }
+            }
+            let _runner = self.runner.lock().unwrap_or_else(|e| e.into_inner());
+            while let Some(job) = self.pop() {
+                job();
+            }
+        }
+    }
+
+    /// On a waiting thread: run queued jobs, in order, until `done` is
+    /// complete, unless another thread is running them now (then the
+    /// caller waits for that). Jobs run as on the hook thread
+    /// ([`on_hook_thread`] is true meanwhile), so a hook that waits for an
+    /// op does not wait for the hooks queued behind it.
+    fn help(&self, done: &chorus_sync::oneshot::Receiver<()>) {
+        let _runner = match self.runner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        let was = ON_HOOK_THREAD.with(|on| on.replace(true));
+        while !done.is_complete() {
+            let Some(job) = self.pop() else { break };
+            job();
+        }
+        ON_HOOK_THREAD.with(|on| on.set(was));
+    }
 }
 
 /// A registered hook; dropping it, or [`RemovableHandle::remove`],
@@ -238,32 +356,52 @@ impl Drop for RemovableHandle {
     }
 }
 
-// ------------------------------------------------------------ hook thread
+// ------------------------------------------------------------ hook threads
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// Run `job` on the hook thread (started on first use). If the thread
-/// cannot be started, the job is dropped and that is logged once.
-fn dispatch(job: Job) {
-    static TX: OnceLock<Option<std::sync::mpsc::Sender<Job>>> = OnceLock::new();
-    let tx = TX.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
-        match std::thread::Builder::new()
-            .name("chorus-hooks".into())
-            .spawn(move || {
-                for job in rx {
-                    job();
-                }
-            }) {
-            Ok(_) => Some(tx),
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the hook thread; hooks will not run");
-                None
-            }
-        }
-    });
-    if let Some(tx) = tx {
-        let _ = tx.send(job);
+thread_local! {
+    /// Whether this thread is a communicator's hook thread.
+    static ON_HOOK_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a hook thread: a wait there must not wait
+/// for hooks, which would be queued behind the running one (HK-6).
+pub(crate) fn on_hook_thread() -> bool {
+    ON_HOOK_THREAD.with(|on| on.get())
+}
+
+/// Signalled (or dropped) once an op's hooks have run (HK-6); the op's
+/// `Work` waits for it, running the queued hooks itself when no other
+/// thread is running them.
+pub(crate) struct HookTicket {
+    done: chorus_sync::oneshot::Receiver<()>,
+    queue: Arc<HookQueue>,
+}
+
+impl HookTicket {
+    /// Whether the hooks have run: one atomic load.
+    pub(crate) fn is_complete(&self) -> bool {
+        self.done.is_complete()
+    }
+
+    /// Block until the hooks have run, running them here if no other
+    /// thread is.
+    pub(crate) fn wait(&mut self) {
+        self.queue.help(&self.done);
+        let _ = self.done.recv_blocking();
+    }
+
+    /// As [`HookTicket::wait`], at most `timeout`; `false` if they still
+    /// run.
+    pub(crate) fn wait_timeout(&mut self, timeout: Duration) -> bool {
+        self.queue.help(&self.done);
+        self.done.recv_blocking_timeout(timeout).is_ok()
+    }
+
+    /// For `.await`: never runs hooks on the caller's executor.
+    pub(crate) fn poll(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        self.done.poll_recv(cx).map(|_| ())
     }
 }
 
@@ -332,7 +470,8 @@ impl Observer {
             Some(r) if hints.record => Some(r.push(op_id, &desc, hints.tag.as_deref(), now)),
             _ => None,
         };
-        if self.hooks.has(Kind::Pre) {
+        let pre_sent = self.hooks.has(Kind::Pre);
+        if pre_sent {
             let args = PreHookArgs {
                 op_id,
                 op: desc.op,
@@ -347,7 +486,7 @@ impl Observer {
                 hints: hints.map.clone(),
             };
             let hooks = self.hooks.clone();
-            dispatch(Box::new(move || {
+            self.hooks.dispatch(Box::new(move || {
                 for f in read(&hooks.pre) {
                     call_caught("pre", &args.comm, || f(&args));
                 }
@@ -361,6 +500,7 @@ impl Observer {
             issued: now,
             started: None,
             seq: None,
+            pre_sent,
         })
     }
 
@@ -376,7 +516,7 @@ impl Observer {
                 epoch: self.id.epoch,
                 cause: cause.clone(),
             };
-            dispatch(Box::new(move || {
+            self.hooks.dispatch(Box::new(move || {
                 for f in read(&hooks.abort) {
                     call_caught("abort", &args.comm, || f(&args));
                 }
@@ -419,6 +559,8 @@ pub(crate) struct Tracked {
     issued: Instant,
     started: Option<Instant>,
     seq: Option<u64>,
+    /// Whether its pre hooks were sent to the hook thread.
+    pre_sent: bool,
 }
 
 impl Tracked {
@@ -439,8 +581,9 @@ impl Tracked {
         }
     }
 
-    /// It completes with `result` (FR-2: before its `Work` does).
-    pub(crate) fn finish(self, result: Result<(), &Error>) {
+    /// It completes with `result` (FR-2: before its `Work` does). Returns
+    /// the ticket its `Work` waits for when hooks were or are sent (HK-6).
+    pub(crate) fn finish(self, result: Result<(), &Error>) -> Option<HookTicket> {
         let now = Instant::now();
         if let (Some(r), Some(id)) = (&self.obs.recorder, self.rec) {
             r.finished(id, result.err().map(|e| e.to_string()), now);
@@ -457,12 +600,30 @@ impl Tracked {
                 result: result.map_err(Error::clone),
             };
             let hooks = self.obs.hooks.clone();
-            dispatch(Box::new(move || {
+            let (tx, done) = chorus_sync::oneshot::channel();
+            let queue = self.obs.hooks.dispatch(Box::new(move || {
                 for f in read(&hooks.post) {
                     call_caught("post", &args.comm, || f(&args));
                 }
+                let _ = tx.send(());
             }));
+            return Some(HookTicket {
+                done,
+                queue: queue.clone(),
+            });
         }
+        if self.pre_sent {
+            // No post hook: the ticket follows the pre call in the queue.
+            let (tx, done) = chorus_sync::oneshot::channel();
+            let queue = self.obs.hooks.dispatch(Box::new(move || {
+                let _ = tx.send(());
+            }));
+            return Some(HookTicket {
+                done,
+                queue: queue.clone(),
+            });
+        }
+        None
     }
 }
 

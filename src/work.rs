@@ -33,6 +33,10 @@
 //!   on a multi-thread runtime they wait inside
 //!   [`tokio::task::block_in_place`], on a current-thread runtime they
 //!   refuse with [`Error::WouldBlock`] (see [`crate::runtime`]).
+//! - WK-7: `wait`, `wait_timeout` and `.await` return an op's result only
+//!   after its hooks have run (the hook ticket of HK-6 in
+//!   [`crate::hooks`]), except on a hook thread. `is_completed()` reports
+//!   the op itself.
 //!
 //! # Cancel safety
 //! `Work` is a plain future over shared state: dropping it mid-poll loses
@@ -52,7 +56,7 @@ use std::time::Duration;
 use chorus_sync::oneshot;
 
 use crate::error::{Error, Result};
-use crate::hooks::Tracked;
+use crate::hooks::{on_hook_thread, HookTicket, Tracked};
 use crate::tensor::Tensor;
 
 /// What an op produces.
@@ -196,9 +200,16 @@ impl FenceSlot {
     }
 }
 
+/// What a [`Completer`] sends: the op's result, and the ticket of its hooks
+/// when it has some (WK-7).
+struct Done {
+    result: Result<Completion>,
+    hooks: Option<HookTicket>,
+}
+
 /// The sending half: completes one [`Work`] exactly once.
 pub(crate) struct Completer {
-    tx: Option<oneshot::Sender<Result<Completion>>>,
+    tx: Option<oneshot::Sender<Done>>,
     fence: Arc<FenceSlot>,
     /// The op as its communicator's hooks and flight recorder follow it.
     tracked: Option<Box<Tracked>>,
@@ -239,14 +250,15 @@ impl Completer {
 
     /// Complete the work. The observer hears of it first.
     pub(crate) fn complete(mut self, result: Result<Completion>) {
-        if let Some(t) = self.tracked.take() {
-            (*t).finish(result.as_ref().map(|_| ()));
-        }
+        let hooks = self
+            .tracked
+            .take()
+            .and_then(|t| (*t).finish(result.as_ref().map(|_| ())));
         if let Some(tx) = self.tx.take() {
             self.fence.close();
             // `Err` hands the result back when the `Work` was dropped: it
             // is discarded (WK-3).
-            let _ = tx.send(result);
+            let _ = tx.send(Done { result, hooks });
         }
     }
 }
@@ -279,7 +291,9 @@ impl Drop for Completer {
 /// ```
 #[must_use = "a Work does nothing unless waited on; dropping it discards the result"]
 pub struct Work<T> {
-    rx: oneshot::Receiver<Result<Completion>>,
+    rx: oneshot::Receiver<Done>,
+    /// The result, received, while its hooks still run (WK-7).
+    held: Option<Box<(Result<Completion>, HookTicket)>>,
     fence: Arc<FenceSlot>,
     map: fn(Completion) -> Result<T>,
 }
@@ -313,6 +327,7 @@ impl<T> Work<T> {
         (
             Work {
                 rx,
+                held: None,
                 fence: fence.clone(),
                 map,
             },
@@ -332,8 +347,39 @@ impl<T> Work<T> {
     }
 
     /// Whether the op has completed (successfully or not): one atomic load.
+    /// Its hooks may still be running (WK-7): `wait` waits for them.
     pub fn is_completed(&self) -> bool {
-        self.rx.is_complete()
+        self.held.is_some() || self.rx.is_complete()
+    }
+
+    /// Take the completion out of the one-shot once it is there: the result
+    /// now, or held while its hooks still run (then `None`). Off a hook
+    /// thread only; there the ticket is ignored.
+    fn take_ready(&mut self, got: Option<Done>) -> Option<Option<Result<Completion>>> {
+        match got {
+            None => Some(None),
+            Some(Done {
+                result,
+                hooks: Some(ticket),
+            }) if !ticket.is_complete() && !on_hook_thread() => {
+                self.held = Some(Box::new((result, ticket)));
+                None
+            }
+            Some(done) => Some(Some(done.result)),
+        }
+    }
+
+    /// Receive the result, blocking, after its hooks (WK-7).
+    fn recv_blocking(&mut self) -> Option<Result<Completion>> {
+        if self.held.is_none() {
+            let got = self.rx.recv_blocking();
+            if let Some(ready) = self.take_ready(got) {
+                return ready;
+            }
+        }
+        let (result, mut ticket) = *self.held.take()?;
+        ticket.wait();
+        Some(result)
     }
 
     /// Whether a blocking wait can take the result here without going
@@ -346,11 +392,14 @@ impl<T> Work<T> {
     /// first poll.
     fn done_here(&self) -> bool {
         use tokio::runtime::{Handle, RuntimeFlavor};
-        self.rx.is_complete()
-            && !matches!(
-                Handle::try_current(),
-                Ok(h) if h.runtime_flavor() == RuntimeFlavor::CurrentThread
-            )
+        let done = match &self.held {
+            Some(held) => held.1.is_complete(),
+            None => self.rx.is_complete(),
+        };
+        done && !matches!(
+            Handle::try_current(),
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::CurrentThread
+        )
     }
 
     /// Block the calling thread until the op completes, and return its result.
@@ -366,12 +415,15 @@ impl<T> Work<T> {
     /// thread would stop (and with it, possibly, the op): await the `Work`
     /// there instead. The op itself still runs (WK-3).
     pub fn wait(mut self) -> Result<T> {
-        if self.done_here() {
+        if self.done_here() && self.held.is_none() {
             let got = self.rx.recv_blocking();
-            return finish(self.map, got);
+            if let Some(ready) = self.take_ready(got) {
+                return finish(self.map, ready);
+            }
+            // Its hooks are still running: block below.
         }
         crate::runtime::blocking("Work::wait", || {
-            let got = self.rx.recv_blocking();
+            let got = self.recv_blocking();
             finish(self.map, got)
         })
     }
@@ -412,12 +464,33 @@ impl<T> Work<T> {
     /// `Ok(Err(Error::WouldBlock))` at once (WK-6): await the `Work` there,
     /// bounded with `tokio::time::timeout`.
     pub fn wait_timeout(mut self, timeout: Duration) -> std::result::Result<Result<T>, Work<T>> {
-        if self.done_here() {
+        if self.done_here() && self.held.is_none() {
             let got = self.rx.recv_blocking();
-            return Ok(finish(self.map, got));
+            if let Some(ready) = self.take_ready(got) {
+                return Ok(finish(self.map, ready));
+            }
         }
+        let deadline = std::time::Instant::now() + timeout;
         let waited = crate::runtime::blocking("Work::wait_timeout", || {
-            Ok(self.rx.recv_blocking_timeout(timeout))
+            if self.held.is_none() {
+                match self.rx.recv_blocking_timeout(timeout) {
+                    Ok(got) => {
+                        if let Some(ready) = self.take_ready(got) {
+                            return Ok(Ok(ready));
+                        }
+                    }
+                    Err(e) => return Ok(Err(e)),
+                }
+            }
+            let Some(held) = &mut self.held else {
+                return Ok(Ok(None));
+            };
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if held.1.wait_timeout(left) {
+                Ok(Ok(self.held.take().map(|held| held.0)))
+            } else {
+                Ok(Err(oneshot::Elapsed))
+            }
         });
         match waited {
             Ok(Ok(got)) => Ok(finish(self.map, got)),
@@ -432,8 +505,21 @@ impl<T> Future for Work<T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
         let this = self.get_mut();
-        match this.rx.poll_recv(cx) {
-            Poll::Ready(got) => Poll::Ready(finish(this.map, got)),
+        if this.held.is_none() {
+            match this.rx.poll_recv(cx) {
+                Poll::Ready(got) => {
+                    if let Some(ready) = this.take_ready(got) {
+                        return Poll::Ready(finish(this.map, ready));
+                    }
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        let Some(held) = &mut this.held else {
+            return Poll::Ready(finish(this.map, None));
+        };
+        match held.1.poll(cx) {
+            Poll::Ready(()) => Poll::Ready(finish(this.map, this.held.take().map(|held| held.0))),
             Poll::Pending => Poll::Pending,
         }
     }

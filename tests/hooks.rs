@@ -623,3 +623,111 @@ fn timeout_env_sets_the_default_op_timeout() {
         assert!(text.contains("1 passed"), "the child ran the probe: {text}");
     }
 }
+
+#[test]
+fn a_waited_op_returns_after_its_pre_and_post_hooks_ran_1000_ops_world_2() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    run_ranks_on(
+        "cpu",
+        2,
+        "hooks-before-return",
+        |_, o| o,
+        |comm| {
+            let pres = Arc::new(AtomicU64::new(0));
+            let posts = Arc::new(AtomicU64::new(0));
+            let (p, q) = (pres.clone(), posts.clone());
+            let _pre = comm.register_pre_hook(move |_| {
+                p.fetch_add(1, Ordering::SeqCst);
+            });
+            let _post = comm.register_post_hook(move |_| {
+                q.fetch_add(1, Ordering::SeqCst);
+            });
+            let mut late = 0;
+            for i in 1..=1000u64 {
+                // Blocking, waited and awaited forms in turn.
+                match i % 3 {
+                    0 => drop(
+                        comm.all_reduce(Tensor::full(1.0f32, 2), ReduceOp::Sum)
+                            .unwrap(),
+                    ),
+                    1 => drop(
+                        comm.all_reduce_async(Tensor::full(1.0f32, 2), ReduceOp::Sum)
+                            .wait()
+                            .unwrap(),
+                    ),
+                    _ => drop(
+                        futures::executor::block_on(
+                            comm.all_reduce_async(Tensor::full(1.0f32, 2), ReduceOp::Sum),
+                        )
+                        .unwrap(),
+                    ),
+                }
+                if pres.load(Ordering::SeqCst) != i || posts.load(Ordering::SeqCst) != i {
+                    late += 1;
+                }
+            }
+            assert_eq!(late, 0, "ops returned before their hooks had run");
+        },
+    );
+}
+
+#[test]
+fn a_slow_hook_delays_its_own_communicators_waits_and_no_other() {
+    let a = new_comm("cpu", Device::Cpu, "hooks-slow-a", CommOptions::single()).unwrap();
+    let b = new_comm("cpu", Device::Cpu, "hooks-slow-b", CommOptions::single()).unwrap();
+    // A's post hook says it started, then holds until the gate opens.
+    let (open, gate) = channel::<()>();
+    let (entered_tx, entered) = channel::<()>();
+    let gate = Mutex::new((gate, entered_tx));
+    let _slow = a.register_post_hook(move |_| {
+        let g = gate.lock().unwrap();
+        let _ = g.1.send(());
+        let _ = g.0.recv_timeout(WAIT);
+    });
+    let (tx, rx) = channel();
+    let b_tx = sink(&tx);
+    let _b_hook = b.register_post_hook(move |args| send(&b_tx, Ev::Post(args.clone())));
+
+    let held = a.all_reduce_async(Tensor::full(1.0f32, 1), ReduceOp::Sum);
+    // Nobody waits for A's op yet, so its hook thread runs the hook.
+    entered
+        .recv_timeout(WAIT)
+        .expect("A's post hook did not start");
+    // B's ops return while A's hook still holds (each on its own thread).
+    for _ in 0..10 {
+        b.all_reduce(Tensor::full(1.0f32, 1), ReduceOp::Sum)
+            .unwrap();
+    }
+    assert_eq!(take(&rx, 10).len(), 10);
+    // A's op is done, but waiting for it waits for its hook.
+    assert!(held.is_completed());
+    let held = match held.wait_timeout(Duration::from_millis(50)) {
+        Err(work) => work,
+        Ok(r) => panic!("A's wait returned before its hook ran: {r:?}"),
+    };
+    open.send(()).unwrap();
+    assert_eq!(held.wait().unwrap().to_vec::<f32>(), vec![1.0]);
+}
+
+#[test]
+fn an_op_waited_inside_a_hook_does_not_wait_for_its_own_hooks() {
+    let comm = new_comm("cpu", Device::Cpu, "hooks-reentrant", CommOptions::single()).unwrap();
+    let inner = comm.clone();
+    let (tx, rx) = channel();
+    let tx = sink(&tx);
+    let _pre = comm.register_pre_hook(move |a| {
+        if a.tag.as_deref() == Some("outer") {
+            // On the hook thread: the inner op's hooks queue behind this one.
+            let r = inner.all_reduce(Tensor::full(2.0f32, 1), ReduceOp::Sum);
+            send(&tx, Ev::Pre(a.clone()));
+            assert_eq!(r.unwrap().to_vec::<f32>(), vec![2.0]);
+        }
+    });
+    let outer = comm
+        .with_hints(opts_hint(&[(hints::TAG, "outer")]))
+        .unwrap();
+    outer
+        .all_reduce(Tensor::full(1.0f32, 1), ReduceOp::Sum)
+        .unwrap();
+    assert_eq!(take(&rx, 1).len(), 1);
+}

@@ -407,6 +407,15 @@ def _op_name(name):
         return name
 
 
+def _takes_one(callback):
+    """Whether ``callback`` can be called with exactly one argument."""
+    try:
+        inspect.signature(callback).bind(None)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 class _HookArgs:
     __slots__ = ("_d",)
 
@@ -424,7 +433,8 @@ class _HookArgs:
 
 
 class PreHookArgs(_HookArgs):
-    """What a pre hook sees: ``op_id``, ``op``, ``comm`` (its name),
+    """What a pre hook sees: ``op_id``, ``op`` (``name`` too, as an
+    :class:`OpName`, for a one-argument hook), ``comm`` (its name),
     ``rank``, ``dtype`` (a name), ``count`` and ``bytes`` (this rank's),
     ``root`` (rooted ops, else ``None``), ``peers`` (point-to-point),
     ``tag`` (the ``"chorus.tag"`` hint) and ``hints``. Unlike TorchComms'
@@ -665,21 +675,39 @@ class Comm:
         """Call ``callback(op_name, op_id, args)`` for every op issued on
         this communicator from now on: ``op_name`` an :class:`OpName` (a
         ``str``), ``op_id`` a process-wide increasing id, ``args`` a
-        :class:`PreHookArgs`. Hooks run on Chorus's hook thread, in order,
-        never inside the op; an exception in one goes to
+        :class:`PreHookArgs`; or ``callback(args)`` when it takes one
+        argument (TorchComms' newer form: ``args.name``, ``args.op_id``).
+        Hooks run one at a time, in order, on this communicator's hook
+        thread or on a thread waiting for one of its ops, never inside the
+        op; waiting for the op (a blocking op, ``wait()``) returns only
+        after its pre and post hooks ran. An exception in one goes to
         ``sys.unraisablehook``. Returns a :class:`RemovableHandle`."""
+        if _takes_one(callback):
 
-        def hook(d):
-            callback(_op_name(d["op"]), d["op_id"], PreHookArgs(d))
+            def hook(d):
+                callback(PreHookArgs(dict(d, name=_op_name(d["op"]))))
+
+        else:
+
+            def hook(d):
+                callback(_op_name(d["op"]), d["op_id"], PreHookArgs(d))
 
         return self._c.register_pre_hook(hook)
 
     def register_post_hook(self, callback):
         """Call ``callback(op_id, args)`` for every op when it completes
-        (``args`` a :class:`PostHookArgs`: duration, error, ...)."""
+        (``args`` a :class:`PostHookArgs`: duration, error, ...), or
+        ``callback(args)`` when it takes one argument (``args.name``,
+        ``args.op_id``)."""
+        if _takes_one(callback):
 
-        def hook(d):
-            callback(d["op_id"], PostHookArgs(d))
+            def hook(d):
+                callback(PostHookArgs(dict(d, name=_op_name(d["op"]))))
+
+        else:
+
+            def hook(d):
+                callback(d["op_id"], PostHookArgs(d))
 
         return self._c.register_post_hook(hook)
 
@@ -688,11 +716,7 @@ class Comm:
         failure or by ``abort()``), before its outstanding ops are failed;
         ``callback(args)`` with an :class:`AbortHookArgs` (the cause) if it
         takes one argument. The abort waits for it at most 2 s."""
-        try:
-            inspect.signature(callback).bind(None)
-            with_args = True
-        except (TypeError, ValueError):
-            with_args = False
+        with_args = _takes_one(callback)
 
         def hook(d):
             if with_args:

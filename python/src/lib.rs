@@ -24,8 +24,10 @@
 //!   `memoryview`s of a `dlpack::DlpackView`, which owns the DLPack tensor
 //!   (see the `dlpack` module); from then on they are buffers like any other.
 //!
-//! Hooks: a Python hook is a Chorus hook that takes the GIL on Chorus's
-//! hook thread and calls the callable with a dict of the event; the Python
+//! Hooks: a Python hook is a Chorus hook that takes the GIL on the thread
+//! running hooks (the communicator's hook thread, or a thread waiting for
+//! one of its ops, which released the GIL to wait) and calls the callable
+//! with a dict of the event; the Python
 //! half turns that into TorchComms' call. Windows: `PyWindow` is the Rust
 //! `Window` with byte offsets and explicit signal values; the Python half
 //! counts signals per peer as TorchComms does.
@@ -621,7 +623,7 @@ impl PyComm {
             .collect()
     }
 
-    /// Call `hook(dict)` on Chorus's hook thread, with the GIL, for every
+    /// Call `hook(dict)` where Chorus runs hooks, with the GIL, for every
     /// op issued from now on (see `chorus.Comm.register_pre_hook`).
     fn register_pre_hook(&self, hook: Py<PyAny>) -> PyHandle {
         let h = self.comm.register_pre_hook(move |a: &PreHookArgs| {
@@ -1162,7 +1164,7 @@ impl PyHandle {
     }
 }
 
-/// Run a Python hook on the hook thread: take the GIL, build its argument,
+/// Run a Python hook where hooks run: take the GIL, build its argument,
 /// call it; an exception goes to `sys.unraisablehook`, as for any Python
 /// callback that has no caller to raise into.
 fn call_hook(hook: &Py<PyAny>, args: impl FnOnce(Python<'_>) -> PyResult<Bound<'_, PyDict>>) {

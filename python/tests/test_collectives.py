@@ -65,6 +65,10 @@ def test_hooks_and_flight_recorder_see_every_op_with_its_hints_and_outcome(ranks
     ranks(2, "hooks").assert_ok("hooks")
 
 
+def test_hooks_have_run_when_an_op_returns(ranks):
+    ranks(2, "hooks_before_return").assert_ok("hooks_before_return")
+
+
 def test_persistent_all_gather_reuses_its_output_and_checks_agreement(ranks):
     ranks(3, "persistent").assert_ok("persistent")
 
