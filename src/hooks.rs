@@ -40,11 +40,12 @@
 //! | HK-6 | an op whose pre or post hooks were sent completes its `Work` with a ticket, signalled once they ran; waiting for the `Work`, except from inside a hook, also waits for the ticket. Each communicator's events are queued apart and run one at a time in order (by its hook thread or a waiter holding the queue's runner lock), so a ticket never waits behind another communicator's hooks. |
 
 use std::collections::BTreeMap;
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock, Weak};
+use std::sync::{Arc, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
+
+use chorus_sync::serial::SerialQueue;
 
 use crate::error::Error;
 use crate::flight_recorder::{DumpId, FlightRecorder, OpDesc};
@@ -240,76 +241,34 @@ impl HookSet {
 
 /// One communicator's hook events, in order: run one at a time by its hook
 /// thread, or by a thread that waits for one of them (HK-6), whichever
-/// holds `runner`. O(events queued).
+/// holds the queue's runner (`chorus_sync::serial`, loom-checked).
+/// O(events queued).
 #[derive(Default)]
-pub(crate) struct HookQueue {
-    state: Mutex<QueueState>,
-    more: Condvar,
-    /// Held while running jobs, so that they run one at a time, in order.
-    runner: Mutex<()>,
-}
-
-#[derive(Default)]
-struct QueueState {
-    jobs: VecDeque<Job>,
-    closed: bool,
-}
+pub(crate) struct HookQueue(SerialQueue<Job>);
 
 impl HookQueue {
-    fn lock(&self) -> MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     fn push(&self, job: Job) {
-        self.lock().jobs.push_back(job);
-        self.more.notify_one();
-    }
-
-    fn pop(&self) -> Option<Job> {
-        self.lock().jobs.pop_front()
+        self.0.push(job);
     }
 
     fn close(&self) {
-        self.lock().closed = true;
-        self.more.notify_one();
+        self.0.close();
     }
 
-    /// The hook thread: run jobs as they come, until closed and empty.
+    /// The hook thread: run events as they come, until closed and empty.
     fn serve(&self) {
         ON_HOOK_THREAD.with(|on| on.set(true));
-        loop {
-            {
-                let mut st = self.lock();
-                while st.jobs.is_empty() && !st.closed {
-                    st = self.more.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-                if st.jobs.is_empty() {
-                    return;
-                }
-            }
-            let _runner = self.runner.lock().unwrap_or_else(|e| e.into_inner());
-            while let Some(job) = self.pop() {
-                job();
-            }
-        }
+        self.0.serve();
     }
 
-    /// On a waiting thread: run queued jobs, in order, until `done` is
+    /// On a waiting thread: run queued events, in order, until `done` is
     /// complete, unless another thread is running them now (then the
-    /// caller waits for that). Jobs run as on the hook thread
+    /// caller waits for that). They run as on the hook thread
     /// ([`on_hook_thread`] is true meanwhile), so a hook that waits for an
-    /// op does not wait for the hooks queued behind it.
+    /// op does not wait for the events queued behind it.
     fn help(&self, done: &chorus_sync::oneshot::Receiver<()>) {
-        let _runner = match self.runner.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return,
-        };
         let was = ON_HOOK_THREAD.with(|on| on.replace(true));
-        while !done.is_complete() {
-            let Some(job) = self.pop() else { break };
-            job();
-        }
+        self.0.help(|| done.is_complete());
         ON_HOOK_THREAD.with(|on| on.set(was));
     }
 }

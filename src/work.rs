@@ -35,8 +35,10 @@
 //!   refuse with [`Error::WouldBlock`] (see [`crate::runtime`]).
 //! - WK-7: `wait`, `wait_timeout` and `.await` return an op's result only
 //!   after its hooks have run (the hook ticket of HK-6 in
-//!   [`crate::hooks`]), except on a hook thread. `is_completed()` reports
-//!   the op itself.
+//!   [`crate::hooks`]), except when called from inside a hook. A blocking
+//!   wait may run the communicator's queued hooks itself (so
+//!   `wait_timeout` can overrun its timeout by a slow hook); `.await` never
+//!   does. `is_completed()` reports the op itself.
 //!
 //! # Cancel safety
 //! `Work` is a plain future over shared state: dropping it mid-poll loses

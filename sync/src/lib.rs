@@ -9,4 +9,5 @@
 
 pub mod gate;
 pub mod oneshot;
+pub mod serial;
 pub mod sync;

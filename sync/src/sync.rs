@@ -4,14 +4,14 @@
 #[cfg(feature = "loom")]
 pub use loom::sync::atomic;
 #[cfg(feature = "loom")]
-pub use loom::sync::{Arc, Mutex, MutexGuard};
+pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(feature = "loom")]
 pub use loom::thread;
 
 #[cfg(not(feature = "loom"))]
 pub use std::sync::atomic;
 #[cfg(not(feature = "loom"))]
-pub use std::sync::{Arc, Mutex, MutexGuard};
+pub use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(not(feature = "loom"))]
 pub use std::thread;
 
