@@ -35,7 +35,9 @@
 //!   refuse with [`Error::WouldBlock`] (see [`crate::runtime`]).
 //! - WK-7: `wait`, `wait_timeout` and `.await` return an op's result only
 //!   after its hooks have run (the hook ticket of HK-6 in
-//!   [`crate::hooks`]), except when called from inside a hook. A blocking
+//!   [`crate::hooks`]), except when called from inside a hook, and for
+//!   the ops Chorus issues and waits for inside another (`split`'s
+//!   agreement). A blocking
 //!   wait may run the communicator's queued hooks itself (so
 //!   `wait_timeout` can overrun its timeout by a slow hook); `.await` never
 //!   does. `is_completed()` reports the op itself.
@@ -296,6 +298,10 @@ pub struct Work<T> {
     rx: oneshot::Receiver<Done>,
     /// The result, received, while its hooks still run (WK-7).
     held: Option<Box<(Result<Completion>, HookTicket)>>,
+    /// Chorus's own awaits of an op it issued (the agreement inside
+    /// `split`): they need the result, not the hooks, and may run where a
+    /// hook waits for them.
+    skip_hooks: bool,
     fence: Arc<FenceSlot>,
     map: fn(Completion) -> Result<T>,
 }
@@ -330,6 +336,7 @@ impl<T> Work<T> {
             Work {
                 rx,
                 held: None,
+                skip_hooks: false,
                 fence: fence.clone(),
                 map,
             },
@@ -363,12 +370,20 @@ impl<T> Work<T> {
             Some(Done {
                 result,
                 hooks: Some(ticket),
-            }) if !ticket.is_complete() && !on_hook_thread() => {
+            }) if !ticket.is_complete() && !self.skip_hooks && !on_hook_thread() => {
                 self.held = Some(Box::new((result, ticket)));
                 None
             }
             Some(done) => Some(Some(done.result)),
         }
+    }
+
+    /// This work, completing as soon as its op does, without waiting for
+    /// its hooks: for Chorus's own waits on an op it issued inside another
+    /// (a hook may be waiting for that other op).
+    pub(crate) fn skip_hooks(mut self) -> Work<T> {
+        self.skip_hooks = true;
+        self
     }
 
     /// Receive the result, blocking, after its hooks (WK-7).

@@ -719,8 +719,11 @@ fn an_op_waited_inside_a_hook_does_not_wait_for_its_own_hooks() {
         if a.tag.as_deref() == Some("outer") {
             // On the hook thread: the inner op's hooks queue behind this one.
             let r = inner.all_reduce(Tensor::full(2.0f32, 1), ReduceOp::Sum);
+            // A split waits for its own agreement op inside: not for hooks.
+            let child = inner.split(&[0], "hooks-reentrant-child");
             send(&tx, Ev::Pre(a.clone()));
             assert_eq!(r.unwrap().to_vec::<f32>(), vec![2.0]);
+            assert!(child.unwrap().is_some());
         }
     });
     let outer = comm
