@@ -402,9 +402,7 @@ class ChorusBackend(_C10dBackend):
         return self._work(works, output_lists, staged, opts=opts)
 
     def _allgather_base(self, output, input, opts):  # noqa: A002
-        o = _Staged(output)
-        w = self._comm.all_gather_single(o.buf, _Staged(input).buf, True, timeout=_seconds(opts.timeout))
-        return self._work([w], [output], [o], opts=opts)
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     all_gather_single = _allgather_base
 
@@ -434,11 +432,7 @@ class ChorusBackend(_C10dBackend):
         return self._work(works, outputs, staged, opts=opts)
 
     def _reduce_scatter_base(self, output, input, opts):  # noqa: A002
-        o = _Staged(output)
-        w = self._comm.reduce_scatter_single(
-            o.buf, _Staged(input).buf, _reduce_op(opts.reduceOp, output), True, timeout=_seconds(opts.timeout)
-        )
-        return self._work([w], [output], [o], opts=opts)
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
     reduce_scatter_single = _reduce_scatter_base
 

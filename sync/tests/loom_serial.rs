@@ -11,10 +11,25 @@ use loom::sync::{Arc, Mutex};
 use loom::thread;
 
 type Job = Box<dyn FnOnce() + Send>;
+type Log = Arc<Mutex<Vec<u32>>>;
+type Queue = Arc<SerialQueue<Job>>;
 
-fn recorder(log: &Arc<Mutex<Vec<u32>>>, n: u32) -> Job {
+fn recorder(log: &Log, n: u32) -> Job {
     let log = log.clone();
     Box::new(move || log.lock().unwrap().push(n))
+}
+
+/// A queue with a serving thread, and two jobs pushed that record 1 and 2.
+fn served_with_two_jobs() -> (Queue, Log, thread::JoinHandle<()>) {
+    let q = Arc::new(SerialQueue::<Job>::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let server = {
+        let q = q.clone();
+        thread::spawn(move || q.serve())
+    };
+    q.push(recorder(&log, 1));
+    q.push(recorder(&log, 2));
+    (q, log, server)
 }
 
 /// SQ-1, SQ-2: jobs pushed while the server sleeps, runs or is closing all
@@ -22,14 +37,7 @@ fn recorder(log: &Arc<Mutex<Vec<u32>>>, n: u32) -> Job {
 #[test]
 fn sq_1_2_pushes_race_the_server_and_the_close() {
     loom::model(|| {
-        let q = Arc::new(SerialQueue::<Job>::new());
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let server = {
-            let q = q.clone();
-            thread::spawn(move || q.serve())
-        };
-        q.push(recorder(&log, 1));
-        q.push(recorder(&log, 2));
+        let (q, log, server) = served_with_two_jobs();
         q.close();
         server.join().unwrap();
         assert_eq!(*log.lock().unwrap(), vec![1, 2]);
@@ -42,14 +50,7 @@ fn sq_1_2_pushes_race_the_server_and_the_close() {
 #[test]
 fn sq_1_3_a_helping_waiter_races_the_server() {
     loom::model(|| {
-        let q = Arc::new(SerialQueue::<Job>::new());
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let server = {
-            let q = q.clone();
-            thread::spawn(move || q.serve())
-        };
-        q.push(recorder(&log, 1));
-        q.push(recorder(&log, 2));
+        let (q, log, server) = served_with_two_jobs();
         let seen = log.clone();
         if q.help(|| seen.lock().unwrap().len() == 2) {
             assert_eq!(*log.lock().unwrap(), vec![1, 2]);
