@@ -278,6 +278,14 @@ class ChorusBackend(_C10dBackend):
                 self._waiter_thread = _Waiter(self._comm.get_name())
             return self._waiter_thread
 
+    def _each(self, outputs, inputs, opts, issue):
+        """One Chorus op per (output, input) pair, ``issue(staged_output,
+        input, timeout)``, as one c10d ``Work``."""
+        t = _seconds(opts.timeout)
+        staged = _stage(outputs)
+        works = [issue(o, i, t) for o, i in zip(staged, inputs, strict=True)]
+        return self._work(works, outputs, staged, opts=opts)
+
     def _work(self, works, outputs, staged=(), opts=None):
         """The c10d ``Work`` of an op; inside a coalescing block, the op's
         works join the block's instead (``end_coalescing`` returns one
@@ -407,13 +415,12 @@ class ChorusBackend(_C10dBackend):
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
-        t = _seconds(opts.timeout)
-        staged = _stage(outputs)
-        works = [
-            self._comm.all_gather_single(o.buf, _Staged(i).buf, True, timeout=t)
-            for o, i in zip(staged, inputs, strict=True)
-        ]
-        return self._work(works, outputs, staged, opts=opts)
+        return self._each(
+            outputs,
+            inputs,
+            opts,
+            lambda o, i, t: self._comm.all_gather_single(o.buf, _Staged(i).buf, True, timeout=t),
+        )
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -421,15 +428,14 @@ class ChorusBackend(_C10dBackend):
         return self.allgather(output_lists, inputs, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts):
-        t = _seconds(opts.timeout)
-        staged = _stage(outputs)
-        works = [
-            self._comm.reduce_scatter_v(
+        return self._each(
+            outputs,
+            input_lists,
+            opts,
+            lambda o, ins, t: self._comm.reduce_scatter_v(
                 o.buf, [_Staged(x).buf for x in ins], _reduce_op(opts.reduceOp, o.tensor), True, timeout=t
-            )
-            for o, ins in zip(staged, input_lists, strict=True)
-        ]
-        return self._work(works, outputs, staged, opts=opts)
+            ),
+        )
 
     def _reduce_scatter_base(self, output, input, opts):  # noqa: A002
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -437,15 +443,14 @@ class ChorusBackend(_C10dBackend):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
-        t = _seconds(opts.timeout)
-        staged = _stage(outputs)
-        works = [
-            self._comm.reduce_scatter_single(
+        return self._each(
+            outputs,
+            inputs,
+            opts,
+            lambda o, i, t: self._comm.reduce_scatter_single(
                 o.buf, _Staged(i).buf, _reduce_op(opts.reduceOp, o.tensor), True, timeout=t
-            )
-            for o, i in zip(staged, inputs, strict=True)
-        ]
-        return self._work(works, outputs, staged, opts=opts)
+            ),
+        )
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
