@@ -21,6 +21,10 @@
 //! waits, never another communicator. A wait from inside a hook does not
 //! wait for hooks. A hook that panics is caught and logged (`tracing`
 //! error), and the op is unaffected.
+//! A binding whose own hooks run on the caller's side, before an op is
+//! issued, gives the op the id its hooks saw with [`reserve_op_id`] and
+//! [`with_op_id`] (the Python package does, so its pre hooks can see the
+//! op's tensors and stop the op by raising).
 //! Registering returns a [`RemovableHandle`]; dropping it or calling
 //! [`RemovableHandle::remove`] unregisters the hook.
 //!
@@ -38,6 +42,7 @@
 //! | HK-4 | once [`RemovableHandle::remove`] returned (or the handle was dropped), the hook is not called again, except for a call already running. |
 //! | HK-5 | a panicking hook is caught and logged; it never reaches an op, a caller or the hook thread. |
 //! | HK-6 | an op whose pre or post hooks were sent completes its `Work` with a ticket, signalled once they ran; waiting for the `Work`, except from inside a hook, also waits for the ticket. Each communicator's events are queued apart and run one at a time in order (by its hook thread or a waiter holding the queue's runner lock), so a ticket never waits behind another communicator's hooks. |
+//! | HK-7 | an op issued inside [`with_op_id`] on that thread, the first one to be observed, takes the reserved id; every other op takes the next id of the process-wide sequence; a reservation never outlives its scope. |
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -381,6 +386,56 @@ fn call_caught(what: &'static str, comm: &str, f: impl FnOnce()) {
 /// The op ids: process-wide and increasing.
 static NEXT_OP_ID: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// The op id the next op issued on this thread takes ([`with_op_id`]).
+    static RESERVED_OP_ID: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Take a fresh op id from the process-wide sequence without issuing an op,
+/// for [`with_op_id`].
+///
+/// A binding that runs hooks of its own on the caller's side (the Python
+/// package runs its pre hooks before an op is issued, with the op's
+/// tensors) takes the id here, calls its hooks with it, and issues the op
+/// inside [`with_op_id`], so the op's post hooks and flight-recorder entry
+/// carry the same id.
+pub fn reserve_op_id() -> u64 {
+    NEXT_OP_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Run `f` on this thread with `op_id` (from [`reserve_op_id`]) set aside
+/// for the first op issued inside it that hooks or the flight recorder
+/// see; any later op in `f` takes a fresh id. Returns what `f` returned and
+/// whether an op took the id (not if the op failed its argument checks, or
+/// nothing watches the communicator). The reservation ends with `f`, and
+/// an outer one is restored (HK-7).
+///
+/// ```
+/// let id = chorus::hooks::reserve_op_id();
+/// let (got, taken) = chorus::hooks::with_op_id(id, || 7);
+/// assert_eq!((got, taken), (7, false));
+/// ```
+pub fn with_op_id<R>(op_id: u64, f: impl FnOnce() -> R) -> (R, bool) {
+    struct Restore(Option<u64>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            RESERVED_OP_ID.with(|r| r.set(self.0));
+        }
+    }
+    let _restore = Restore(RESERVED_OP_ID.with(|r| r.replace(Some(op_id))));
+    let out = f();
+    let taken = RESERVED_OP_ID.with(|r| r.get()) != Some(op_id);
+    (out, taken)
+}
+
+/// The id of an op issued now: the one reserved on this thread, else the
+/// next of the sequence.
+fn next_op_id() -> u64 {
+    RESERVED_OP_ID
+        .with(|r| r.take())
+        .unwrap_or_else(reserve_op_id)
+}
+
 /// What watches one communicator's ops: its hooks and its flight recorder.
 /// Shared by its handles and its actor.
 pub(crate) struct Observer {
@@ -423,7 +478,7 @@ impl Observer {
     /// An op was issued: give it an op id, record it, tell the pre hooks.
     /// Call only when [`Observer::watching`].
     pub(crate) fn issue(self: &Arc<Self>, desc: OpDesc, hints: &Hints) -> Box<Tracked> {
-        let op_id = NEXT_OP_ID.fetch_add(1, Ordering::Relaxed);
+        let op_id = next_op_id();
         let now = Instant::now();
         let rec = match &self.recorder {
             Some(r) if hints.record => Some(r.push(op_id, &desc, hints.tag.as_deref(), now)),

@@ -206,6 +206,57 @@ fn removed_and_dropped_hooks_are_not_called_again_and_panics_are_contained() {
 }
 
 #[test]
+fn an_op_issued_inside_with_op_id_takes_the_reserved_id_and_only_the_first_does() {
+    let comm = new_comm("cpu", Device::Cpu, "hooks-reserved", CommOptions::single()).unwrap();
+    let (tx, rx) = channel();
+    let (pre_tx, post_tx) = (sink(&tx), sink(&tx));
+    let _pre = comm.register_pre_hook(move |a| send(&pre_tx, Ev::Pre(a.clone())));
+    let _post = comm.register_post_hook(move |a| send(&post_tx, Ev::Post(a.clone())));
+    let id = chorus::hooks::reserve_op_id();
+    let t = Tensor::full(1.0f32, 2);
+    // Two ops inside one reservation: the first takes it, the second a
+    // fresh id; an op after the scope takes a fresh one as well.
+    let ((), taken) = chorus::hooks::with_op_id(id, || {
+        comm.all_reduce(t.clone(), ReduceOp::Sum).unwrap();
+        comm.barrier().unwrap();
+    });
+    assert!(taken);
+    comm.broadcast(t.clone(), 0).unwrap();
+    // A reservation no op used ends with its scope: an op that fails its
+    // argument checks does not take it.
+    let unused = chorus::hooks::reserve_op_id();
+    let (sent, taken) = chorus::hooks::with_op_id(unused, || comm.send(t.clone(), 0));
+    assert!(
+        matches!(sent, Err(Error::InvalidArgument { .. })),
+        "{sent:?}"
+    );
+    assert!(!taken, "a rejected op takes no id");
+    comm.barrier().unwrap();
+    let ids: Vec<(bool, &str, u64)> = take(&rx, 8)
+        .iter()
+        .map(|e| match e {
+            Ev::Pre(a) => (true, a.op, a.op_id),
+            Ev::Post(a) => (false, a.op, a.op_id),
+            Ev::Abort(_) => panic!("no abort here"),
+        })
+        .collect();
+    let pre: Vec<_> = ids.iter().filter(|e| e.0).map(|e| (e.1, e.2)).collect();
+    let post: Vec<_> = ids.iter().filter(|e| !e.0).map(|e| (e.1, e.2)).collect();
+    assert_eq!(pre, post, "pre and post hooks see the same ids");
+    assert_eq!(pre[0], ("all_reduce", id));
+    assert!(pre[1].1 > id && pre[2].1 > pre[1].1, "{pre:?}");
+    assert!(
+        pre[3].1 > unused,
+        "an unused reservation is not taken later: {pre:?}"
+    );
+    let record = comm.flight_record();
+    assert_eq!(
+        record[0].op_id, id,
+        "the flight recorder has the reserved id too"
+    );
+}
+
+#[test]
 fn abort_hook_runs_once_with_the_cause_before_queued_ops_fail_world_2() {
     let gate = Arc::new(Barrier::new(2));
     run_ranks_on(

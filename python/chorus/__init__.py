@@ -35,6 +35,49 @@ import sys
 from . import _chorus
 from ._errors import *  # noqa: F401,F403
 from ._errors import ConfigError, MismatchError, NotSupportedError, __all__ as _error_names
+from ._hookargs import (
+    FINALIZE_OP_ID,
+    POST_HOOK_ARGS,
+    PRE_HOOK_ARGS,
+    AbortHookArgs,
+    AllGatherPreHookArgs,
+    AllGatherSinglePreHookArgs,
+    AllGatherVPreHookArgs,
+    AllReducePreHookArgs,
+    AllToAllPreHookArgs,
+    AllToAllSinglePreHookArgs,
+    AllToAllVSinglePreHookArgs,
+    BarrierPreHookArgs,
+    BatchOpIssuePreHookArgs,
+    BroadcastPreHookArgs,
+    CollectivePostHookArgs,
+    FinalizePostHookArgs,
+    FinalizePreHookArgs,
+    GatherPreHookArgs,
+    GatherSinglePreHookArgs,
+    NewWindowPostHookArgs,
+    NewWindowPreHookArgs,
+    OpName,
+    PostHookArgs,
+    PreHookArgs,
+    RecvPreHookArgs,
+    ReducePreHookArgs,
+    ReduceScatterPreHookArgs,
+    ReduceScatterSinglePreHookArgs,
+    ReduceScatterVPreHookArgs,
+    RemovableHandle,
+    ScatterPreHookArgs,
+    SendPreHookArgs,
+    SplitPostHookArgs,
+    SplitPreHookArgs,
+    WindowPreHookArgs,
+    _op_name,
+)
+
+# Every hook-args class, importable from here as from torchcomms._comms.
+for _c in PRE_HOOK_ARGS + POST_HOOK_ARGS[1:]:
+    globals()[_c.__name__] = _c
+del _c
 
 __all__ = [
     "new_comm",
@@ -50,6 +93,7 @@ __all__ = [
     "OpName",
     "PreHookArgs",
     "PostHookArgs",
+    "CollectivePostHookArgs",
     "AbortHookArgs",
     "RemovableHandle",
     "AllGatherPHandle",
@@ -58,7 +102,7 @@ __all__ = [
     "TorchCommWindowAttr",
     "TorchCommWinAccessType",
     "DTYPES",
-] + list(_error_names)
+] + [c.__name__ for c in PRE_HOOK_ARGS + POST_HOOK_ARGS[1:]] + list(_error_names)
 
 __version__ = _chorus.__version__
 
@@ -328,7 +372,16 @@ class BatchSendRecv:
             ops.append((p.type is P2POpType.SEND, view, code, p.peer))
         if options is not None and hints is None:
             hints = getattr(options, "hints", None)
-        work = self._comm._on(hints).batch_p2p(ops, _seconds(timeout))
+        comm = self._comm
+        code = ops[0][2] if ops else None
+        work = comm._run(
+            OpName.batch_op_issue, hints, BatchOpIssuePreHookArgs,
+            lambda: comm._on(hints).batch_p2p(ops, _seconds(timeout)),
+            num_ops=len(ops), ops=list(self.ops), async_op=async_op,
+            peers=sorted({p for *_, p in ops}),
+            _data=(code, sum(len(v) for _, v, _, _ in ops),
+                   sum(len(v) // _itemsize(c) for _, v, c, _ in ops)),
+        )
         return _finish(work, async_op)
 
 
@@ -361,52 +414,6 @@ class CommOptions:
 # ------------------------------------------------------------------ hooks
 
 
-class OpName(str, enum.Enum):
-    """The name of an op (TorchComms' ``OpName``, with all of its names). A
-    ``str``: ``name == "all_reduce"`` works. Hooks see an op by its Chorus
-    kind, so ``all_gather_single`` and ``all_gather_v`` arrive as
-    ``all_gather``, ``reduce_scatter_*`` as ``reduce_scatter``,
-    ``all_to_all_v_single`` as ``all_to_all_single`` and ``gather_single``
-    as ``gather``; ``split`` and ``finalize`` are not ops and reach no hook.
-    Batched point-to-point is ``batch_p2p`` and window ops ``window_put``,
-    ... A name not listed here arrives as a plain ``str``."""
-
-    send = "send"
-    recv = "recv"
-    batch_p2p = "batch_p2p"
-    broadcast = "broadcast"
-    all_reduce = "all_reduce"
-    reduce = "reduce"
-    all_gather = "all_gather"
-    all_gather_single = "all_gather_single"
-    all_gather_v = "all_gather_v"
-    reduce_scatter = "reduce_scatter"
-    reduce_scatter_single = "reduce_scatter_single"
-    reduce_scatter_v = "reduce_scatter_v"
-    all_to_all_single = "all_to_all_single"
-    all_to_all_v_single = "all_to_all_v_single"
-    all_to_all = "all_to_all"
-    barrier = "barrier"
-    scatter = "scatter"
-    gather = "gather"
-    gather_single = "gather_single"
-    split = "split"
-    finalize = "finalize"
-    new_window = "new_window"
-    free_window = "free_window"
-    window_put = "window_put"
-    window_signal = "window_signal"
-    window_wait_signal = "window_wait_signal"
-    window_read = "window_read"
-
-
-def _op_name(name):
-    try:
-        return OpName(name)
-    except ValueError:
-        return name
-
-
 def _takes_one(callback):
     """Whether ``callback`` can be called with exactly one argument."""
     try:
@@ -416,48 +423,8 @@ def _takes_one(callback):
         return False
 
 
-class _HookArgs:
-    __slots__ = ("_d",)
-
-    def __init__(self, d):
-        self._d = d
-
-    def __getattr__(self, key):
-        try:
-            return self._d[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self._d!r})"
-
-
-class PreHookArgs(_HookArgs):
-    """What a pre hook sees: ``op_id``, ``op`` (``name`` too, as an
-    :class:`OpName`, for a one-argument hook), ``comm`` (its name),
-    ``rank``, ``dtype`` (a name), ``count`` and ``bytes`` (this rank's),
-    ``root`` (rooted ops, else ``None``), ``peers`` (point-to-point),
-    ``tag`` (the ``"chorus.tag"`` hint) and ``hints``. Unlike TorchComms'
-    args it carries no tensors: the hook runs on another thread while the
-    op may be using them."""
-
-
-class PostHookArgs(_HookArgs):
-    """What a post hook sees: ``op_id``, ``op``, ``comm``, ``rank``,
-    ``seq`` (its sequence number, ``None`` if it never ran), ``duration``
-    and ``run_duration`` (seconds from issue / from the start of its turn to
-    completion), and ``error`` (the exception its work raises, or
-    ``None``)."""
-
-
-class AbortHookArgs(_HookArgs):
-    """What an abort hook taking an argument sees: ``comm``, ``rank``,
-    ``epoch`` and ``cause`` (the exception the outstanding ops fail with)."""
-
-
-RemovableHandle = _chorus.RemovableHandle
-"""A registered hook: ``remove()`` unregisters it. Dropping the handle
-leaves the hook registered."""
+def _unraisable(exc, hook):
+    _chorus._write_unraisable(exc, hook)
 
 
 # ------------------------------------------------------------------ persistent
@@ -486,7 +453,12 @@ class AllGatherPHandle:
                 f"all_gather_p_exec takes {self.count} x {_dtype_name(self._code)} per rank "
                 f"(fixed at init), got {len(iview) // _itemsize(code)} x {_dtype_name(code)}"
             )
-        work = self._comm._on(hints).all_gather_single(self._oview, iview, code, _seconds(timeout))
+        oview, owner = self._oview, self._comm
+        work = owner._run(
+            OpName.all_gather_single, hints, AllGatherSinglePreHookArgs,
+            lambda: owner._on(hints).all_gather_single(oview, iview, code, _seconds(timeout)),
+            input=input, output=self._output, async_op=async_op, _data=(code, len(iview)),
+        )
         return _finish(work, async_op)
 
     def _free(self):
@@ -562,18 +534,32 @@ class Window:
         ``target_offset_nelems`` (elements of ``tensor``'s dtype)."""
         view, code = _buffer(tensor)
         offset = int(target_offset_nelems) * _itemsize(code)
-        return _finish(self._w.put(view, code, dst_rank, offset, _seconds(timeout)), async_op)
+        return _finish(self._comm._run(
+            OpName.window_put, hints, WindowPreHookArgs,
+            lambda: self._w.put(view, code, dst_rank, offset, _seconds(timeout)),
+            tensor=tensor, peers=[dst_rank], async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def signal(self, dst_rank, async_op=False, hints=None, timeout=None):
         """Signal ``dst_rank``: delivered after every earlier put to it."""
-        return _finish(self._w.signal(dst_rank, 1, _seconds(timeout)), async_op)
+        return _finish(self._comm._run(
+            OpName.window_signal, hints, WindowPreHookArgs,
+            lambda: self._w.signal(dst_rank, 1, _seconds(timeout)),
+            tensor=None, peers=[dst_rank], async_op=async_op,
+        ), async_op)
 
     def wait_signal(self, peer_rank, async_op=False, hints=None, timeout=None):
         """Wait for the next signal from ``peer_rank`` (the k-th call waits
         for its k-th signal); the puts it issued before it are then in this
         rank's window."""
-        self._waits[peer_rank] = want = self._waits.get(peer_rank, 0) + 1
-        return _finish(self._w.wait_signal(peer_rank, want, _seconds(timeout)), async_op)
+        want = self._waits.get(peer_rank, 0) + 1
+        work = self._comm._run(
+            OpName.window_wait_signal, hints, WindowPreHookArgs,
+            lambda: self._w.wait_signal(peer_rank, want, _seconds(timeout)),
+            tensor=None, peers=[peer_rank], async_op=async_op,
+        )
+        self._waits[peer_rank] = want
+        return _finish(work, async_op)
 
     def read(self, out, offset_bytes=0, timeout=None):
         """Chorus only: copy this rank's window from ``offset_bytes`` into
@@ -618,12 +604,93 @@ class Comm:
 
     def __init__(self, native):
         self._c = native
+        # Hooks registered from Python (copy-on-write tuples of
+        # ``(key, callback)``): pre hooks run here, in ``_run``; post hooks
+        # are registered with Chorus as well and kept here for the events
+        # only Python sees (split, new_window, finalize).
+        self._pre = ()
+        self._post = ()
 
     def _on(self, hints):
         """The native communicator, carrying ``hints`` for one op."""
         if not hints:
             return self._c
         return self._c.with_hints({str(k): str(v) for k, v in dict(hints).items()})
+
+    def _run(self, name, hints, args, issue, **fields):
+        """Issue an op: ``issue()`` returns its native work. With pre hooks
+        registered, first call them on this thread with a fresh op id and
+        ``args(...)`` (a :class:`PreHookArgs` class) over ``fields`` (an
+        exception in one propagates and the op is not issued), then issue
+        the op with that id, so its post hooks see the same."""
+        pre = self._pre
+        if not pre:
+            return issue()
+        op_id = _chorus._reserve_op_id()
+        a = self._pre_args(args, name, op_id, hints, fields)
+        for _, f in pre:
+            f(name, op_id, a)
+        work, taken = _chorus._with_op_id(op_id, issue)
+        if not taken and self._post:
+            # Rejected by Chorus's argument checks before it was issued: its
+            # pre hooks saw it, so its post hooks hear how it ended.
+            try:
+                work.wait()
+                error = None
+            except Exception as e:  # noqa: BLE001 - handed to the hooks
+                error = e
+            self._tell_post(name, op_id, PostHookArgs(seq=None, duration=0.0,
+                                                      run_duration=None, error=error))
+        return work
+
+    def _pre_args(self, cls, name, op_id, hints, fields):
+        merged = self._c.get_hints()
+        if hints:
+            merged.update({str(k): str(v) for k, v in dict(hints).items()})
+        code, nbytes, *count = fields.pop("_data", (None, 0))
+        common = {
+            "op_id": op_id,
+            "name": name,
+            "op": name.value,
+            "comm": self._c.get_name(),
+            "rank": self._c.get_rank(),
+            "tag": merged.get("chorus.tag"),
+            "hints": merged,
+            "dtype": _dtype_name(code) if code is not None else None,
+            "count": count[0] if count else (nbytes // _itemsize(code) if code is not None else 0),
+            "bytes": nbytes,
+            "root": None,
+            "peers": [],
+        }
+        # The op's own fields win (split's ``name`` is the new
+        # communicator's, as in TorchComms).
+        common.update(fields)
+        return cls(common)
+
+    def _lifecycle(self, name, op_id, pre_args, run, post_args):
+        """Run a communicator event Chorus's hooks do not see (split,
+        new_window, finalize): pre hooks before ``run()``, post hooks
+        after it returned, with ``post_args(result)``."""
+        if self._pre:
+            a = self._pre_args(pre_args[0], name, op_id, None, pre_args[1])
+            for _, f in self._pre:
+                f(name, op_id, a)
+        result = run()
+        if self._post:
+            self._tell_post(name, op_id, post_args(result))
+        return result
+
+    def _tell_post(self, name, op_id, args):
+        """Call the post hooks here, for an event Chorus's hooks did not
+        see; an exception goes to ``sys.unraisablehook``, as from theirs."""
+        args._d.update(op_id=op_id, op=name.value, name=name, comm=self._c.get_name(),
+                       rank=self._c.get_rank())
+        args._d.setdefault("error", None)
+        for _, f in self._post:
+            try:
+                f(args._d, args)
+            except Exception as e:  # noqa: BLE001 - as Chorus's own post hooks
+                _unraisable(e, f)
 
     # -------------------------------------------------------------- identity
 
@@ -672,44 +739,65 @@ class Comm:
     # -------------------------------------------------------------- observing
 
     def register_pre_hook(self, callback):
-        """Call ``callback(op_name, op_id, args)`` for every op issued on
-        this communicator from now on: ``op_name`` an :class:`OpName` (a
-        ``str``), ``op_id`` a process-wide increasing id, ``args`` a
-        :class:`PreHookArgs`; or ``callback(args)`` when it takes one
-        argument (TorchComms' newer form: ``args.name``, ``args.op_id``).
-        Hooks run one at a time, in order, on this communicator's hook
-        thread or on a thread waiting for one of its ops, never inside the
-        op; waiting for the op (a blocking op, ``wait()``) returns only
-        after its pre and post hooks ran. An exception in one goes to
-        ``sys.unraisablehook``. Returns a :class:`RemovableHandle`."""
+        """Call ``callback(name, op_id, args)`` before every op issued on this
+        communicator from now on, as TorchComms does: on the thread that
+        called the op, after its arguments were checked and before it is
+        issued. ``name`` is an :class:`OpName` (a ``str``), ``op_id`` a
+        process-wide increasing id (its post hooks see the same), ``args`` the
+        op's :class:`PreHookArgs` subclass (``AllReducePreHookArgs``, ...),
+        which carries the op's tensors. ``callback(args)`` when it takes one
+        argument (``args.name``, ``args.op_id``). Hooks run in the order they
+        were registered. An exception raised by one propagates to the
+        caller and the op is not issued on this rank (the other ranks' ops
+        then wait for it, up to their timeout), which is how
+        :class:`chorus.hooks.NanCheckHook` stops an op. ``split``,
+        ``new_window`` and ``finalize`` reach pre hooks too. Returns a
+        :class:`RemovableHandle`."""
         if _takes_one(callback):
 
-            def hook(d):
-                callback(PreHookArgs(dict(d, name=_op_name(d["op"]))))
+            def hook(name, op_id, args):
+                callback(args)
 
         else:
+            hook = callback
+        key = object()
+        self._pre = self._pre + ((key, hook),)
 
-            def hook(d):
-                callback(_op_name(d["op"]), d["op_id"], PreHookArgs(d))
+        def remove():
+            self._pre = tuple(e for e in self._pre if e[0] is not key)
 
-        return self._c.register_pre_hook(hook)
+        return RemovableHandle(remove)
 
     def register_post_hook(self, callback):
         """Call ``callback(op_id, args)`` for every op when it completes
         (``args`` a :class:`PostHookArgs`: duration, error, ...), or
         ``callback(args)`` when it takes one argument (``args.name``,
-        ``args.op_id``)."""
+        ``args.op_id``). Post hooks run one at a time, in order, on this
+        communicator's hook thread or on a thread waiting for one of its
+        ops; waiting for an op (a blocking op, ``wait()``) returns only after
+        its post hooks ran. ``split``, ``new_window`` and ``finalize`` call
+        them on the caller's thread once they returned. An exception in one
+        goes to ``sys.unraisablehook``. Returns a :class:`RemovableHandle`."""
         if _takes_one(callback):
 
-            def hook(d):
-                callback(PostHookArgs(dict(d, name=_op_name(d["op"]))))
+            def call(d, args):
+                args._d.setdefault("name", _op_name(d["op"]))
+                callback(args)
 
         else:
 
-            def hook(d):
-                callback(d["op_id"], PostHookArgs(d))
+            def call(d, args):
+                callback(d["op_id"], args)
 
-        return self._c.register_post_hook(hook)
+        native = self._c.register_post_hook(lambda d: call(d, PostHookArgs(d)))
+        key = object()
+        self._post = self._post + ((key, call),)
+
+        def remove():
+            native.remove()
+            self._post = tuple(e for e in self._post if e[0] is not key)
+
+        return RemovableHandle(remove)
 
     def register_abort_hook(self, callback):
         """Call ``callback()`` once when this communicator is aborted (by a
@@ -724,7 +812,7 @@ class Comm:
             else:
                 callback()
 
-        return self._c.register_abort_hook(hook)
+        return RemovableHandle(self._c.register_abort_hook(hook).remove)
 
     def flight_record(self):
         """Chorus only: the last ops of this communicator (2000 by default),
@@ -742,7 +830,10 @@ class Comm:
 
     def finalize(self):
         """Finish every outstanding op, then close the communicator."""
-        self._c.finalize()
+        self._lifecycle(
+            OpName.finalize, FINALIZE_OP_ID, (FinalizePreHookArgs, {"async_op": False}),
+            self._c.finalize, lambda _: FinalizePostHookArgs(),
+        )
 
     def abort(self, reason=None):
         """Fail every outstanding op (on every rank) and close."""
@@ -764,8 +855,17 @@ class Comm:
     def split(self, ranks, name, hints=None, timeout=None):
         """A communicator of ``ranks`` (every rank passes the same list), or
         ``None`` on ranks not in it."""
-        child = self._on(hints).split(list(ranks), name, _seconds(timeout))
-        return Comm(child) if child is not None else None
+        ranks = list(ranks)
+        op_id = _chorus._reserve_op_id() if (self._pre or self._post) else None
+
+        def run():
+            child = self._on(hints).split(ranks, name, _seconds(timeout))
+            return Comm(child) if child is not None else None
+
+        return self._lifecycle(
+            OpName.split, op_id, (SplitPreHookArgs, {"ranks": ranks, "name": name, "async_op": False}),
+            run, lambda child: SplitPostHookArgs(new_comm=child),
+        )
 
     def reconfigure(self, timeout=None, min_size=None, wait_joiners=0, *, uuid=None, init_handles=None):
         """Form the next epoch from the ranks still alive (Chorus's quorum
@@ -816,69 +916,112 @@ class Comm:
     def all_reduce(self, tensor, op, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
         o, f = _op(op)
-        return _finish(self._on(hints).all_reduce(view, code, o, f, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.all_reduce, hints, AllReducePreHookArgs,
+            lambda: self._on(hints).all_reduce(view, code, o, f, _seconds(timeout)),
+            tensor=tensor, reduce_op=op, async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def reduce(self, tensor, root, op, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
         o, f = _op(op)
-        return _finish(self._on(hints).reduce(view, code, root, o, f, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.reduce, hints, ReducePreHookArgs,
+            lambda: self._on(hints).reduce(view, code, root, o, f, _seconds(timeout)),
+            tensor=tensor, root=root, reduce_op=op, async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def broadcast(self, tensor, root, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
-        return _finish(self._on(hints).broadcast(view, code, root, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.broadcast, hints, BroadcastPreHookArgs,
+            lambda: self._on(hints).broadcast(view, code, root, _seconds(timeout)),
+            tensor=tensor, root=root, async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def all_gather(self, tensor_list, tensor, async_op=False, hints=None, timeout=None):
         """Every rank's ``tensor`` into ``tensor_list`` (one per rank)."""
         if len(tensor_list) != self.get_size():
             raise ValueError(f"tensor_list must hold {self.get_size()} tensors")
-        return self.all_gather_v(tensor_list, tensor, async_op, hints, timeout)
+        return self._all_gather_v(
+            OpName.all_gather, AllGatherPreHookArgs, tensor_list, tensor, async_op, hints, timeout
+        )
 
     def all_gather_v(self, tensor_list, tensor, async_op=False, hints=None, timeout=None):
         """As ``all_gather``, each rank's tensor of its own size."""
+        return self._all_gather_v(
+            OpName.all_gather_v, AllGatherVPreHookArgs, tensor_list, tensor, async_op, hints, timeout
+        )
+
+    def _all_gather_v(self, name, args, tensor_list, tensor, async_op, hints, timeout):
         view, code = _buffer(tensor)
         outs, ocode = _buffers(tensor_list)
         code = _same(code, ocode, "tensor_list")
-        return _finish(self._on(hints).all_gather_v(outs, view, code, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            name, hints, args,
+            lambda: self._on(hints).all_gather_v(outs, view, code, _seconds(timeout)),
+            input=tensor, output=tensor_list, async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def all_gather_single(self, output, input, async_op=False, hints=None, timeout=None):  # noqa: A002
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
-        return _finish(
-            self._on(hints).all_gather_single(oview, iview, code, _seconds(timeout)), async_op
-        )
+        return _finish(self._run(
+            OpName.all_gather_single, hints, AllGatherSinglePreHookArgs,
+            lambda: self._on(hints).all_gather_single(oview, iview, code, _seconds(timeout)),
+            input=input, output=output, async_op=async_op, _data=(code, len(iview)),
+        ), async_op)
 
     def reduce_scatter(self, output, input_list, op, async_op=False, hints=None, timeout=None):
         if len(input_list) != self.get_size():
             raise ValueError(f"input_list must hold {self.get_size()} tensors")
-        return self.reduce_scatter_v(output, input_list, op, async_op, hints, timeout)
+        return self._reduce_scatter_v(
+            OpName.reduce_scatter, ReduceScatterPreHookArgs,
+            output, input_list, op, async_op, hints, timeout,
+        )
 
     def reduce_scatter_v(self, output, input_list, op, async_op=False, hints=None, timeout=None):
+        return self._reduce_scatter_v(
+            OpName.reduce_scatter_v, ReduceScatterVPreHookArgs,
+            output, input_list, op, async_op, hints, timeout,
+        )
+
+    def _reduce_scatter_v(self, name, args, output, input_list, op, async_op, hints, timeout):
         oview, code = _buffer(output)
         ins, icode = _buffers(input_list)
         code = _same(code, icode, "input_list")
         o, f = _op(op)
-        return _finish(
-            self._on(hints).reduce_scatter_v(oview, ins, code, o, f, _seconds(timeout)), async_op
-        )
+        return _finish(self._run(
+            name, hints, args,
+            lambda: self._on(hints).reduce_scatter_v(oview, ins, code, o, f, _seconds(timeout)),
+            input=input_list, output=output, reduce_op=op, async_op=async_op,
+            _data=(code, sum(len(v) for v in ins)),
+        ), async_op)
 
     def reduce_scatter_single(self, output, input, op, async_op=False, hints=None, timeout=None):  # noqa: A002
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
         o, f = _op(op)
-        return _finish(
-            self._on(hints).reduce_scatter_single(oview, iview, code, o, f, _seconds(timeout)),
-            async_op,
-        )
+        return _finish(self._run(
+            OpName.reduce_scatter_single, hints, ReduceScatterSinglePreHookArgs,
+            lambda: self._on(hints).reduce_scatter_single(
+                oview, iview, code, o, f, _seconds(timeout)
+            ),
+            input=input, output=output, reduce_op=op, async_op=async_op,
+            _data=(code, len(iview)),
+        ), async_op)
 
     def all_to_all_single(self, output, input, async_op=False, hints=None, timeout=None):  # noqa: A002
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
-        return _finish(
-            self._on(hints).all_to_all_single(oview, iview, code, _seconds(timeout)), async_op
-        )
+        return _finish(self._run(
+            OpName.all_to_all_single, hints, AllToAllSinglePreHookArgs,
+            lambda: self._on(hints).all_to_all_single(oview, iview, code, _seconds(timeout)),
+            input=input, output=output, async_op=async_op, _data=(code, len(iview)),
+        ), async_op)
 
     def all_to_all_v_single(
         self,
@@ -904,17 +1047,17 @@ class Comm:
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
-        return _finish(
-            self._on(hints).all_to_all_v_single(
-                oview,
-                iview,
-                [int(s) * width for s in output_split_sizes],
-                [int(s) * width for s in input_split_sizes],
-                code,
-                _seconds(timeout),
+        out_splits = [int(s) * width for s in output_split_sizes]
+        in_splits = [int(s) * width for s in input_split_sizes]
+        return _finish(self._run(
+            OpName.all_to_all_v_single, hints, AllToAllVSinglePreHookArgs,
+            lambda: self._on(hints).all_to_all_v_single(
+                oview, iview, out_splits, in_splits, code, _seconds(timeout)
             ),
-            async_op,
-        )
+            input=input, output=output, input_split_sizes=list(input_split_sizes),
+            output_split_sizes=list(output_split_sizes), async_op=async_op,
+            _data=(code, len(iview)),
+        ), async_op)
 
     def all_to_all(self, output_tensor_list, input_tensor_list, async_op=False, hints=None, timeout=None):
         ins, code = _buffers(input_tensor_list)
@@ -922,20 +1065,36 @@ class Comm:
         code = _same(code, ocode, "output_tensor_list")
         if code is None:
             raise ValueError("all_to_all needs one tensor per rank")
-        return _finish(self._on(hints).all_to_all(outs, ins, code, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.all_to_all, hints, AllToAllPreHookArgs,
+            lambda: self._on(hints).all_to_all(outs, ins, code, _seconds(timeout)),
+            input=input_tensor_list, output=output_tensor_list, async_op=async_op,
+            _data=(code, sum(len(v) for v in ins)),
+        ), async_op)
 
     def barrier(self, async_op=False, hints=None, timeout=None):
-        return _finish(self._on(hints).barrier(_seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.barrier, hints, BarrierPreHookArgs,
+            lambda: self._on(hints).barrier(_seconds(timeout)),
+            async_op=async_op,
+        ), async_op)
 
     def scatter(self, output_tensor, input_tensor_list, root, async_op=False, hints=None, timeout=None):
         """``input_tensor_list`` is read on ``root`` only (others may pass
         ``[]`` or ``None``)."""
         oview, code = _buffer(output_tensor)
         ins = None
+        nbytes = len(oview)
         if self.get_rank() == root:
             ins, icode = _buffers(input_tensor_list or [])
             code = _same(code, icode, "input_tensor_list")
-        return _finish(self._on(hints).scatter(oview, ins, root, code, _seconds(timeout)), async_op)
+            nbytes = sum(len(v) for v in ins)
+        return _finish(self._run(
+            OpName.scatter, hints, ScatterPreHookArgs,
+            lambda: self._on(hints).scatter(oview, ins, root, code, _seconds(timeout)),
+            output=output_tensor, input=input_tensor_list, root=root, async_op=async_op,
+            _data=(code, nbytes),
+        ), async_op)
 
     def gather(self, output_tensor_list, input_tensor, root, async_op=False, hints=None, timeout=None):
         """``output_tensor_list`` is filled on ``root`` only."""
@@ -944,25 +1103,40 @@ class Comm:
         if self.get_rank() == root:
             outs, ocode = _buffers(output_tensor_list)
             code = _same(code, ocode, "output_tensor_list")
-        return _finish(self._on(hints).gather(outs, iview, root, code, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.gather, hints, GatherPreHookArgs,
+            lambda: self._on(hints).gather(outs, iview, root, code, _seconds(timeout)),
+            input=input_tensor, output=output_tensor_list, root=root, async_op=async_op,
+            _data=(code, len(iview)),
+        ), async_op)
 
     def gather_single(self, output, input, root, async_op=False, hints=None, timeout=None):  # noqa: A002
         iview, code = _buffer(input)
         oview, ocode = _buffer(output)
         code = _same(code, ocode, "output")
-        return _finish(
-            self._on(hints).gather_single(oview, iview, root, code, _seconds(timeout)), async_op
-        )
+        return _finish(self._run(
+            OpName.gather_single, hints, GatherSinglePreHookArgs,
+            lambda: self._on(hints).gather_single(oview, iview, root, code, _seconds(timeout)),
+            input=input, output=output, root=root, async_op=async_op, _data=(code, len(iview)),
+        ), async_op)
 
     # -------------------------------------------------------------- p2p
 
     def send(self, tensor, dst, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
-        return _finish(self._on(hints).send(view, dst, code, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.send, hints, SendPreHookArgs,
+            lambda: self._on(hints).send(view, dst, code, _seconds(timeout)),
+            tensor=tensor, peer=dst, peers=[dst], async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def recv(self, tensor, src, async_op=False, hints=None, timeout=None):
         view, code = _buffer(tensor)
-        return _finish(self._on(hints).recv(view, src, code, _seconds(timeout)), async_op)
+        return _finish(self._run(
+            OpName.recv, hints, RecvPreHookArgs,
+            lambda: self._on(hints).recv(view, src, code, _seconds(timeout)),
+            tensor=tensor, peer=src, peers=[src], async_op=async_op, _data=(code, len(view)),
+        ), async_op)
 
     def batch_op_create(self):
         return BatchSendRecv(self)
@@ -1019,13 +1193,22 @@ class Comm:
             size = len(view)
         elif size is None:
             raise ValueError("new_window needs a tensor or size= (bytes)")
-        win = Window(self, self._c.new_window(int(size), _seconds(timeout)), tensor, code)
-        if tensor is not None and size:
-            win._w.put(view, code, self.get_rank(), 0, _seconds(timeout)).wait()
-        # Every rank's initial contents are in place before any rank can
-        # put into a peer's window.
-        self._c.barrier(_seconds(timeout)).wait()
-        return win
+
+        def run():
+            win = Window(self, self._c.new_window(int(size), _seconds(timeout)), tensor, code)
+            if tensor is not None and size:
+                win._w.put(view, code, self.get_rank(), 0, _seconds(timeout)).wait()
+            # Every rank's initial contents are in place before any rank can
+            # put into a peer's window.
+            self._c.barrier(_seconds(timeout)).wait()
+            return win
+
+        op_id = _chorus._reserve_op_id() if (self._pre or self._post) else None
+        return self._lifecycle(
+            OpName.new_window, op_id,
+            (NewWindowPreHookArgs, {"tensor": tensor, "size": int(size), "async_op": False}),
+            run, lambda win: NewWindowPostHookArgs(new_window=win),
+        )
 
 
 # TorchComms' class name.

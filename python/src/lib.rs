@@ -39,7 +39,7 @@ use std::time::Duration;
 use std::collections::BTreeMap;
 
 use chorus::{
-    AbortHookArgs, CommOptions, DType, Device, FlightEntry, P2POp, PostHookArgs, PreHookArgs,
+    AbortHookArgs, CommOptions, DType, Device, FlightEntry, P2POp, PostHookArgs,
     ReconfigureOptions, ReduceOp, RemovableHandle, Rendezvous, Tensor, WindowAccess,
 };
 use pyo3::buffer::PyBuffer;
@@ -623,15 +623,6 @@ impl PyComm {
             .collect()
     }
 
-    /// Call `hook(dict)` where Chorus runs hooks, with the GIL, for every
-    /// op issued from now on (see `chorus.Comm.register_pre_hook`).
-    fn register_pre_hook(&self, hook: Py<PyAny>) -> PyHandle {
-        let h = self.comm.register_pre_hook(move |a: &PreHookArgs| {
-            call_hook(&hook, |py| pre_args(py, a));
-        });
-        PyHandle::new(h)
-    }
-
     /// Call `hook(dict)` for every op when it completes.
     fn register_post_hook(&self, hook: Py<PyAny>) -> PyHandle {
         let h = self.comm.register_post_hook(move |a: &PostHookArgs| {
@@ -1176,22 +1167,6 @@ fn call_hook(hook: &Py<PyAny>, args: impl FnOnce(Python<'_>) -> PyResult<Bound<'
     });
 }
 
-fn pre_args<'py>(py: Python<'py>, a: &PreHookArgs) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("op_id", a.op_id)?;
-    d.set_item("op", a.op)?;
-    d.set_item("comm", &a.comm)?;
-    d.set_item("rank", a.rank)?;
-    d.set_item("dtype", a.dtype.to_string())?;
-    d.set_item("count", a.count)?;
-    d.set_item("bytes", a.bytes)?;
-    d.set_item("root", a.root)?;
-    d.set_item("peers", &a.peers)?;
-    d.set_item("tag", &a.tag)?;
-    d.set_item("hints", &*a.hints)?;
-    Ok(d)
-}
-
 fn post_args<'py>(py: Python<'py>, a: &PostHookArgs) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("op_id", a.op_id)?;
@@ -1508,6 +1483,30 @@ fn _copy_stats() -> (u64, u64) {
     )
 }
 
+/// A fresh op id (Rust's `chorus::hooks::reserve_op_id`), for the pre
+/// hooks the Python layer runs before it issues an op.
+#[pyfunction]
+fn _reserve_op_id() -> u64 {
+    chorus::hooks::reserve_op_id()
+}
+
+/// Call `f()` with `op_id` reserved for the first op it issues on this
+/// thread (Rust's `chorus::hooks::with_op_id`): the op's post hooks and
+/// flight-recorder entry carry the id its pre hooks saw. Returns `(f's
+/// result, whether an op took the id)`.
+#[pyfunction]
+fn _with_op_id(op_id: u64, f: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, bool)> {
+    let (out, taken) = chorus::hooks::with_op_id(op_id, || f.call0().map(Bound::unbind));
+    Ok((out?, taken))
+}
+
+/// Report `exc`, raised by the hook `hook`, to `sys.unraisablehook`, as
+/// the errors of hooks Chorus runs itself are.
+#[pyfunction]
+fn _write_unraisable(exc: &Bound<'_, PyAny>, hook: &Bound<'_, PyAny>) {
+    PyErr::from_value(exc.clone()).write_unraisable(exc.py(), Some(hook));
+}
+
 #[pymodule]
 fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
@@ -1519,6 +1518,9 @@ fn _chorus(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(join_comm, m)?)?;
     m.add_function(wrap_pyfunction!(_release_parked, m)?)?;
     m.add_function(wrap_pyfunction!(_copy_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(_reserve_op_id, m)?)?;
+    m.add_function(wrap_pyfunction!(_with_op_id, m)?)?;
+    m.add_function(wrap_pyfunction!(_write_unraisable, m)?)?;
     m.add_class::<dlpack::DlpackView>()?;
     m.add_function(wrap_pyfunction!(dlpack::_dlpack_view, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

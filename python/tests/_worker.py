@@ -558,17 +558,22 @@ def hooks(comm):
     b.recv(got, peer)
     b.issue(hints={"chorus.tag": "ring"})
     assert (got == peer).all(), got
-    seen = pre.wait_for(4)
+    # Pre hooks ran on this thread, before each op was issued.
+    seen = list(pre.items)
     done = post.wait_for(4)
     names = [n for n, _, _ in seen]
-    assert names == ["all_reduce", "broadcast", "all_reduce", "batch_p2p"], names
+    assert names == ["all_reduce", "broadcast", "all_reduce", "batch_op_issue"], names
     assert names[0] is chorus.OpName.all_reduce
     first = seen[0][2]
+    assert isinstance(first, chorus.AllReducePreHookArgs), first
     assert (first.tag, first.hints["site"], first.count, first.bytes, first.dtype) == (
         "grads", "x", 16, 64, "float32"), first
+    assert first.tensor is t and first.reduce_op == ReduceOp.SUM and first.async_op is False
     assert first.comm == comm.get_name() and first.rank == rank
     assert seen[1][2].root == 1 and seen[3][2].tag == "ring"
-    assert set(seen[3][2].peers) == {peer}, seen[3][2]
+    assert set(seen[3][2].peers) == {peer} and seen[3][2].num_ops == 2, seen[3][2]
+    # Post hooks see each op by its kind.
+    assert [a.op for _, a in done] == ["all_reduce", "broadcast", "all_reduce", "batch_p2p"]
     # Post hooks see the same ids, each op once, with its outcome.
     assert [i for i, _ in done] == [i for _, i, _ in seen], (done, seen)
     assert [a.error is None for _, a in done] == [True, True, False, True], done
@@ -614,6 +619,113 @@ def hooks_before_return(comm):
             late += 1
     assert late == 0, f"{late} of 1000 ops returned before their hooks ran"
     assert set(names) == {chorus.OpName.all_reduce}, set(names)
+
+
+def flight_recorder(comm):
+    """TorchComms' FlightRecorderTest on every rank: the traces of all ranks,
+    gathered with objcol, parse in torch's flight-recorder analyzer
+    (``build_db``, when torch is installed) into one group with matching
+    collectives; p2p ops count apart; an op pending on a peer is
+    ``scheduled`` until it completes."""
+    import json
+
+    from chorus.hooks import FlightRecorderHook
+    from chorus.objcol import all_gather_object
+
+    rank, size = comm.get_rank(), comm.get_size()
+    recorder = FlightRecorderHook(max_entries=100, isolated=True)
+    recorder.register_with_comm(comm)
+    t = np.random.default_rng(rank).random((10, 10), dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM)
+    comm.broadcast(t, 0)
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    # A communicator split off is recorded as a group of its own.
+    side = comm.split(list(range(size)), "fr-side")
+    # Rank 0 receives before its peer sends: its recv stays scheduled until
+    # the peer has passed a barrier on the other communicator.
+    got = np.zeros(4, dtype=np.float32)
+    if rank == 0:
+        pending = comm.recv(got, prv, async_op=True)
+        active = json.loads(recorder.dump_json(False)).get("entries", [])
+        assert [e["profiling_name"] for e in active] == [f"cpu:recv 0<-{prv}"], active
+        assert active[0]["state"] == "scheduled" and active[0]["is_p2p"], active
+    side.barrier()
+    if rank == size - 1:
+        comm.send(np.full(4, 9.0, dtype=np.float32), nxt)
+    if rank == 0:
+        pending.wait()
+        assert (got == 9).all(), got
+    comm.all_reduce(t, ReduceOp.SUM)
+    side.finalize()
+    data = json.loads(recorder.dump_json())
+    mine = [e for e in data["entries"] if e["process_group"][0] == comm.get_name()]
+    names = [e["profiling_name"] for e in mine if not e["is_p2p"]]
+    assert names == ["cpu:all_reduce", "cpu:broadcast", "cpu:all_reduce"], names
+    assert [e["collective_seq_id"] for e in mine if not e["is_p2p"]] == [1, 2, 3]
+    others = [e["profiling_name"] for e in data["entries"] if e not in mine]
+    assert others == ["cpu:barrier"], others
+    assert all(e["state"] == "completed" for e in data["entries"]), data["entries"]
+    assert data["pg_config"][comm.get_name()]["ranks"] == "[" + ",".join(
+        str(r) for r in range(size)) + "]"
+    traces = [None] * size
+    all_gather_object(comm, traces, data)
+    try:
+        import argparse
+
+        from torch.distributed.flight_recorder.components.builder import build_db
+    except ImportError:
+        return
+    details = {
+        f"rank_{r}": {
+            "version": d["version"],
+            "rank": r,
+            "pg_config": d["pg_config"],
+            "pg_status": d["pg_status"],
+            "entries": d["entries"],
+        }
+        for r, d in enumerate(traces)
+    }
+    args = argparse.Namespace(verbose=False, just_print_entries=False,
+                              allow_incomplete_ranks=True, mismatch_cap=10)
+    db = build_db(details, args, "2.10")
+    assert len(db.groups) == 2 and len(db.memberships) == 2 * size, (db.groups, db.memberships)
+    assert len(db.collectives) >= 4, db.collectives
+
+
+def flight_recorder_abort(comm, trace_dir):
+    """TorchComms' FlightRecorderAbortTest: rank 0 skips an all_reduce, the
+    others' time out; the abort that follows writes every rank's trace
+    (``TORCHCOMM_FR_DUMP_TEMP_FILE``) from the abort hook, with the
+    all_reduces in it, and ``dump_file`` writes it again on demand."""
+    import pickle
+
+    from chorus.hooks import FlightRecorderHook
+
+    rank = comm.get_rank()
+    path = os.path.join(trace_dir, f"fr_crash_trace_{rank}")
+    os.environ["TORCHCOMM_FR_DUMP_DYNAMIC_FILE_NAME"] = "1"
+    os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] = path
+    recorder = FlightRecorderHook(max_entries=100, isolated=True)
+    recorder.register_with_comm(comm)
+    # Registered after the recorder's, so it runs after the trace is written.
+    aborted = threading.Event()
+    comm.register_abort_hook(aborted.set)
+    t = np.ones((10, 10), dtype=np.float32)
+    comm.all_reduce(t, ReduceOp.SUM)
+    if rank != 0:
+        try:
+            comm.all_reduce(t, ReduceOp.SUM, timeout=2)
+            raise AssertionError("no timeout")
+        except chorus.ChorusError:
+            pass
+    # Every rank learns of the abort (rank 0 from its peers' notice).
+    assert aborted.wait(30), f"rank {rank} never heard of the abort"
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    assert data["version"] == "2.10"
+    assert any(e["profiling_name"] == "cpu:all_reduce" for e in data["entries"]), data
+    os.remove(path)
+    assert recorder.dump_file(rank) == path and os.path.exists(path)
 
 
 def persistent(comm):
@@ -945,6 +1057,8 @@ SCENARIOS = {
     "dlpack": dlpack,
     "hooks": hooks,
     "hooks_before_return": hooks_before_return,
+    "flight_recorder": flight_recorder,
+    "flight_recorder_abort": flight_recorder_abort,
     "persistent": persistent,
     "window": window,
 }

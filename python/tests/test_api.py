@@ -184,21 +184,85 @@ def test_abort_hook_is_called_once_with_or_without_the_cause():
     assert "bye" in str(cause[0].cause) and cause[0].comm == "api-abort-hook"
 
 
-def test_a_raising_hook_goes_to_unraisablehook_and_the_op_succeeds(comm, monkeypatch):
+def test_a_raising_pre_hook_stops_the_op_and_a_raising_post_hook_goes_to_unraisablehook(
+    comm, monkeypatch
+):
     import sys
     import threading
 
     got, ran = [], threading.Event()
     monkeypatch.setattr(sys, "unraisablehook", lambda u: (got.append(u.exc_value), ran.set()))
 
-    def bad(name, op_id, args):
-        raise RuntimeError("hook bug")
+    class Stop(RuntimeError):
+        pass
 
-    comm.register_pre_hook(bad)
+    def bad(name, op_id, args):
+        raise Stop(f"no {name} today")
+
+    seen = []
+    handle = comm.register_pre_hook(bad)
+    comm.register_post_hook(lambda op_id, args: seen.append(op_id))
     t = np.ones(4, dtype=np.float32)
+    with pytest.raises(Stop, match="no all_reduce today"):
+        comm.all_reduce(t, ReduceOp.SUM)
+    assert seen == [], "an op a pre hook stopped was not issued"
+    handle.remove()
+    handle.remove()  # a second remove does nothing
+
+    def bad_post(op_id, args):
+        raise RuntimeError("post hook bug")
+
+    bad_handle = comm.register_post_hook(bad_post)
     comm.all_reduce(t, ReduceOp.SUM)
     assert ran.wait(10) and isinstance(got[0], RuntimeError), got
-    assert (t == 1).all()
+    assert (t == 1).all() and len(seen) == 1
+    bad_handle.remove()
+
+
+def test_typed_pre_hook_args_carry_the_tensors_and_lifecycle_events_reach_the_hooks():
+    """TorchComms' tests/unit/py/test_hooks.py on one rank, plus the
+    lifecycle events (split, new_window, finalize)."""
+    c = chorus.new_comm("cpu", "cpu", "api-typed-hooks", rank=0, size=1)
+    pre, post = [], []
+    c.register_pre_hook(lambda name, op_id, args: pre.append((name, op_id, args)))
+    c.register_post_hook(lambda op_id, args: post.append((op_id, args)))
+    t = np.ones(10, dtype=np.float32)
+    out = np.zeros(10, dtype=np.float32)
+    c.broadcast(t, root=0)
+    c.all_reduce(t, ReduceOp.SUM, async_op=True).wait()
+    c.all_gather_single(out, t)
+    c.all_to_all_v_single(out, t, [10], [10])
+    c.barrier()
+    child = c.split([0], "api-typed-hooks-child")
+    win = c.new_window(size=16)
+    win.free()
+    c.finalize()
+    names = [n for n, _, _ in pre]
+    assert names == ["broadcast", "all_reduce", "all_gather_single", "all_to_all_v_single",
+                     "barrier", "split", "new_window", "finalize"], names
+    kinds = [type(a).__name__ for _, _, a in pre]
+    assert kinds == ["BroadcastPreHookArgs", "AllReducePreHookArgs",
+                     "AllGatherSinglePreHookArgs", "AllToAllVSinglePreHookArgs",
+                     "BarrierPreHookArgs", "SplitPreHookArgs", "NewWindowPreHookArgs",
+                     "FinalizePreHookArgs"], kinds
+    bcast, ar, ag, a2a, _, split, _, fin = (a for _, _, a in pre)
+    assert bcast.root == 0 and bcast.async_op is False and bcast.tensor is t
+    assert ar.async_op is True and ar.tensor.size == 10
+    assert ag.input is t and ag.output is out
+    assert a2a.input_split_sizes == [10] and a2a.output_split_sizes == [10]
+    assert split.ranks == [0] and split.name == "api-typed-hooks-child" and split.op == "split"
+    assert fin.op_id == 2**64 - 1
+    # Every op's post hook saw the id its pre hook saw, in order; the new
+    # window's inner ops reach post hooks only.
+    pre_ids = [i for _, i, _ in pre]
+    post_ids = [i for i, _ in post]
+    assert pre_ids[:5] == post_ids[:5], (pre_ids, post_ids)
+    assert pre_ids[:5] == sorted(pre_ids[:5]) and len(set(pre_ids[:5])) == 5
+    split_post = next(a for i, a in post if i == pre_ids[5])
+    assert isinstance(split_post, chorus.SplitPostHookArgs)
+    assert split_post.new_comm is child
+    assert isinstance(post[-1][1], chorus.FinalizePostHookArgs) and post[-1][0] == 2**64 - 1
+    child.finalize()
 
 
 def test_window_of_one_rank_and_bad_arguments(comm):

@@ -69,6 +69,14 @@ def test_hooks_have_run_when_an_op_returns(ranks):
     ranks(2, "hooks_before_return").assert_ok("hooks_before_return")
 
 
+def test_flight_recorder_hook_traces_of_every_rank_read_as_one_job(ranks):
+    ranks(4, "flight_recorder").assert_ok("flight_recorder")
+
+
+def test_flight_recorder_hook_writes_its_trace_when_the_communicator_aborts(ranks, tmp_path):
+    ranks(4, "flight_recorder_abort", str(tmp_path)).assert_ok("flight_recorder_abort")
+
+
 def test_persistent_all_gather_reuses_its_output_and_checks_agreement(ranks):
     ranks(3, "persistent").assert_ok("persistent")
 
