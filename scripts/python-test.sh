@@ -37,7 +37,7 @@ venv=$(cd "$venv" && pwd)
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "maturin>=1.9,<2" numpy pytest
 if [ "${CHORUS_PY_TORCH:-0}" = 1 ]; then
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch expecttest pydot
 fi
 
 export CARGO_TARGET_DIR="$PWD/target"

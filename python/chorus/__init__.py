@@ -883,8 +883,8 @@ class Comm:
         """
         if uuid is not None or init_handles is not None or isinstance(timeout, str):
             raise NotSupportedError(
-                "reconfigure(uuid, init_handles) not implemented: Chorus reconfigures by "
-                "quorum, reconfigure(timeout, min_size, wait_joiners)"
+                "reconfigure not implemented for uuid and init_handles: Chorus reconfigures "
+                "by quorum, reconfigure(timeout, min_size, wait_joiners)"
             )
         child, rank_map = self._c.reconfigure(_seconds(timeout), min_size, wait_joiners)
         return Comm(child), rank_map
@@ -1332,10 +1332,12 @@ def new_comm(
     job. ``abort_process_on_timeout_or_error``,
     ``hints``: a ``dict`` of strings carried by every op of the
     communicator (see :class:`Comm`); a malformed value of a known key is
-    ``InvalidArgumentError``. ``high_priority_stream`` and
-    ``enable_reconfigure`` are accepted for compatibility and have no effect
-    (every Chorus communicator can be reconfigured, and none aborts the
-    process).
+    ``InvalidArgumentError``. ``high_priority_stream`` is accepted for
+    compatibility and has no effect. ``enable_reconfigure=True`` raises
+    ``NotSupportedError`` (a ``RuntimeError``), as TorchComms does for a
+    backend without ``reconfigure(uuid, init_handles)``: every Chorus
+    communicator can be reconfigured by quorum without it
+    (:meth:`Comm.reconfigure`).
 
     Chorus only (keywords): ``connect_timeout`` (bootstrap, 120 s),
     ``secret`` (else ``CHORUS_SECRET``), ``rank`` and ``size`` (else the
@@ -1344,14 +1346,20 @@ def new_comm(
     ``CHORUS_CHECKS``, else ``"fingerprint"``; see "Mismatches" in
     docs/runtime-semantics.md).
     """
-    host_store = False
-    if store is not None and not isinstance(store, str):
-        store, secret, host_store = _rendezvous_through(store, name, rank, size, secret)
     if abort_process_on_timeout_or_error:
         raise ValueError(
             "abort_process_on_timeout_or_error=True is not supported: Chorus fails the ops "
             "with a typed error and aborts the communicator, never the process"
         )
+    if enable_reconfigure:
+        raise NotSupportedError(
+            "enable_reconfigure=True (for reconfigure(uuid, init_handles)) is not supported: "
+            "every Chorus communicator can be reconfigured by quorum, "
+            "reconfigure(timeout, min_size, wait_joiners), without it"
+        )
+    host_store = False
+    if store is not None and not isinstance(store, str):
+        store, secret, host_store = _rendezvous_through(store, name, rank, size, secret)
     if secret is None and _torchrun_without_secret():
         raise ConfigError(
             "no job secret: this looks like a torchrun launch (WORLD_SIZE="

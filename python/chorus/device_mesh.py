@@ -35,7 +35,7 @@ from .torch import BACKEND, ChorusBackend
 __all__ = ["init_device_mesh"]
 
 
-def _register(comm, group_name, global_ranks):
+def _register(comm, group_name, global_ranks, backend_str=BACKEND):
     """A process group over ``comm`` registered with torch under
     ``group_name``; ``global_ranks``: the global rank of each of its ranks."""
     pg = dist.ProcessGroup(dist.HashStore(), comm.get_rank(), comm.get_size())
@@ -44,7 +44,7 @@ def _register(comm, group_name, global_ranks):
     world = _c10d._world
     # No store of torch's is involved: an empty one satisfies the
     # interfaces that clone the group's store.
-    world.pg_map[pg] = (BACKEND, dist.HashStore())
+    world.pg_map[pg] = (backend_str, dist.HashStore())
     world.pg_names[pg] = group_name
     world.pg_backend_config[pg] = str(dist.BackendConfig(dist.Backend(BACKEND)))
     world.pg_group_ranks[pg] = {g: i for i, g in enumerate(global_ranks)}
@@ -53,6 +53,62 @@ def _register(comm, group_name, global_ranks):
     world.pg_to_tag[pg] = tag
     _c10d._register_process_group(group_name, pg)
     return pg
+
+
+def _create_torchcomm_process_group(comm, group_name, backend_str=BACKEND, global_ranks_mapping=None):
+    """TorchComms' helper of the same name: a process group over ``comm``
+    registered with torch as ``group_name``. ``global_ranks_mapping``: global
+    rank -> rank in ``comm`` (default: the identity, for a group of every
+    rank)."""
+    if global_ranks_mapping is None:
+        global_ranks = list(range(comm.get_size()))
+    else:
+        global_ranks = [g for g, _ in sorted(global_ranks_mapping.items(), key=lambda kv: kv[1])]
+        if len(global_ranks) != comm.get_size():
+            raise ValueError(
+                f"global_ranks_mapping names {len(global_ranks)} ranks, the communicator has "
+                f"{comm.get_size()}"
+            )
+    return _register(comm, group_name, global_ranks, backend_str)
+
+
+def _flatten_with_comm(mesh, mesh_dim_name, comm, global_ranks, layout):
+    """TorchComms' helper of the same name: register ``comm`` (holding
+    ``global_ranks``) as the flattened dimension ``mesh_dim_name`` of
+    ``mesh``, with the mesh ``layout`` of the dimensions it flattens, and
+    return the flattened ``DeviceMesh``."""
+    _create_torchcomm_process_group(
+        comm, mesh_dim_name, global_ranks_mapping={g: i for i, g in enumerate(global_ranks)}
+    )
+    if hasattr(layout, "coalesce"):
+        coalesced = layout.coalesce()
+    else:  # torch 2.13+: _MeshLayout.collapse()
+        from torch.distributed._mesh_layout import _MeshLayout
+
+        coalesced = _MeshLayout([layout.collapse()])
+    if hasattr(mesh, "_rank_map"):
+        flat = dist.DeviceMesh(
+            device_type="cpu",
+            mesh_dim_names=(mesh_dim_name,),
+            _init_backend=False,
+            _rank=comm.get_rank(),
+            _layout=coalesced,
+            _rank_map=mesh._rank_map,
+            _root_mesh=mesh,
+        )
+    else:
+        flat = dist.DeviceMesh(
+            device_type="cpu",
+            mesh=torch.tensor(global_ranks, device="cpu"),
+            mesh_dim_names=(mesh_dim_name,),
+            _init_backend=False,
+            _rank=comm.get_rank(),
+            _layout=coalesced,
+        )
+    flat._dim_group_names = [mesh_dim_name]
+    flat._root_mesh = mesh._get_root_mesh()
+    flat._root_mesh._flatten_mapping[mesh_dim_name] = flat
+    return flat
 
 
 def init_device_mesh(mesh_dim_comms, mesh_dim_names, _global_comm=None):

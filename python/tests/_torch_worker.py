@@ -332,7 +332,20 @@ def device_mesh_over_communicators():
         raise AssertionError("a 2-D mesh without _global_comm was accepted")
     except ValueError as e:
         assert "_global_comm" in str(e)
-    for c in (tp, dp, world):
+    # TorchComms' _create_torchcomm_process_group: a group over a
+    # communicator, its global ranks given by a mapping.
+    from chorus.device_mesh import _create_torchcomm_process_group
+
+    odd = world.split([r % 2, r % 2 + 2], f"pg{r % 2}")
+    pg = _create_torchcomm_process_group(
+        odd, f"pg{r % 2}", global_ranks_mapping={r % 2: 0, r % 2 + 2: 1}
+    )
+    assert dist.get_process_group_ranks(pg) == [r % 2, r % 2 + 2], dist.get_process_group_ranks(pg)
+    t = torch.tensor([float(r)])
+    dist.all_reduce(t, group=pg)
+    assert t.item() == (2.0 if r % 2 == 0 else 4.0)
+    dist.barrier(group=pg)
+    for c in (odd, tp, dp, world):
         c.finalize()
     print("OK device_mesh_over_communicators")
 

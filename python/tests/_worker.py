@@ -660,8 +660,8 @@ def flight_recorder(comm):
     data = json.loads(recorder.dump_json())
     mine = [e for e in data["entries"] if e["process_group"][0] == comm.get_name()]
     names = [e["profiling_name"] for e in mine if not e["is_p2p"]]
-    assert names == ["cpu:all_reduce", "cpu:broadcast", "cpu:all_reduce"], names
-    assert [e["collective_seq_id"] for e in mine if not e["is_p2p"]] == [1, 2, 3]
+    assert names == ["cpu:all_reduce", "cpu:broadcast", "cpu:split", "cpu:all_reduce"], names
+    assert [e["collective_seq_id"] for e in mine if not e["is_p2p"]] == [1, 2, 3, 4]
     others = [e["profiling_name"] for e in data["entries"] if e not in mine]
     assert others == ["cpu:barrier"], others
     assert all(e["state"] == "completed" for e in data["entries"]), data["entries"]
@@ -965,6 +965,13 @@ def torchcomms_surface(comm):
     try:
         comm.reconfigure(uuid="u", init_handles=["h"])
         raise AssertionError("reconfigure(uuid, init_handles) returned")
+    except RuntimeError as e:
+        assert isinstance(e, chorus.NotSupportedError), type(e)
+        assert "reconfigure not implemented" in str(e), e
+    # TorchComms' enable_reconfigure=True is refused before anything is sent.
+    try:
+        chorus.new_comm("cpu", "cpu", "never-made", enable_reconfigure=True)
+        raise AssertionError("enable_reconfigure=True was accepted")
     except RuntimeError as e:
         assert isinstance(e, chorus.NotSupportedError), type(e)
     comm.barrier()

@@ -434,7 +434,9 @@ def test_fr_follows_split_children_and_pending_ops_stay_scheduled(arrays):
     _made.append(child)
     child.all_reduce(arrays.ones(2), ReduceOp.SUM)
     got = entries(recorder)
-    assert [e["process_group"][0] for e in got] == ["test_fr_split_child"], got
+    assert [(e["process_group"][0], e["profiling_name"]) for e in got] == [
+        ("test_fr_split", "cpu:split"), ("test_fr_split_child", "cpu:all_reduce")], got
+    assert all(e["state"] == "completed" for e in got), got
     # An op Chorus rejects before issuing it (a send to this rank itself)
     # is retired too: every entry has its post.
     with pytest.raises(chorus.InvalidArgumentError):

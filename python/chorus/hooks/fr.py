@@ -25,7 +25,8 @@ keeps running beside it; this one is for tools that read PyTorch's format.
 
 Sends and receives are named as PyTorch names them (``"cpu:send 0->1"``,
 ``"cpu:recv 1<-0"``), each op of a batch gets an entry of its own, and
-``gather_single`` is recorded as ``gather``; window ops are not recorded.
+``gather_single`` is recorded as ``gather``; ``split`` and ``new_window``
+are recorded (as TorchComms does), window ops and ``finalize`` are not.
 
 Memory: at most ``max_entries`` entries, each O(number of tensors of its
 op); the index from op id to entries holds only those entries.
@@ -61,12 +62,12 @@ _C10_DTYPES = {
     "complex128": "ComplexDouble",
 }
 
-# Events with no entry: not ops of the communicator's sequence (finalize,
-# split and new_window, as TorchComms' recorder), and Chorus's window ops,
-# which PyTorch's analyzer does not know.
+# Events with no entry: finalize (not an op of the sequence, as in
+# TorchComms' recorder), and Chorus's window ops, which PyTorch's analyzer
+# does not know. split and new_window are recorded, as TorchComms does.
 _UNRECORDED = frozenset({
-    OpName.finalize, OpName.split, OpName.new_window, OpName.window_put,
-    OpName.window_signal, OpName.window_wait_signal, OpName.window_read,
+    OpName.finalize, OpName.window_put, OpName.window_signal,
+    OpName.window_wait_signal, OpName.window_read,
 })
 # Names the analyzer reads under another.
 _ANALYZER_NAMES = {OpName.gather_single: "gather"}
