@@ -16,7 +16,7 @@ import pytest
 
 import chorus
 from chorus import OpName, ReduceOp
-from chorus.hooks import FlightRecorderHook, NanCheckHook
+from chorus.hooks import FlightRecorderHook, NanCheckHook, clog
 
 try:
     import torch
@@ -443,3 +443,105 @@ def test_fr_follows_split_children_and_pending_ops_stay_scheduled(arrays):
         comm.send(arrays.ones(2), 0)
     assert entries(recorder, False) == []
     assert entries(recorder)[-1]["profiling_name"] == "cpu:send 0->0"
+
+
+# ------------------------------------------------ TorchComms' ClogHookTest.py
+
+
+def read_lines(path):
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def test_clog_end_to_end(arrays, tmp_path):
+    path = tmp_path / "clog_test.log"
+    handle = clog(output=str(path), events=["ALL"])
+    lines = read_lines(path)
+    assert lines and lines[0].startswith("V|1|base_timestamp=")
+    comm = new("test_clog_comm")
+    handle.register_with_comm(comm)
+    assert any("new_comm|comm=test_clog_comm" in ln for ln in read_lines(path))
+    t = arrays.ones(1024)
+    comm.all_reduce(t, ReduceOp.SUM, async_op=False)
+    comm.all_reduce(t, ReduceOp.SUM, async_op=False)
+    lines = read_lines(path)
+    sig = "sig|all_reduce|in_count=1024|out_count=1024|dtype=f32|red_op=sum"
+    assert sum(sig in ln for ln in lines) == 1, "a signature is logged once"
+    comm.broadcast(arrays.ones(256), root=0, async_op=False)
+    assert any("sig|broadcast|in_count=256|out_count=256|dtype=f32|root=0" in ln
+               for ln in read_lines(path))
+    comm.barrier(async_op=False)
+    assert any("sig|barrier|async_op=f" in ln for ln in read_lines(path))
+    comm.all_reduce(arrays.ones(128, dtype="float16"), ReduceOp.SUM, async_op=False)
+    lines = read_lines(path)
+    assert any("dtype=f16|red_op=sum" in ln for ln in lines)
+    # Every issue is a Q event, and each op started and ended.
+    q = [ln for ln in lines if "|Q|" in ln]
+    assert len(q) == 5, q
+    assert sum("|S|" in ln for ln in lines) == 5 and sum("|E|" in ln for ln in lines) == 5
+    first = next(ln for ln in lines if sig in ln).split("|")[0]
+    assert sum(ln.startswith(first + "|Q|") for ln in lines) == 2
+    with pytest.raises(RuntimeError, match="already registered"):
+        handle.register_with_comm(comm)
+
+
+def test_clog_multiple_comms_shared_handle(arrays, tmp_path):
+    path = tmp_path / "clog_multi.log"
+    handle = clog(output=str(path), events=["ALL"])
+    comm_a, comm_b = new("comm_a"), new("comm_b")
+    handle.register_with_comm(comm_a)
+    handle.register_with_comm(comm_b)
+    t = arrays.ones(64)
+    comm_a.all_reduce(t, ReduceOp.SUM)
+    comm_b.all_reduce(t, ReduceOp.SUM)
+    lines = read_lines(path)
+    assert any("comm=comm_a" in ln for ln in lines) and any("comm=comm_b" in ln for ln in lines)
+
+
+def test_clog_independent_handles(arrays, tmp_path):
+    path_a, path_b = tmp_path / "clog_a.log", tmp_path / "clog_b.log"
+    clog_a = clog(output=str(path_a), events=["ALL"])
+    clog_b = clog(output=str(path_b), events=["ALL"])
+    comm_a, comm_b = new("iso_a"), new("iso_b")
+    clog_a.register_with_comm(comm_a)
+    clog_b.register_with_comm(comm_b)
+    t = arrays.ones(32)
+    comm_a.all_reduce(t, ReduceOp.SUM)
+    comm_b.all_reduce(t, ReduceOp.SUM)
+    lines_a, lines_b = read_lines(path_a), read_lines(path_b)
+    assert any("comm=iso_a" in ln for ln in lines_a)
+    assert not any("comm=iso_b" in ln for ln in lines_a)
+    assert any("comm=iso_b" in ln for ln in lines_b)
+    assert not any("comm=iso_a" in ln for ln in lines_b)
+
+
+def test_clog_splits_signatures_buffers_and_leaks(tmp_path):
+    path = tmp_path / "clog_split.log"
+    handle = clog(output=str(path), events=["Q"], verbose=["buffers"])
+    comm = new("clog_parent")
+    handle.register_with_comm(comm)
+    child = comm.split([0], "clog_child")
+    _made.append(child)
+    out = np.zeros(4, dtype=np.float32)
+    x = np.ones(4, dtype=np.float32)
+    child.all_gather_single(out, x)
+    comm.all_to_all_v_single(out, x, [4], [4], async_op=True).wait()
+    lines = read_lines(path)
+    assert "split|parent=clog_parent|child=clog_child|ranks=0" in lines, lines
+    assert any(f"sig|all_gather_single|in_count=4|out_count=4|dtype=f32|async_op=f"
+               f"|in={hex(x.ctypes.data)}|out={hex(out.ctypes.data)}|comm=clog_child" in ln
+               for ln in lines), lines
+    assert any("sig|all_to_all_v_single|in_splits=4|out_splits=4|dtype=f32|async_op=t" in ln
+               for ln in lines), lines
+    assert not any("|S|" in ln for ln in lines), "no lifecycle events without ALL"
+    # Even an op Chorus rejected has its post call: when the last
+    # communicator finalizes, no op is left unfinished (no WARN line).
+    with pytest.raises(chorus.InvalidArgumentError):
+        comm.recv(np.zeros(1, dtype=np.float32), 0)
+    child.finalize()
+    comm.finalize()
+    _made.remove(child)
+    _made.remove(comm)
+    lines = read_lines(path)
+    assert any("sig|recv|in_count=0|out_count=1|dtype=f32|peer=0" in ln for ln in lines), lines
+    assert not any(ln.startswith("WARN") for ln in lines), lines
