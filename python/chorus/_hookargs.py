@@ -97,7 +97,39 @@ class PreHookArgs(_HookArgs):
     (point-to-point, else ``[]``); the subclass of each op adds the fields
     TorchComms gives it, the caller's own tensors among them
     (``tensor``, or ``input`` and ``output``). A hook may read them; it must
-    not resize them."""
+    not resize them. ``tensors()`` gives ``(inputs, outputs)``: the tensors
+    the op reads and those it writes (an in-place op's tensor is both),
+    whatever its shape of arguments."""
+
+
+def _listed(x):
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _tensors(args):
+    """``(inputs, outputs)`` of the op ``args`` describes: the tensors it
+    reads and those it writes (an in-place op's ``tensor`` is both; a send
+    only reads, a receive only writes; a batch by the direction of each of
+    its ops)."""
+    d = args._d
+    name = d.get("op")
+    if name == "recv":
+        return [], [d["tensor"]]
+    if name == "batch_op_issue":
+        ops = d.get("ops", [])
+        return ([p.tensor for p in ops if p.type.name == "SEND"],
+                [p.tensor for p in ops if p.type.name == "RECV"])
+    if "tensor" in d:
+        t = d["tensor"]
+        if t is None:
+            return [], []
+        return ([t], []) if name in ("send", "window_put", "new_window") else ([t], [t])
+    return _listed(d.get("input")), _listed(d.get("output"))
+
+
+PreHookArgs.tensors = _tensors
 
 
 class SendPreHookArgs(PreHookArgs):

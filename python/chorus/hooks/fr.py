@@ -91,28 +91,6 @@ def _sizes(t):
         return []
 
 
-def _tensors(name, args):
-    """``(inputs, outputs)`` of an op, as TorchComms' recorder counts them:
-    an in-place op's tensor is both."""
-    d = args._d
-    if "tensor" in d and name != OpName.recv:
-        t = d["tensor"]
-        return ([t], [t]) if t is not None else ([], [])
-    if name == OpName.recv:
-        return [], [d["tensor"]]
-    if name == OpName.batch_op_issue:
-        ops = d.get("ops", [])
-        return ([p.tensor for p in ops if p.type.name == "SEND"],
-                [p.tensor for p in ops if p.type.name == "RECV"])
-
-    def listed(x):
-        if x is None:
-            return []
-        return list(x) if isinstance(x, (list, tuple)) else [x]
-
-    return listed(d.get("input")), listed(d.get("output"))
-
-
 def _p2p_name(desc, op, rank, peer):
     """PyTorch's profiling name of a send (``"cpu:send 0->1"``) or receive
     (``"cpu:recv 1<-0"``)."""
@@ -343,7 +321,9 @@ class FlightRecorderHook:
                 name = _p2p_name(desc, op, rank, args.peer)
             else:
                 name = f"{desc}:{_ANALYZER_NAMES.get(op, op)}"
-            inputs, outputs = _tensors(op, args)
+            inputs, outputs = args.tensors()
+            if op == OpName.send:
+                outputs = inputs  # as TorchComms' recorder lists a send
             rec.record(pg_id, pg_name, op_id, name, op in (OpName.send, OpName.recv),
                        inputs, outputs, timeout_ms)
 

@@ -17,24 +17,8 @@ torch has it (else ``torch.isnan``), NumPy arrays through ``numpy.isnan``.
 
 from .._hookargs import OpName
 
-# Ops whose ``tensor`` is both input and output.
+# Ops whose ``tensor`` is both input and output: checked as their input.
 _INPLACE_OPS = frozenset({OpName.broadcast, OpName.all_reduce, OpName.reduce})
-# ``input`` and ``output`` single tensors.
-_SINGLE_IO_OPS = frozenset(
-    {
-        OpName.all_gather_single,
-        OpName.reduce_scatter_single,
-        OpName.all_to_all_single,
-        OpName.all_to_all_v_single,
-        OpName.gather_single,
-    }
-)
-# ``input`` a tensor, ``output`` a list.
-_SINGLE_IN_LIST_OUT_OPS = frozenset({OpName.all_gather, OpName.all_gather_v, OpName.gather})
-# ``input`` a list, ``output`` a tensor.
-_LIST_IN_SINGLE_OUT_OPS = frozenset({OpName.reduce_scatter, OpName.reduce_scatter_v, OpName.scatter})
-# ``input`` and ``output`` lists.
-_LIST_IO_OPS = frozenset({OpName.all_to_all})
 
 
 def _has_nan(tensor):
@@ -70,10 +54,6 @@ def _check(tensors, label, op_name, comm_name):
             )
 
 
-def _list(x):
-    return list(x) if x is not None else []
-
-
 class NanCheckHook:
     """A pre hook that raises ``RuntimeError`` ("NaN detected in input tensor
     for 'all_reduce' on comm 'main'") before an op whose tensors hold a NaN.
@@ -96,27 +76,11 @@ class NanCheckHook:
         inputs, outputs = self._check_inputs, self._check_outputs
 
         def pre_hook(name, op_id, args):
-            ins, outs = (), ()
-            if name == OpName.send or name == OpName.window_put:
-                ins = (args.tensor,)
-            elif name == OpName.recv:
-                outs = (args.tensor,)
-            elif name in _INPLACE_OPS:
+            if name in _INPLACE_OPS:
                 if inputs or outputs:
                     _check((args.tensor,), "input", name, comm_name)
                 return
-            elif name in _SINGLE_IO_OPS:
-                ins, outs = (args.input,), (args.output,)
-            elif name in _SINGLE_IN_LIST_OUT_OPS:
-                ins, outs = (args.input,), _list(args.output)
-            elif name in _LIST_IN_SINGLE_OUT_OPS:
-                ins, outs = _list(args.input), (args.output,)
-            elif name in _LIST_IO_OPS:
-                ins, outs = _list(args.input), _list(args.output)
-            elif name == OpName.batch_op_issue:
-                ins = [p.tensor for p in args.ops if p.type.name == "SEND"]
-                outs = [p.tensor for p in args.ops if p.type.name == "RECV"]
-            # barrier, split, new_window, finalize, signals: no tensors.
+            ins, outs = args.tensors()
             if inputs:
                 _check(ins, "input", name, comm_name)
             if outputs:
