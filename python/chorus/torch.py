@@ -211,6 +211,10 @@ class ChorusWork(_C10dWork):
         fut.set_result(_Failed(error) if error is not None else self._outputs)
 
 
+# How long shutdown and abort wait for the future callbacks still running.
+_WAITER_JOIN_S = 60.0
+
+
 class _Waiter:
     """One daemon thread completing the futures of one backend's works, in
     issue order. O(outstanding works with a future) memory."""
@@ -232,9 +236,17 @@ class _Waiter:
         work._complete_future()
 
     def close(self):
+        """Stop taking works: the thread completes those queued, then ends."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+    def join(self, timeout):
+        """Wait (at most ``timeout`` seconds) until every queued future was
+        completed, so that no future callback runs after the backend shut
+        down (or while the interpreter exits: its thread is a daemon)."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self):
         while True:
@@ -539,8 +551,10 @@ class ChorusBackend(_C10dBackend):
         the group's store; rank 0 waits for each at most the timeout and
         raises naming the first rank (or, with ``wait_all_ranks``, every
         rank) that did not arrive; then it releases the others, which wait
-        for that as long. Without a store (a wrapped communicator), a
-        barrier with the timeout."""
+        for that as long, and a barrier of the communicator ends it (rank 0
+        may host the store: it leaves only once every rank read its
+        release). Without a store (a wrapped communicator), a barrier with
+        the timeout."""
         timeout = _seconds(opts.timeout) or self._comm.get_timeout().total_seconds()
         if self._store is None:
             self._comm.barrier(False, timeout=timeout)
@@ -558,6 +572,7 @@ class ChorusBackend(_C10dBackend):
                     f"rank {me}: rank 0 did not release monitored_barrier within {timeout:g} s "
                     f"(it timed out waiting for another rank, or is itself stuck): {e}"
                 ) from e
+            self._released(timeout)
             return
         start = datetime.datetime.now()
         missing = []
@@ -586,21 +601,37 @@ class ChorusBackend(_C10dBackend):
         for r in range(1, n):
             self._store.delete_key(f"{prefix}/{r}")
         self._store.set(f"{prefix}/done", b"1")
+        self._released(timeout)
+
+    def _released(self, timeout):
+        """The last step of a monitored barrier that passed: a barrier of the
+        communicator, so that rank 0, whose process may host the store,
+        stays until every rank has read its release from it."""
+        self._comm.barrier(False, timeout=timeout)
 
     # ------------------------------------------------------------ lifecycle
 
     def shutdown(self):
-        """Finish the outstanding ops and close the communicator."""
-        if self._waiter_thread is not None:
-            self._waiter_thread.close()
+        """Finish the outstanding ops and close the communicator; returns
+        once their futures are completed."""
+        waiter = self._waiter_thread
+        if waiter is not None:
+            waiter.close()
         if not self._comm.is_aborted():
             self._comm.finalize()
+        if waiter is not None:
+            # Every op has ended: the futures left are completed at once
+            # (the bound only covers a future callback that blocks).
+            waiter.join(_WAITER_JOIN_S)
 
     def abort(self):
         """Fail the outstanding ops on every rank and close."""
-        if self._waiter_thread is not None:
-            self._waiter_thread.close()
+        waiter = self._waiter_thread
+        if waiter is not None:
+            waiter.close()
         self._comm.abort("aborted through torch.distributed")
+        if waiter is not None:
+            waiter.join(_WAITER_JOIN_S)
 
 
 def create_backend(dist_opts, backend_options=None):
