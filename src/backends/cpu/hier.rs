@@ -16,6 +16,7 @@
 //! | [`broadcast`] | binomial tree among the hosts' representatives (the root on its host, the leader elsewhere), then within each host | `H - 1` |
 //! | [`reduce`] | [`reduce_auto`] to each host's representative, then among the representatives to the root | those of one `H`-rank reduce |
 //! | [`all_gather`], hosts of consecutive ranks | every rank's block to its host's leader, all-gather of the hosts' spans among the leaders ([`all_gather_auto`](super::schedule::all_gather_auto)), broadcast of the whole output from each leader | those of one `H`-rank all-gather |
+//! | [`gather`], [`scatter`], blocks too large for the flat binomial tree, hosts of consecutive ranks | the host's blocks to (from) its representative, then one message per host between the representatives and the root | `H - 1` |
 //! | [`barrier_rounds`] | binomial fan-in to the leader, dissemination among the leaders, binomial fan-out | `H ceil(log2 H)` |
 //!
 //! A host's *leader* is its lowest rank. Every choice here is a pure
@@ -49,8 +50,9 @@ use std::collections::HashMap;
 
 use super::schedule::{
     all_gather_auto as flat_all_gather, all_gather_in_place, all_reduce_auto,
-    broadcast as flat_broadcast, even_counts, offsets, reduce_auto, reduce_scatter, reduce_tree,
-    BufId, Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
+    broadcast as flat_broadcast, even_counts, gather_auto, offsets, reduce_auto, reduce_scatter,
+    reduce_tree, rooted_tree, scatter_auto, BufId, RecvAction, Rooted, Schedule, Step, Transfer,
+    SMALL_ALL_REDUCE_BYTES,
 };
 
 /// Which host every rank of a communicator is on. O(N): three words per
@@ -389,6 +391,185 @@ pub fn all_gather(
     }
     c.embed(flat_broadcast(li, host.len(), total, 0), |i| host[i], 0);
     c.finish()
+}
+
+/// Gather `count` elements of every rank's `Src` into block `r` of `Dst` on
+/// `root`, with the elements of scratch `Dst` this rank needs (0 for
+/// none), as [`gather_auto`] returns them.
+/// In two levels where the flat gather would not run its tree (blocks
+/// above its size limit) and every host's ranks are consecutive: each
+/// host's blocks go to its representative (the root on its host, the
+/// leader elsewhere), which holds them as one span in the order of the
+/// output; each other representative then sends its span to the root, so
+/// exactly `H - 1` messages cross hosts and the root receives `L - 1 + H -
+/// 1` instead of `N - 1`. A leader's scratch is its host's span (`L *
+/// count`). Otherwise the flat gather.
+pub fn gather(
+    rank: usize,
+    topo: &Topology,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> (Schedule, usize) {
+    let n = topo.size();
+    if !two_level_rooted(topo, count, elem_bytes) {
+        return gather_auto(rank, n, count, root, elem_bytes);
+    }
+    let Some((h, host, rep)) = topo.rooted(rank, root) else {
+        return (Schedule::default(), 0);
+    };
+    let block = |r: usize| r * count..(r + 1) * count;
+    let span = |x: usize| {
+        let m = &topo.members[x];
+        m[0] * count..(m[m.len() - 1] + 1) * count
+    };
+    let mut c = Composer::new();
+    if rank == root {
+        let mut all = Step::default();
+        all.transfers.push(Transfer::LocalCopy {
+            src: 0..count,
+            dst: block(root),
+        });
+        for &r in host.iter().filter(|&&r| r != root) {
+            all.transfers.push(recv_copy(r, block(r)));
+        }
+        for x in (0..topo.hosts()).filter(|&x| x != h) {
+            all.transfers.push(recv_copy(topo.rep(x, root), span(x)));
+        }
+        c.steps.push(all);
+        return (c.finish(), 0);
+    }
+    if rank != rep {
+        c.steps.push(Step {
+            transfers: vec![Transfer::Send {
+                peer: rep,
+                buf: BufId::Src,
+                range: 0..count,
+            }],
+        });
+        return (c.finish(), 0);
+    }
+    // A leader (lowest rank, local index 0) of a host without the root:
+    // its host's span, in scratch `Dst`, then to the root.
+    let mut collect = Step::default();
+    collect.transfers.push(Transfer::LocalCopy {
+        src: 0..count,
+        dst: 0..count,
+    });
+    for (i, &r) in host.iter().enumerate().skip(1) {
+        collect.transfers.push(recv_copy(r, block(i)));
+    }
+    c.steps.push(collect);
+    c.steps.push(Step {
+        transfers: vec![Transfer::Send {
+            peer: root,
+            buf: BufId::Dst,
+            range: 0..host.len() * count,
+        }],
+    });
+    (c.finish(), host.len() * count)
+}
+
+/// Scatter block `r` of `Src` on `root` (`count` elements each) into every
+/// rank `r`'s `Dst`, with the elements of scratch `Src` this rank needs (0
+/// for none), as [`scatter_auto`] returns
+/// them. The mirror of [`gather`]: the root sends each other host's span
+/// to its leader in one message (`H - 1` cross hosts) and the blocks of
+/// its own host directly; a leader receives its span into scratch `Src`
+/// (`L * count`) and sends each member its block. Otherwise the flat
+/// scatter.
+pub fn scatter(
+    rank: usize,
+    topo: &Topology,
+    count: usize,
+    root: usize,
+    elem_bytes: usize,
+) -> (Schedule, usize) {
+    let n = topo.size();
+    if !two_level_rooted(topo, count, elem_bytes) {
+        return scatter_auto(rank, n, count, root, elem_bytes);
+    }
+    let Some((h, host, rep)) = topo.rooted(rank, root) else {
+        return (Schedule::default(), 0);
+    };
+    let block = |r: usize| r * count..(r + 1) * count;
+    let mut c = Composer::new();
+    if rank == root {
+        let mut all = Step::default();
+        all.transfers.push(Transfer::LocalCopy {
+            src: block(root),
+            dst: 0..count,
+        });
+        for &r in host.iter().filter(|&&r| r != root) {
+            all.transfers.push(Transfer::Send {
+                peer: r,
+                buf: BufId::Src,
+                range: block(r),
+            });
+        }
+        for x in (0..topo.hosts()).filter(|&x| x != h) {
+            let m = &topo.members[x];
+            all.transfers.push(Transfer::Send {
+                peer: topo.rep(x, root),
+                buf: BufId::Src,
+                range: m[0] * count..(m[m.len() - 1] + 1) * count,
+            });
+        }
+        c.steps.push(all);
+        return (c.finish(), 0);
+    }
+    if rank != rep {
+        c.steps.push(Step {
+            transfers: vec![recv_copy(rep, 0..count)],
+        });
+        return (c.finish(), 0);
+    }
+    c.steps.push(Step {
+        transfers: vec![Transfer::Recv {
+            peer: root,
+            buf: BufId::Src,
+            range: 0..host.len() * count,
+            action: RecvAction::Copy,
+        }],
+    });
+    let mut spread = Step::default();
+    spread.transfers.push(Transfer::LocalCopy {
+        src: 0..count,
+        dst: 0..count,
+    });
+    for (i, &r) in host.iter().enumerate().skip(1) {
+        spread.transfers.push(Transfer::Send {
+            peer: r,
+            buf: BufId::Src,
+            range: block(i),
+        });
+    }
+    c.steps.push(spread);
+    (c.finish(), host.len() * count)
+}
+
+/// Whether a gather or scatter of `count` elements per rank runs in two
+/// levels on `topo`: blocks the flat binomial tree does not take, and
+/// hosts of consecutive ranks (each host's blocks one span of the root's
+/// buffer).
+fn two_level_rooted(topo: &Topology, count: usize, elem_bytes: usize) -> bool {
+    count > 0
+        && topo.contiguous()
+        && !rooted_tree(
+            Rooted::GatherOrScatter,
+            count.saturating_mul(elem_bytes),
+            topo.size(),
+        )
+}
+
+/// A receive of `range` of `Dst` from `peer`, copied in.
+fn recv_copy(peer: usize, range: std::ops::Range<usize>) -> Transfer {
+    Transfer::Recv {
+        peer,
+        buf: BufId::Dst,
+        range,
+        action: RecvAction::Copy,
+    }
 }
 
 /// The rounds of a two-level barrier for `rank`, as `(send to, receive

@@ -6,8 +6,9 @@
 use std::collections::BTreeSet;
 
 use super::*;
-use crate::backends::cpu::schedule::tests::{broadcast_input, data, reduced, simulate};
+use crate::backends::cpu::schedule::tests::{broadcast_input, data, reduced, simulate, JUNK};
 use crate::backends::cpu::schedule::BufId;
+use crate::backends::cpu::schedule::TREE_MAX_BYTES;
 use crate::op::ReduceOp;
 
 /// Host ids from a host index per rank.
@@ -289,6 +290,116 @@ fn on_4096_ranks_of_8_per_host_ops_cross_hosts_o_h_log_h_times() {
         .fold((0, 0), |(a, b), (c, d)| (a.max(c), b.max(d)));
     assert!(most <= 2 * log_h + L, "{most} peers on one rank");
     assert!(most_far <= 2 * log_h + 1, "{most_far} peers off the host");
+}
+
+/// Per-rank counts of `f64` blocks for gather and scatter: below the flat
+/// binomial tree's limit (the flat schedules run) and above it (two levels
+/// on hosts of consecutive ranks).
+fn rooted_counts() -> Vec<usize> {
+    let tree = TREE_MAX_BYTES / 8;
+    vec![1, 5, tree, tree + 1, tree + 3]
+}
+
+#[test]
+fn gather_and_scatter_match_the_reference_on_every_topology_and_root() {
+    for topo in topologies() {
+        let n = topo.size();
+        for count in rooted_counts() {
+            for root in 0..n {
+                let case = format!("{:?} count {count} root {root}", topo.members);
+                // Gather: a non-root's Dst is its scratch.
+                let built: Vec<(Schedule, usize)> =
+                    (0..n).map(|r| gather(r, &topo, count, root, 8)).collect();
+                let src: Vec<Vec<f64>> = (0..n).map(|r| data(r, count)).collect();
+                let dst = built
+                    .iter()
+                    .enumerate()
+                    .map(|(r, (_, scratch))| {
+                        vec![JUNK; if r == root { n * count } else { *scratch }]
+                    })
+                    .collect();
+                let scheds: Vec<Schedule> = built.into_iter().map(|(s, _)| s).collect();
+                let out = run(scheds, src.clone(), dst, ReduceOp::Sum);
+                assert_eq!(out[root], src.concat(), "gather {case}");
+
+                // Scatter: a non-root's Src is its scratch.
+                let all = data(root, n * count);
+                let built: Vec<(Schedule, usize)> =
+                    (0..n).map(|r| scatter(r, &topo, count, root, 8)).collect();
+                let src = built
+                    .iter()
+                    .enumerate()
+                    .map(|(r, (_, scratch))| {
+                        if r == root {
+                            all.clone()
+                        } else {
+                            vec![JUNK; *scratch]
+                        }
+                    })
+                    .collect();
+                let scheds: Vec<Schedule> = built.into_iter().map(|(s, _)| s).collect();
+                let out = run(scheds, src, vec![vec![JUNK; count]; n], ReduceOp::Sum);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(
+                        got[..],
+                        all[r * count..(r + 1) * count],
+                        "scatter {case} rank {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Large blocks on 4 096 ranks of 8 per host: a gather and a scatter cross
+/// hosts exactly 511 times (one message per other host) and the root
+/// handles 7 + 511 messages instead of 4 095; a leader's scratch is its
+/// host's span. Small blocks keep the flat binomial tree.
+#[test]
+fn on_4096_ranks_a_large_gather_or_scatter_crosses_hosts_once_per_host() {
+    const N: usize = 4096;
+    const L: usize = 8;
+    const H: usize = N / L;
+    let topo =
+        Topology::from_ids(&ids(&(0..N).map(|r| r / L).collect::<Vec<_>>())).expect("512 hosts");
+    let count = TREE_MAX_BYTES / 8 + 1;
+    let root = 1234;
+    for (what, built) in [
+        (
+            "gather",
+            (0..N)
+                .map(|r| gather(r, &topo, count, root, 8))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "scatter",
+            (0..N).map(|r| scatter(r, &topo, count, root, 8)).collect(),
+        ),
+    ] {
+        let scheds: Vec<Schedule> = built.iter().map(|(s, _)| s.clone()).collect();
+        assert_eq!(cross_host_sends(&topo, &scheds), H - 1, "{what}");
+        let at_root = scheds[root]
+            .transfers()
+            .filter(|t| t.peer().is_some())
+            .count();
+        assert_eq!(at_root, L - 1 + H - 1, "{what}: messages at the root");
+        let leader = topo.members(0)[0];
+        assert_eq!(built[leader].1, L * count, "{what}: a leader's scratch");
+        assert_eq!(built[leader + 1].1, 0, "{what}: a member needs no scratch");
+        // No rank handles more messages than the root.
+        let most = scheds
+            .iter()
+            .map(|s| s.transfers().filter(|t| t.peer().is_some()).count())
+            .max();
+        assert_eq!(most, Some(at_root), "{what}");
+    }
+    let (small, _) = gather(5, &topo, 1, root, 8);
+    let (flat, _) = crate::backends::cpu::schedule::gather_auto(5, N, 1, root, 8);
+    assert_eq!(
+        small.transfers().count(),
+        flat.transfers().count(),
+        "small blocks stay flat"
+    );
 }
 
 /// A barrier's rounds as a schedule the in-memory executor runs: each

@@ -844,7 +844,10 @@ impl CpuBackend {
                 root,
             } => {
                 let es = output.dtype().size();
-                let (schedule, n) = builders::scatter_auto(rank, size, output.len(), *root, es);
+                let (schedule, n) = match &self.topo {
+                    Some(t) => hier::scatter(rank, t, output.len(), *root, es),
+                    None => builders::scatter_auto(rank, size, output.len(), *root, es),
+                };
                 Planned {
                     schedule,
                     src: Some(input),
@@ -860,7 +863,10 @@ impl CpuBackend {
                 root,
             } => {
                 let es = input.dtype().size();
-                let (schedule, n) = builders::gather_auto(rank, size, input.len(), *root, es);
+                let (schedule, n) = match &self.topo {
+                    Some(t) => hier::gather(rank, t, input.len(), *root, es),
+                    None => builders::gather_auto(rank, size, input.len(), *root, es),
+                };
                 Planned {
                     schedule,
                     src: Some(input),
