@@ -132,6 +132,13 @@ impl Topology {
             .all(|m| m.windows(2).all(|w| w[1] == w[0] + 1))
     }
 
+    /// Host `h`'s span of a buffer of `count` elements per rank, laid out
+    /// by rank; one range when the topology is [`Topology::contiguous`].
+    fn span(&self, h: usize, count: usize) -> std::ops::Range<usize> {
+        let m = &self.members[h];
+        m[0] * count..(m[m.len() - 1] + 1) * count
+    }
+
     /// For `rank` in an op rooted at `root`: its host, that host's ranks
     /// and that host's representative ([`Topology::rep`]); `None` when
     /// either rank is outside the topology.
@@ -419,10 +426,6 @@ pub fn gather(
         return (Schedule::default(), 0);
     };
     let block = |r: usize| r * count..(r + 1) * count;
-    let span = |x: usize| {
-        let m = &topo.members[x];
-        m[0] * count..(m[m.len() - 1] + 1) * count
-    };
     let mut c = Composer::new();
     if rank == root {
         let mut all = Step::default();
@@ -434,7 +437,8 @@ pub fn gather(
             all.transfers.push(recv_copy(r, block(r)));
         }
         for x in (0..topo.hosts()).filter(|&x| x != h) {
-            all.transfers.push(recv_copy(topo.rep(x, root), span(x)));
+            all.transfers
+                .push(recv_copy(topo.rep(x, root), topo.span(x, count)));
         }
         c.steps.push(all);
         return (c.finish(), 0);
@@ -508,11 +512,10 @@ pub fn scatter(
             });
         }
         for x in (0..topo.hosts()).filter(|&x| x != h) {
-            let m = &topo.members[x];
             all.transfers.push(Transfer::Send {
                 peer: topo.rep(x, root),
                 buf: BufId::Src,
-                range: m[0] * count..(m[m.len() - 1] + 1) * count,
+                range: topo.span(x, count),
             });
         }
         c.steps.push(all);
