@@ -670,7 +670,11 @@ class Comm:
     def _lifecycle(self, name, op_id, pre_args, run, post_args):
         """Run a communicator event Chorus's hooks do not see (split,
         new_window, finalize): pre hooks before ``run()``, post hooks
-        after it returned, with ``post_args(result)``."""
+        after it returned, with ``post_args(result)``. ``op_id``: ``None``
+        for a fresh one of the sequence (taken only when hooks are
+        registered)."""
+        if op_id is None and (self._pre or self._post):
+            op_id = _chorus._reserve_op_id()
         if self._pre:
             a = self._pre_args(pre_args[0], name, op_id, None, pre_args[1])
             for _, f in self._pre:
@@ -856,14 +860,13 @@ class Comm:
         """A communicator of ``ranks`` (every rank passes the same list), or
         ``None`` on ranks not in it."""
         ranks = list(ranks)
-        op_id = _chorus._reserve_op_id() if (self._pre or self._post) else None
 
         def run():
             child = self._on(hints).split(ranks, name, _seconds(timeout))
             return Comm(child) if child is not None else None
 
         return self._lifecycle(
-            OpName.split, op_id, (SplitPreHookArgs, {"ranks": ranks, "name": name, "async_op": False}),
+            OpName.split, None, (SplitPreHookArgs, {"ranks": ranks, "name": name, "async_op": False}),
             run, lambda child: SplitPostHookArgs(new_comm=child),
         )
 
@@ -1203,9 +1206,8 @@ class Comm:
             self._c.barrier(_seconds(timeout)).wait()
             return win
 
-        op_id = _chorus._reserve_op_id() if (self._pre or self._post) else None
         return self._lifecycle(
-            OpName.new_window, op_id,
+            OpName.new_window, None,
             (NewWindowPreHookArgs, {"tensor": tensor, "size": int(size), "async_op": False}),
             run, lambda win: NewWindowPostHookArgs(new_window=win),
         )

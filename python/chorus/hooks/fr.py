@@ -318,13 +318,13 @@ class FlightRecorderHook:
                                t if send else [], t, timeout_ms)
                 return
             if op in (OpName.send, OpName.recv):
-                name = _p2p_name(desc, op, rank, args.peer)
+                profiling = _p2p_name(desc, op, rank, args.peer)
             else:
-                name = f"{desc}:{_ANALYZER_NAMES.get(op, op)}"
+                profiling = f"{desc}:{_ANALYZER_NAMES.get(op, op)}"
             inputs, outputs = args.tensors()
             if op == OpName.send:
                 outputs = inputs  # as TorchComms' recorder lists a send
-            rec.record(pg_id, pg_name, op_id, name, op in (OpName.send, OpName.recv),
+            rec.record(pg_id, pg_name, op_id, profiling, op in (OpName.send, OpName.recv),
                        inputs, outputs, timeout_ms)
 
         def post(op_id, args):
