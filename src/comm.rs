@@ -714,7 +714,7 @@ impl Comm {
         if let Some((lease, req)) = home.submit(Box::new(req)) {
             if inline {
                 // A turn on this (blocked) thread, which may sleep in the kernel.
-                home.rt.block_on(lease.run(req, true));
+                crate::runtime::run_here(&home.rt, lease.run(req, true));
             } else {
                 // A turn as a task next to the caller (the caller's
                 // runtime, else the communicator's): one hand-off, and

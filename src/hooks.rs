@@ -477,7 +477,7 @@ impl Observer {
 
     /// An op was issued: give it an op id, record it, tell the pre hooks.
     /// Call only when [`Observer::watching`].
-    pub(crate) fn issue(self: &Arc<Self>, desc: OpDesc, hints: &Hints) -> Box<Tracked> {
+    pub(crate) fn issue(self: &Arc<Self>, desc: OpDesc, hints: &Hints) -> Tracked {
         let op_id = next_op_id();
         let now = Instant::now();
         let rec = match &self.recorder {
@@ -506,7 +506,7 @@ impl Observer {
                 }
             }));
         }
-        Box::new(Tracked {
+        Tracked {
             obs: self.clone(),
             op_id,
             op: desc.op,
@@ -515,7 +515,7 @@ impl Observer {
             started: None,
             seq: None,
             pre_sent,
-        })
+        }
     }
 
     /// The communicator was aborted with `cause` (once): the abort hooks,
@@ -578,9 +578,8 @@ pub(crate) struct Tracked {
 }
 
 impl Tracked {
-    /// Its turn started, with sequence number `seq`.
-    pub(crate) fn started(&mut self, seq: Option<u64>) {
-        let now = Instant::now();
+    /// Its turn started at `now`, with sequence number `seq`.
+    pub(crate) fn started(&mut self, seq: Option<u64>, now: Instant) {
         self.started = Some(now);
         self.seq = seq;
         if let (Some(r), Some(id)) = (&self.obs.recorder, self.rec) {

@@ -216,7 +216,7 @@ pub(crate) struct Completer {
     tx: Option<oneshot::Sender<Done>>,
     fence: Arc<FenceSlot>,
     /// The op as its communicator's hooks and flight recorder follow it.
-    tracked: Option<Box<Tracked>>,
+    tracked: Option<Tracked>,
 }
 
 impl std::fmt::Debug for Completer {
@@ -234,14 +234,14 @@ impl Completer {
     }
 
     /// Have the observer follow this op (hooks, flight recorder).
-    pub(crate) fn track(&mut self, tracked: Box<Tracked>) {
+    pub(crate) fn track(&mut self, tracked: Tracked) {
         self.tracked = Some(tracked);
     }
 
-    /// The op's turn started, with sequence number `seq`.
-    pub(crate) fn started(&mut self, seq: Option<u64>) {
+    /// The op's turn started at `now`, with sequence number `seq`.
+    pub(crate) fn started(&mut self, seq: Option<u64>, now: std::time::Instant) {
         if let Some(t) = &mut self.tracked {
-            t.started(seq);
+            t.started(seq, now);
         }
     }
 
@@ -257,7 +257,7 @@ impl Completer {
         let hooks = self
             .tracked
             .take()
-            .and_then(|t| (*t).finish(result.as_ref().map(|_| ())));
+            .and_then(|t| t.finish(result.as_ref().map(|_| ())));
         if let Some(tx) = self.tx.take() {
             self.fence.close();
             // `Err` hands the result back when the `Work` was dropped: it

@@ -255,7 +255,7 @@ impl Backend for LogNet {
             },
             other => {
                 return Err(Error::NotSupported {
-                    comm: ctx.comm.clone(),
+                    comm: ctx.comm.to_string(),
                     rank: ctx.rank,
                     backend: "lognet",
                     op: ctx.kind.name(),

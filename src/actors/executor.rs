@@ -230,6 +230,8 @@ pub(crate) struct Core {
     coll_seq: u64,
     /// Next point-to-point sequence number per peer (AC-2).
     p2p_seq: Vec<u64>,
+    /// `info.name`, shared with every op's context.
+    name: std::sync::Arc<str>,
     /// The backend is finalized or aborted: no op touches it again.
     closed: bool,
     /// The backend's device memory, for outputs of device ops sized or
@@ -274,6 +276,7 @@ impl Core {
                 && backend.capabilities().headerless_ops
                 && (backend.capabilities().in_band_checks || info.checks == Checks::Off),
             p2p_seq: vec![0; info.size],
+            name: info.name.as_str().into(),
             info,
             backend,
             watchdog,
@@ -293,7 +296,9 @@ impl Core {
     /// The communicator's tracing span.
     pub(crate) fn span(&self) -> tracing::Span {
         let info = &self.info;
-        tracing::info_span!("comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch)
+        crate::active_span(
+            tracing::info_span!("comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch),
+        )
     }
 
     /// Whether the backend asks to be polled while idle (EX-7).
@@ -318,14 +323,21 @@ impl Core {
         };
         self.stamp(&mut req);
         let signature = self.signature(&req);
-        completer.started(match &req.data {
-            OpData::P2P { ops } => Some(ops.first().map(|t| t.seq).unwrap_or(0)),
-            // One-sided window ops take no sequence number.
-            _ if req.kind == OpKind::Window => None,
-            _ => Some(req.seq),
-        });
+        // One clock read for the turn: the timeout counts from here, and
+        // the flight recorder and the stall check see the same start.
+        let start = tokio::time::Instant::now();
+        let started = start.into_std();
+        completer.started(
+            match &req.data {
+                OpData::P2P { ops } => Some(ops.first().map(|t| t.seq).unwrap_or(0)),
+                // One-sided window ops take no sequence number.
+                _ if req.kind == OpKind::Window => None,
+                _ => Some(req.seq),
+            },
+            started,
+        );
         let ctx = OpCtx {
-            comm: self.info.name.clone(),
+            comm: self.name.clone(),
             rank: self.info.rank,
             size: self.info.size,
             epoch: self.info.epoch,
@@ -355,8 +367,6 @@ impl Core {
             bytes
         ));
         let timeout = req.timeout;
-        // Read before the op runs: the timeout counts from here.
-        let start = tokio::time::Instant::now();
         // EX-10: the stall check sees this op while it runs.
         let log = self
             .watchdog
@@ -364,7 +374,7 @@ impl Core {
             .and_then(|w| w.config.ops.clone())
             .filter(|_| req.kind != OpKind::P2P);
         if let Some(l) = &log {
-            l.begin(ctx.seq, signature, ctx.kind);
+            l.begin(ctx.seq, signature, ctx.kind, started);
         }
         let outcome = {
             let mut fut = std::pin::pin!(self.run_inner(&ctx, &mut req).instrument(span));
@@ -388,7 +398,7 @@ impl Core {
                     r = tokio::time::timeout_at(deadline, fut) => Some(match r {
                         Ok(r) => r,
                         Err(_) => Err(Error::Timeout {
-                            comm: ctx.comm.clone(),
+                            comm: ctx.comm.to_string(),
                             rank: ctx.rank,
                             op: ctx.kind.name(),
                             seq: ctx.seq,
@@ -812,7 +822,7 @@ impl Core {
             ))
         } else {
             Error::Mismatch {
-                comm: ctx.comm.clone(),
+                comm: ctx.comm.to_string(),
                 rank: ctx.rank,
                 op: ctx.kind.name(),
                 seq: ctx.seq,
@@ -905,7 +915,7 @@ async fn prepare(ctx: &OpCtx, req: &mut Request) -> Result<()> {
         if ctx.rank != *root && !buf.is_device() && req.keep.is_none() {
             let mut copy = Tensor::try_zeros(buf.dtype(), buf.len()).ok_or_else(|| {
                 Error::InvalidArgument {
-                    comm: ctx.comm.clone(),
+                    comm: ctx.comm.to_string(),
                     rank: ctx.rank,
                     op: ctx.kind.name(),
                     reason: format!(
@@ -1024,7 +1034,7 @@ fn finish(
                 let counts = vec![req.count; n];
                 Completion::Tensors(split_any(&output, &counts, mem).map_err(|e| {
                     Error::InvalidArgument {
-                        comm: ctx.comm.clone(),
+                        comm: ctx.comm.to_string(),
                         rank: ctx.rank,
                         op: ctx.kind.name(),
                         reason: format!("cannot split the output into {n} x {}: {e}", req.count),

@@ -97,8 +97,9 @@ impl OpLog {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The executor starts op `seq` with fingerprint `fp` ([ST-2](self#invariants)).
-    pub(crate) fn begin(&self, seq: u64, fp: u64, kind: OpKind) {
+    /// The executor starts op `seq` with fingerprint `fp` at `since`
+    /// ([ST-2](self#invariants)).
+    pub(crate) fn begin(&self, seq: u64, fp: u64, kind: OpKind, since: Instant) {
         if fp == 0 {
             return;
         }
@@ -106,7 +107,7 @@ impl OpLog {
             seq,
             fp,
             kind,
-            since: Instant::now(),
+            since,
         });
     }
 
@@ -246,9 +247,9 @@ mod tests {
     #[test]
     fn st_2_a_stall_is_compared_with_the_current_or_a_remembered_op_only() {
         let log = OpLog::default();
-        log.begin(0, 11, OpKind::Broadcast);
+        log.begin(0, 11, OpKind::Broadcast, Instant::now());
         log.end(true);
-        log.begin(1, 22, OpKind::Barrier);
+        log.begin(1, 22, OpKind::Barrier, Instant::now());
         // Current op, same and different.
         assert_eq!(log.check(0, 1, 1, 22), None);
         assert!(log.check(0, 1, 1, 23).is_some());
@@ -260,7 +261,7 @@ mod tests {
         assert_eq!(log.check(0, 1, 5, 1), None);
         // Unchecked ops are not logged.
         log.end(true);
-        log.begin(2, 0, OpKind::Barrier);
+        log.begin(2, 0, OpKind::Barrier, Instant::now());
         assert_eq!(log.current(), None);
     }
 
@@ -270,12 +271,12 @@ mod tests {
     #[test]
     fn st_3_an_op_that_did_not_complete_stays_out_of_the_history() {
         let (a, b) = (OpLog::default(), OpLog::default());
-        a.begin(0, 11, OpKind::ReduceScatter);
+        a.begin(0, 11, OpKind::ReduceScatter, Instant::now());
         a.end(false);
-        b.begin(0, 12, OpKind::ReduceScatter);
+        b.begin(0, 12, OpKind::ReduceScatter, Instant::now());
         b.end(false);
         for l in [&a, &b] {
-            l.begin(1, 33, OpKind::Barrier);
+            l.begin(1, 33, OpKind::Barrier, Instant::now());
             l.end(true);
         }
         let (seq, chain) = a.latest().expect("op 1");
@@ -288,7 +289,7 @@ mod tests {
     fn st_1_history_is_bounded() {
         let log = OpLog::default();
         for s in 0..(HISTORY as u64 + 10) {
-            log.begin(s, s + 1, OpKind::AllReduce);
+            log.begin(s, s + 1, OpKind::AllReduce, Instant::now());
             log.end(true);
         }
         assert_eq!(log.lock().done.len(), HISTORY);
@@ -320,10 +321,15 @@ mod tests {
     fn histories_agree_until_an_op_differs() {
         let (a, b) = (OpLog::default(), OpLog::default());
         for s in 0..5u64 {
-            a.begin(s, 100 + s, OpKind::AllReduce);
+            a.begin(s, 100 + s, OpKind::AllReduce, Instant::now());
             a.end(true);
             // Rank b's op #2 differs.
-            b.begin(s, if s == 2 { 999 } else { 100 + s }, OpKind::AllReduce);
+            b.begin(
+                s,
+                if s == 2 { 999 } else { 100 + s },
+                OpKind::AllReduce,
+                Instant::now(),
+            );
             b.end(true);
         }
         for s in 0..2 {
@@ -343,7 +349,7 @@ mod tests {
     #[test]
     fn stalled_waits_for_the_bound() {
         let log = OpLog::default();
-        log.begin(4, 9, OpKind::Gather);
+        log.begin(4, 9, OpKind::Gather, Instant::now());
         assert_eq!(log.stalled(Duration::from_secs(3600)), None);
         assert_eq!(log.stalled(Duration::ZERO), Some((4, 9, OpKind::Gather)));
     }

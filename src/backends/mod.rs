@@ -269,8 +269,9 @@ impl std::fmt::Debug for BackendInit {
 /// Identifies the op being run, for frames, errors and tracing.
 #[derive(Debug, Clone)]
 pub struct OpCtx {
-    /// Communicator name.
-    pub comm: String,
+    /// Communicator name (shared: building an op's context copies no
+    /// string).
+    pub comm: std::sync::Arc<str>,
     /// This rank.
     pub rank: usize,
     /// Number of ranks.
@@ -322,7 +323,7 @@ impl OpCtx {
     /// A `PeerFailed` error for this op.
     pub fn peer_failed(&self, failed: Vec<usize>, detail: impl Into<String>) -> Error {
         Error::PeerFailed {
-            comm: self.comm.clone(),
+            comm: self.comm.to_string(),
             rank: self.rank,
             epoch: self.epoch,
             op: self.kind.name(),
@@ -335,7 +336,7 @@ impl OpCtx {
     /// checksum.
     pub fn corrupted(&self, peer: usize, detail: impl Into<String>) -> Error {
         Error::Corrupted {
-            comm: self.comm.clone(),
+            comm: self.comm.to_string(),
             rank: self.rank,
             epoch: self.epoch,
             op: self.kind.name(),
@@ -347,7 +348,7 @@ impl OpCtx {
     /// A fatal `Mismatch` error for this op (ranks out of step).
     pub fn mismatch(&self, detail: impl Into<String>) -> Error {
         Error::Mismatch {
-            comm: self.comm.clone(),
+            comm: self.comm.to_string(),
             rank: self.rank,
             op: self.kind.name(),
             seq: self.seq,

@@ -356,7 +356,7 @@ fn partition(ctx: &OpCtx, counts: &[usize], esize: usize) -> Result<(Vec<i32>, V
     for &n in counts {
         let bytes = n * esize;
         let too_big = |_| Error::InvalidArgument {
-            comm: ctx.comm.clone(),
+            comm: ctx.comm.to_string(),
             rank: ctx.rank,
             op: ctx.kind.name(),
             reason: "mpi: a block or offset exceeds 2 GiB, MPI's int count limit".into(),

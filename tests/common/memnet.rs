@@ -194,7 +194,7 @@ impl Backend for MemNet {
                 Ok(())
             }
             other => Err(Error::NotSupported {
-                comm: ctx.comm.clone(),
+                comm: ctx.comm.to_string(),
                 rank: ctx.rank,
                 backend: "memnet",
                 op: ctx.kind.name(),

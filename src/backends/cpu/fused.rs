@@ -58,6 +58,7 @@ use std::ops::Range;
 use crate::backends::OpData;
 use crate::kernels;
 use crate::op::ReduceOp;
+use smallvec::{smallvec, SmallVec};
 
 /// Largest payload one rank sends one peer in a fused op (FU-2). Above it
 /// the op runs its bandwidth-minded schedule after the header exchange.
@@ -102,13 +103,21 @@ fn fused_enabled() -> bool {
 /// indexed by peer. `None` for a direction that is not fused (only
 /// point-to-point mixes the two: a direction whose payload is too large
 /// moves in `execute`, after the check).
+///
+/// O(N) slots, inline (no heap allocation) up to [`FUSE_MAX_RANKS`] ranks
+/// with one slice per peer, which covers every fused op but all_to_all on
+/// larger worlds and point-to-point batches.
 #[derive(Debug)]
 pub(super) struct Plan<'a> {
     /// Per peer: the slices sent after the header, in order.
-    pub(super) send: Vec<Option<Vec<&'a [u8]>>>,
+    pub(super) send: SmallVec<[Option<Slices<'a>>; FUSE_MAX_RANKS]>,
     /// Per peer: the data length expected from it.
-    pub(super) recv: Vec<Option<usize>>,
+    pub(super) recv: SmallVec<[Option<usize>; FUSE_MAX_RANKS]>,
 }
+
+/// The slices a fused op sends one peer, in order: one but for batches of
+/// point-to-point.
+pub(super) type Slices<'a> = SmallVec<[&'a [u8]; 1]>;
 
 #[cfg(test)]
 impl Plan<'_> {
@@ -132,11 +141,11 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
         return None;
     }
     let peers = || (0..size).filter(move |&p| p != rank);
-    let mut send: Vec<Option<Vec<&[u8]>>> = vec![None; size];
-    let mut recv: Vec<Option<usize>> = vec![None; size];
-    let all = |send: &mut Vec<Option<Vec<&[u8]>>>, recv: &mut Vec<Option<usize>>| {
+    let mut send: SmallVec<[Option<Slices<'_>>; FUSE_MAX_RANKS]> = smallvec![None; size];
+    let mut recv: SmallVec<[Option<usize>; FUSE_MAX_RANKS]> = smallvec![None; size];
+    let all = |send: &mut [Option<Slices<'_>>], recv: &mut [Option<usize>]| {
         for p in peers() {
-            send[p] = Some(Vec::new());
+            send[p] = Some(SmallVec::new());
             recv[p] = Some(0);
         }
     };
@@ -147,7 +156,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                 return None;
             }
             for p in peers() {
-                send[p] = Some(vec![buf.as_bytes()]);
+                send[p] = Some(smallvec![buf.as_bytes()]);
                 recv[p] = Some(b);
             }
         }
@@ -162,7 +171,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                     recv[p] = Some(b);
                 }
             } else {
-                send[root] = Some(vec![buf.as_bytes()]);
+                send[root] = Some(smallvec![buf.as_bytes()]);
             }
         }
         OpData::ReduceScatter { input, counts, .. } | OpData::AllGather { input, counts, .. } => {
@@ -175,24 +184,35 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                 return None;
             }
             let gather = matches!(data, OpData::AllGather { .. });
-            let offs = super::schedule::offsets(counts);
-            // An in-place all_gather sends its own block of the output.
-            let mine = match data {
-                OpData::AllGather {
-                    output,
-                    in_place: true,
-                    ..
-                } => block(output.as_bytes(), offs[rank] * es..offs[rank + 1] * es)?,
-                _ => input.as_bytes(),
-            };
-            for p in peers() {
-                let piece = if gather {
-                    mine
-                } else {
-                    block(input.as_bytes(), offs[p] * es..offs[p + 1] * es)?
-                };
-                send[p] = Some(vec![piece]);
-                recv[p] = Some(if gather { counts[p] } else { counts[rank] } * es);
+            // An all_gather sends every peer its own block (of the output
+            // when in place), a reduce_scatter each peer that peer's block.
+            let mut mine = input.as_bytes();
+            // Rank p's block starts at element `at`: the ranks in order,
+            // O(N) in all (`fits` bounded every count).
+            let mut at = 0usize;
+            for (p, &count) in counts.iter().enumerate() {
+                let bytes = at * es..(at + count) * es;
+                at += count;
+                if gather {
+                    if p != rank {
+                        recv[p] = Some(count * es);
+                    } else if let OpData::AllGather {
+                        output,
+                        in_place: true,
+                        ..
+                    } = data
+                    {
+                        mine = block(output.as_bytes(), bytes)?;
+                    }
+                } else if p != rank {
+                    send[p] = Some(smallvec![block(input.as_bytes(), bytes)?]);
+                    recv[p] = Some(counts[rank] * es);
+                }
+            }
+            if gather {
+                for p in peers() {
+                    send[p] = Some(smallvec![mine]);
+                }
             }
         }
         OpData::Broadcast { buf, root } => {
@@ -203,7 +223,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
             all(&mut send, &mut recv);
             if rank == root {
                 for p in peers() {
-                    send[p] = Some(vec![buf.as_bytes()]);
+                    send[p] = Some(smallvec![buf.as_bytes()]);
                 }
             } else {
                 recv[root] = Some(b);
@@ -221,7 +241,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
             all(&mut send, &mut recv);
             if rank == root {
                 for p in peers() {
-                    send[p] = Some(vec![block(input.as_bytes(), p * b..(p + 1) * b)?]);
+                    send[p] = Some(smallvec![block(input.as_bytes(), p * b..(p + 1) * b)?]);
                 }
             } else {
                 recv[root] = Some(b);
@@ -238,7 +258,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                     recv[p] = Some(b);
                 }
             } else {
-                send[root] = Some(vec![input.as_bytes()]);
+                send[root] = Some(smallvec![input.as_bytes()]);
             }
         }
         OpData::P2P { ops } => {
@@ -285,7 +305,7 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
             }
             let offs = super::schedule::offsets(send_counts);
             for p in peers() {
-                send[p] = Some(vec![block(
+                send[p] = Some(smallvec![block(
                     input.as_bytes(),
                     offs[p] * es..offs[p + 1] * es,
                 )?]);
@@ -604,7 +624,7 @@ mod tests {
             let Some(p) = plan(r, n, d) else { continue };
             fused[r] = true;
             for (to, f) in frames[r].iter_mut().enumerate().filter(|(to, _)| *to != r) {
-                let empty = Vec::new();
+                let empty = Slices::new();
                 encode_frame(f, &header, p.send[to].as_ref().unwrap_or(&empty), true).unwrap();
             }
         }
@@ -614,7 +634,7 @@ mod tests {
             return None;
         }
         for (r, d) in datas.iter_mut().enumerate() {
-            let expect: Vec<Option<usize>> = plan(r, n, d).unwrap().recv;
+            let expect: Vec<Option<usize>> = plan(r, n, d).unwrap().recv.into_vec();
             let got: Vec<&[u8]> = (0..n)
                 .map(|from| {
                     if from == r {

@@ -68,6 +68,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use smallvec::SmallVec;
 use tracing::Instrument;
 
 use super::{Backend, BackendInit, OpCtx, OpData, P2PTransfer};
@@ -88,8 +89,8 @@ mod window;
 
 use crate::pace::Pacer;
 use link::{
-    FrameClass, FrameKind, LinkReader, LinkWriter, RecvFrames, RecvInto, SendFrames, Tag,
-    MAX_HEADER_FRAME, WORK_UNIT,
+    FrameClass, FrameKind, LinkReader, LinkWriter, RecvInto, Recvs, Sends, Tag, MAX_HEADER_FRAME,
+    WORK_UNIT,
 };
 use plan::{carve, plan_step_with, read_from, Item};
 use schedule as builders;
@@ -211,6 +212,7 @@ impl CpuBackend {
             fallbacks: Default::default(),
             pool,
             checksum,
+            scratch: Default::default(),
         };
         if policy == super::LinkPolicy::Eager {
             links.open_all().instrument(span).await?;
@@ -409,8 +411,8 @@ impl CpuBackend {
                 for (k, slot) in src_direct.into_iter().chain(dst_direct) {
                     direct[k] = Some(slot);
                 }
-                let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
-                let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+                let mut sends = Sends::new();
+                let mut recvs = Recvs::new();
                 let mut scratch = self.scratch.iter_mut();
                 for (k, item) in items.iter().enumerate() {
                     match item {
@@ -477,7 +479,7 @@ impl CpuBackend {
                         Item::LocalCopy { .. } => {}
                     }
                 }
-                run_links(&mut self.links, ctx, class, sends, recvs).await?;
+                run_links(&mut self.links, ctx, class, &mut sends, &mut recvs).await?;
             }
             // Apply staged receives and local copies in order (SC-2), a
             // piece at a time (CPU-5). Ranges were bounds-checked by
@@ -530,8 +532,8 @@ impl CpuBackend {
         ops: &mut [P2PTransfer],
         done: Option<(Vec<bool>, Vec<bool>)>,
     ) -> Result<()> {
-        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
-        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        let mut sends = Sends::new();
+        let mut recvs = Recvs::new();
         // LK-9: the i-th message of a batch in one direction between two
         // ranks carries the fingerprint of (pair seq, i, dtype, length),
         // which both ends compute from their own side of the transfer; i is
@@ -582,7 +584,14 @@ impl CpuBackend {
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
-        run_links(&mut self.links, ctx, FrameClass::P2P, sends, recvs).await
+        run_links(
+            &mut self.links,
+            ctx,
+            FrameClass::P2P,
+            &mut sends,
+            &mut recvs,
+        )
+        .await
     }
 
     /// The header exchange, with this rank's data for each peer in the
@@ -642,8 +651,8 @@ impl CpuBackend {
         }
         // FU-2: the largest header frame plus the largest data part.
         let bound = MAX_HEADER_FRAME + (fused::PREFIX + 8 + fused::FUSE_PEER_MAX) as u64;
-        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
-        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        let mut sends = Sends::new();
+        let mut recvs = Recvs::new();
         for (((peer, seq, _), out), slot) in outgoing
             .iter()
             .zip(self.out_frames.iter())
@@ -669,7 +678,8 @@ impl CpuBackend {
                 ),
             );
         }
-        run_links(&mut self.links, ctx, class, sends, recvs).await?;
+        run_links(&mut self.links, ctx, class, &mut sends, &mut recvs).await?;
+        drop((sends, recvs));
         let mut received = Vec::with_capacity(k);
         let mut peers = Vec::with_capacity(k);
         for ((peer, seq, _), frame) in outgoing.iter().zip(&self.in_frames) {
@@ -685,7 +695,12 @@ impl CpuBackend {
         let carried = Carried {
             kind: ctx.kind,
             seq: ctx.seq,
-            plan: plan.map(|p| (p.recv, p.send.iter().map(Option::is_some).collect())),
+            plan: plan.map(|p| {
+                (
+                    p.recv.into_vec(),
+                    p.send.iter().map(Option::is_some).collect(),
+                )
+            }),
             peers,
         };
         Ok((received, carried))
@@ -968,7 +983,7 @@ fn class_of(ctx: &OpCtx) -> FrameClass {
 }
 
 /// How many items the list of `peer` holds so far.
-fn grouped_len<T>(groups: &[(usize, Vec<T>)], peer: usize) -> usize {
+fn grouped_len<B: smallvec::Array>(groups: &[(usize, SmallVec<B>)], peer: usize) -> usize {
     groups
         .iter()
         .find(|(p, _)| *p == peer)
@@ -976,10 +991,14 @@ fn grouped_len<T>(groups: &[(usize, Vec<T>)], peer: usize) -> usize {
 }
 
 /// Append `item` to the list of `peer`, keeping first-seen peer order.
-fn push_grouped<T>(groups: &mut Vec<(usize, Vec<T>)>, peer: usize, item: T) {
+fn push_grouped<A, B>(groups: &mut SmallVec<A>, peer: usize, item: B::Item)
+where
+    A: smallvec::Array<Item = (usize, SmallVec<B>)>,
+    B: smallvec::Array,
+{
     match groups.iter_mut().find(|(p, _)| *p == peer) {
         Some((_, v)) => v.push(item),
-        None => groups.push((peer, vec![item])),
+        None => groups.push((peer, smallvec::smallvec![item])),
     }
 }
 
@@ -1000,6 +1019,8 @@ struct Links {
     fallbacks: super::TcpFallbacks,
     pool: link::Pool,
     checksum: bool,
+    /// The job vectors of shared-memory steps, reused from step to step.
+    scratch: shm_exec::ShmScratch,
 }
 
 impl Links {
@@ -1016,7 +1037,9 @@ impl Links {
             return Ok(());
         }
         let (pool, install) = self.split();
-        pool.ensure(peers.filter(wanted), install).await
+        // Boxed: opening links is rare and slow, and its state would
+        // otherwise weigh on every op's future.
+        Box::pin(pool.ensure(peers.filter(wanted), install)).await
     }
 
     /// Open every link now (the eager policy).
@@ -1072,12 +1095,15 @@ impl Links {
 /// Run per-peer send and receive lists: shared-memory peers through the
 /// ring engine ([`shm_exec::run_shm`]), the others over TCP
 /// ([`run_transfers`]), both at once.
+///
+/// The lists are emptied (taken by the step); the caller keeps them, so
+/// that this future holds only their addresses.
 async fn run_links<'a>(
     links: &'a mut Links,
     ctx: &'a OpCtx,
     class: FrameClass,
-    sends: Vec<(usize, SendFrames<'a>)>,
-    recvs: Vec<(usize, RecvFrames<'a>)>,
+    sends: &mut Sends<'a>,
+    recvs: &mut Recvs<'a>,
 ) -> Result<()> {
     links
         .ensure(
@@ -1087,17 +1113,65 @@ async fn run_links<'a>(
                 .chain(recvs.iter().map(|(p, _)| *p)),
         )
         .await?;
+    let is_shm = |p: usize| links.shm.get(p).is_some_and(Option::is_some);
+    // The common step, every peer on this host: no sorting into kinds of
+    // link, and each reader looked up by rank when needed.
+    if sends.iter().all(|(p, _)| is_shm(*p)) && recvs.iter().all(|(p, _)| is_shm(*p)) {
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
+        let Links {
+            readers,
+            shm,
+            scratch,
+            ..
+        } = links;
+        let readers = shm_exec::Readers::All(&mut readers[..]);
+        return shm_exec::run_shm(
+            shm,
+            scratch,
+            readers,
+            ctx,
+            class,
+            sends,
+            recvs,
+            ctx.may_block,
+        )
+        .await;
+    }
+    // Boxed: a step across hosts is slow enough that one allocation does
+    // not count, and its state would otherwise weigh on every step's future.
+    Box::pin(run_mixed(
+        links,
+        ctx,
+        class,
+        std::mem::take(sends),
+        std::mem::take(recvs),
+    ))
+    .await
+}
+
+/// [`run_links`] for a step with some peer across hosts: the TCP transfers
+/// and the shared-memory ones at once.
+async fn run_mixed<'a>(
+    links: &'a mut Links,
+    ctx: &'a OpCtx,
+    class: FrameClass,
+    sends: Sends<'a>,
+    recvs: Recvs<'a>,
+) -> Result<()> {
     let Links {
         writers,
         readers,
         shm,
+        scratch,
         ..
     } = links;
     let shm = &shm[..];
     let is_shm = |p: usize| shm.get(p).is_some_and(Option::is_some);
-    let (shm_sends, mut tcp_sends): (Vec<_>, Vec<_>) =
+    let (mut shm_sends, mut tcp_sends): (Sends<'_>, Sends<'_>) =
         sends.into_iter().partition(|(p, _)| is_shm(*p));
-    let (shm_recvs, mut tcp_recvs): (Vec<_>, Vec<_>) =
+    let (mut shm_recvs, mut tcp_recvs): (Recvs<'_>, Recvs<'_>) =
         recvs.into_iter().partition(|(p, _)| is_shm(*p));
     // Only the step's peers' links, in O(its peers), whatever N is.
     tcp_sends.sort_unstable_by_key(|(p, _)| *p);
@@ -1124,39 +1198,41 @@ async fn run_links<'a>(
         }
     }
     let tcp_w = pick(writers, tcp_sends.iter().map(|(p, _)| *p));
-    let shm_idle = shm_sends.is_empty() && shm_recvs.is_empty();
-    let tcp_idle = tcp_sends.is_empty() && tcp_recvs.is_empty();
-    // SX-3, TX-2: sleep in the kernel only where the turn may block its
-    // thread, and when no transfer of the other kind in this step needs
+    // SX-3, TX-2: sleep in the kernel only where the turn may block
+    // its thread, and when no transfer of the other kind in this step needs
     // this thread to poll it.
-    match (shm_idle, tcp_idle) {
-        (true, _) => {
-            // TX-2: poll before sleeping only when each rank can have a CPU.
-            let spin = ctx.size <= shm_exec::cpus();
-            let how = tcp_exec::Wait {
-                may_block: ctx.may_block,
-                spin,
-            };
-            run_tcp(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs, how).await
-        }
-        (false, true) => {
-            shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, ctx.may_block).await
-        }
-        (false, false) => futures::future::try_join(
-            run_tcp(
-                tcp_w,
-                tcp_r,
-                ctx,
-                class,
-                tcp_sends,
-                tcp_recvs,
-                tcp_exec::Wait::default(),
-            ),
-            shm_exec::run_shm(shm, shm_r, ctx, class, shm_sends, shm_recvs, false),
-        )
-        .await
-        .map(|_| ()),
+    if shm_sends.is_empty() && shm_recvs.is_empty() {
+        // TX-2: poll before sleeping only when each rank can have a CPU.
+        let spin = ctx.size <= shm_exec::cpus();
+        let how = tcp_exec::Wait {
+            may_block: ctx.may_block,
+            spin,
+        };
+        return run_tcp(tcp_w, tcp_r, ctx, class, tcp_sends, tcp_recvs, how).await;
     }
+    futures::future::try_join(
+        run_tcp(
+            tcp_w,
+            tcp_r,
+            ctx,
+            class,
+            tcp_sends,
+            tcp_recvs,
+            tcp_exec::Wait::default(),
+        ),
+        shm_exec::run_shm(
+            shm,
+            scratch,
+            shm_exec::Readers::Picked(shm_r),
+            ctx,
+            class,
+            &mut shm_sends,
+            &mut shm_recvs,
+            false,
+        ),
+    )
+    .await
+    .map(|_| ())
 }
 
 /// The entries of `v` at `peers`, each with its index, as disjoint
@@ -1319,15 +1395,20 @@ impl CpuBackend {
         };
         for (to, from) in rounds {
             let mut none: [u8; 0] = [];
-            let sends = to
-                .map(|to| (to, vec![(FrameKind::Data, Tag::of(ctx), &[][..])]))
+            let mut sends = to
+                .map(|to| {
+                    (
+                        to,
+                        smallvec::smallvec![(FrameKind::Data, Tag::of(ctx), &[][..])],
+                    )
+                })
                 .into_iter()
                 .collect();
-            let recvs = from
+            let mut recvs = from
                 .map(|from| {
                     (
                         from,
-                        vec![(
+                        smallvec::smallvec![(
                             FrameKind::Data,
                             Tag::of(ctx),
                             RecvInto::Exact(&mut none[..]),
@@ -1336,7 +1417,7 @@ impl CpuBackend {
                 })
                 .into_iter()
                 .collect();
-            run_links(&mut self.links, ctx, class, sends, recvs).await?;
+            run_links(&mut self.links, ctx, class, &mut sends, &mut recvs).await?;
         }
         Ok(())
     }
@@ -1354,26 +1435,30 @@ impl CpuBackend {
             self.in_frames.resize_with(size, Vec::new);
         }
         let tag = Tag::of(ctx);
-        let mut sends: Vec<(usize, SendFrames<'_>)> = Vec::new();
+        let mut sends = Sends::new();
         for (peer, parts) in plan.send.iter().enumerate() {
             for part in parts.iter().flatten().filter(|p| !p.is_empty()) {
                 push_grouped(&mut sends, peer, (FrameKind::Data, tag, *part));
             }
         }
-        let mut recvs: Vec<(usize, RecvFrames<'_>)> = Vec::new();
+        let mut recvs = Recvs::new();
         for (peer, slot) in self.in_frames.iter_mut().enumerate().take(size) {
             slot.clear();
             if let Some(len) = plan.recv[peer].filter(|&l| l > 0) {
                 slot.resize(len, 0);
                 recvs.push((
                     peer,
-                    vec![(FrameKind::Data, tag, RecvInto::Exact(&mut slot[..]))],
+                    smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(&mut slot[..]))],
                 ));
             }
         }
-        run_links(&mut self.links, ctx, class_of(ctx), sends, recvs).await?;
+        // The frames borrow the op's buffers, not the plan: its slots are
+        // not kept across the wait.
         drop(plan);
-        let got: Vec<&[u8]> = self.in_frames.iter().take(size).map(|f| &f[..]).collect();
+        run_links(&mut self.links, ctx, class_of(ctx), &mut sends, &mut recvs).await?;
+        drop((sends, recvs));
+        let got: SmallVec<[&[u8]; fused::FUSE_MAX_RANKS]> =
+            self.in_frames.iter().take(size).map(|f| &f[..]).collect();
         fused::apply(rank, size, data, &got, &mut self.fuse_scratch)?;
         Ok(true)
     }
@@ -1407,6 +1492,14 @@ impl CpuBackend {
         let Some(plan) = self.op_buffers(data)? else {
             return Ok(()); // Barrier: the header exchange already synchronised.
         };
+        // Boxed: a scheduled op is large enough that one allocation does
+        // not count, and its state would otherwise make every op's future,
+        // a small op's included, as big as its own.
+        Box::pin(self.run_planned(ctx, plan)).await
+    }
+
+    /// Run a collective's schedule on its buffers.
+    async fn run_planned(&mut self, ctx: &OpCtx, plan: Planned<'_>) -> Result<()> {
         let Planned {
             schedule,
             src,

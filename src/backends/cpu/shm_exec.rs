@@ -89,9 +89,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::link::{
-    self, FrameClass, FrameKind, LinkReader, Liveness, RecvFrames, RecvInto, SendFrames, Tag,
-};
+use super::link::{self, FrameClass, FrameKind, LinkReader, Liveness, RecvInto, Recvs, Sends, Tag};
 use super::shm::{self, RingConsumer, RingProducer};
 use crate::backends::OpCtx;
 use crate::error::Result;
@@ -180,11 +178,11 @@ enum Park {
 impl Park {
     /// The ring to wait on: the first pending receive's, else the first
     /// pending send's (for space, or for the read of its single-copy payload).
-    fn pick(sends: &[(usize, SendQueue<'_>)], recvs: &[(usize, RecvQueue<'_>)]) -> Option<Park> {
-        if let Some(j) = recvs.first().and_then(|(_, q)| q.front()) {
+    fn pick(sends: &[SendJob<'_>], recvs: &[RecvJob<'_>]) -> Option<Park> {
+        if let Some(j) = recvs.iter().find(|j| !j.finished) {
             return Some(Park::Data(j.ring.clone()));
         }
-        let j = sends.first().and_then(|(_, q)| q.front())?;
+        let j = sends.iter().find(|j| !j.finished)?;
         Some(match j.awaiting_read() {
             Some(t) => Park::Cma(j.ring.clone(), t),
             None => Park::Space(j.ring.clone()),
@@ -201,8 +199,69 @@ impl Park {
     }
 }
 
-type SendQueue<'a> = std::collections::VecDeque<SendJob<'a>>;
-type RecvQueue<'a> = std::collections::VecDeque<RecvJob<'a>>;
+/// The job vectors of a step, kept between steps so that a step allocates
+/// none (two vectors of O(the largest step's frames), per communicator).
+/// Between steps they are empty; [`ShmScratch::take`] hands them out typed
+/// for the step's buffers, [`ShmScratch::put`] takes them back.
+#[derive(Default)]
+pub(crate) struct ShmScratch {
+    sends: Vec<SendJob<'static>>,
+    recvs: Vec<RecvJob<'static>>,
+}
+
+impl std::fmt::Debug for ShmScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmScratch")
+            .field("sends", &self.sends.capacity())
+            .field("recvs", &self.recvs.capacity())
+            .finish()
+    }
+}
+
+impl ShmScratch {
+    fn take<'a>(&mut self) -> (Vec<SendJob<'a>>, Vec<RecvJob<'a>>) {
+        (
+            recycle(std::mem::take(&mut self.sends)),
+            recycle(std::mem::take(&mut self.recvs)),
+        )
+    }
+
+    fn put(&mut self, sends: Vec<SendJob<'_>>, recvs: Vec<RecvJob<'_>>) {
+        self.sends = recycle(sends);
+        self.recvs = recycle(recvs);
+    }
+}
+
+/// `v` emptied, as a vector of `U`, keeping its allocation when `T` and `U`
+/// have the same layout (here: the same type for another lifetime). The
+/// standard library's in-place `collect` does the re-typing, without
+/// `unsafe`; where it could not, the result is a new, empty vector.
+pub(crate) fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+/// The TCP readers of a step's shared-memory peers, for their liveness and
+/// Abort frames ([SX-2](self#invariants)).
+pub(crate) enum Readers<'r> {
+    /// Every peer's slot, by rank: the step moves nothing over TCP.
+    All(&'r mut [Option<LinkReader>]),
+    /// The step's shared-memory peers only, with their ranks (the step's
+    /// TCP transfers hold the other readers).
+    Picked(Vec<(usize, Option<&'r mut LinkReader>)>),
+}
+
+impl Readers<'_> {
+    fn get(&mut self, peer: usize) -> Option<&mut LinkReader> {
+        match self {
+            Readers::All(v) => v.get_mut(peer).and_then(Option::as_mut),
+            Readers::Picked(v) => v
+                .iter_mut()
+                .find(|(p, _)| *p == peer)
+                .and_then(|(_, r)| r.as_deref_mut()),
+        }
+    }
+}
 
 /// Both rings of a same-host peer.
 #[derive(Debug)]
@@ -242,6 +301,9 @@ fn padded(len: usize) -> usize {
 }
 
 struct SendJob<'a> {
+    peer: usize,
+    /// Done, and no longer looked at.
+    finished: bool,
     ring: &'a RingProducer,
     prefix: [u8; PREFIX],
     payload: &'a [u8],
@@ -348,6 +410,8 @@ struct CmaRecv {
 struct RecvJob<'a> {
     ring: &'a RingConsumer,
     peer: usize,
+    /// Done, and no longer looked at.
+    finished: bool,
     kind: FrameKind,
     class: FrameClass,
     tag: Tag,
@@ -648,26 +712,24 @@ impl RecvJob<'_> {
     }
 }
 
-/// Per-peer frames to send (as for the TCP links).
-pub(crate) type Sends<'a> = Vec<(usize, SendFrames<'a>)>;
-/// Per-peer frames to receive.
-pub(crate) type Recvs<'a> = Vec<(usize, RecvFrames<'a>)>;
-
 /// Run every frame of `sends` and `recvs` over the peers' rings, in order
-/// per (peer, direction), all peers at once. `readers` holds the TCP
-/// reader of every peer of the step, with its rank (liveness and Abort
-/// frames, [SX-2]). `may_block`: whether the
-/// engine may sleep in the kernel ([SX-3]).
+/// per (peer, direction), all peers at once (each peer appears at most
+/// once in each). `readers` gives the TCP reader of every peer of the step
+/// (liveness and Abort frames, [SX-2]). `may_block`: whether the engine
+/// may sleep in the kernel ([SX-3]). The step's jobs live in `scratch`'s
+/// vectors: a step allocates nothing.
 ///
 /// [SX-2]: self#invariants
 /// [SX-3]: self#invariants
-pub(crate) async fn run_shm(
-    links: &[Option<ShmLink>],
-    mut readers: Vec<(usize, Option<&mut LinkReader>)>,
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_shm<'a>(
+    links: &'a [Option<ShmLink>],
+    scratch: &mut ShmScratch,
+    mut readers: Readers<'_>,
     ctx: &OpCtx,
     class: FrameClass,
-    sends: Sends<'_>,
-    recvs: Recvs<'_>,
+    sends: &mut Sends<'a>,
+    recvs: &mut Recvs<'a>,
     may_block: bool,
 ) -> Result<()> {
     let link = |peer: usize| {
@@ -688,52 +750,48 @@ pub(crate) async fn run_shm(
             .any(|(_, _, into)| matches!(into, RecvInto::Reduce(..)))
     });
     let cma_min = if reduces { CMA_MIN } else { cma_min_copy() };
-    // Per peer, the queue of jobs in order; the engine works on the front.
-    let mut send_q: Vec<(usize, SendQueue<'_>)> = Vec::new();
-    for (peer, frames) in sends {
+    // The jobs, each peer's in order; the engine works on each peer's
+    // first unfinished one.
+    let (mut send_q, mut recv_q) = scratch.take();
+    for (peer, frames) in sends.drain(..) {
         let l = link(peer)?;
-        let q = frames
-            .into_iter()
-            .map(|(kind, tag, payload)| {
-                let cma = receives_too && payload.len() >= cma_min && l.tx.cma_ok();
-                crate::debug::DATA_MESSAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let crc = l.checksum.then(|| crc32c::crc32c(payload));
-                SendJob {
-                    ring: &l.tx,
-                    prefix: prefix(kind, class, tag, payload.len() as u64, cma, crc),
-                    payload,
-                    desc: cma.then(|| (payload.as_ptr() as usize as u64).to_le_bytes()),
-                    ticket: None,
-                    pos: 0,
-                }
-            })
-            .collect();
-        send_q.push((peer, q));
-    }
-    let mut recv_q: Vec<(usize, RecvQueue<'_>)> = Vec::new();
-    for (peer, frames) in recvs {
-        let l = link(peer)?;
-        let q = frames
-            .into_iter()
-            .map(|(kind, tag, into)| RecvJob {
-                ring: &l.rx,
+        send_q.extend(frames.into_iter().map(|(kind, tag, payload)| {
+            let cma = receives_too && payload.len() >= cma_min && l.tx.cma_ok();
+            crate::debug::DATA_MESSAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let crc = l.checksum.then(|| crc32c::crc32c(payload));
+            SendJob {
                 peer,
-                kind,
-                class,
-                tag,
-                into,
-                head: [0u8; PREFIX],
-                got: 0,
-                len: 0,
-                cma: None,
-                checksum: l.checksum,
-                sent_crc: None,
-                crc: 0,
-                snap: Vec::new(),
-            })
-            .collect();
-        recv_q.push((peer, q));
+                finished: false,
+                ring: &l.tx,
+                prefix: prefix(kind, class, tag, payload.len() as u64, cma, crc),
+                payload,
+                desc: cma.then(|| (payload.as_ptr() as usize as u64).to_le_bytes()),
+                ticket: None,
+                pos: 0,
+            }
+        }));
     }
+    for (peer, frames) in recvs.drain(..) {
+        let l = link(peer)?;
+        recv_q.extend(frames.into_iter().map(|(kind, tag, into)| RecvJob {
+            ring: &l.rx,
+            peer,
+            finished: false,
+            kind,
+            class,
+            tag,
+            into,
+            head: [0u8; PREFIX],
+            got: 0,
+            len: 0,
+            cma: None,
+            checksum: l.checksum,
+            sent_crc: None,
+            crc: 0,
+            snap: Vec::new(),
+        }));
+    }
+    let (mut sends_left, mut recvs_left) = (send_q.len(), recv_q.len());
     // SX-5: more ranks of this communicator on this host than CPUs.
     let oversubscribed = links.iter().flatten().count() + 1 > cpus();
     let mut last_progress = Instant::now();
@@ -754,29 +812,36 @@ pub(crate) async fn run_shm(
         let mut slice_used = false;
         loop {
             let mut moved = 0usize;
-            for (_, q) in send_q.iter_mut() {
-                while let Some(j) = q.front_mut() {
-                    moved += j.progress(UNIT);
-                    if j.done() {
-                        q.pop_front();
-                    } else {
-                        break;
-                    }
+            // A peer's jobs are consecutive: one that is not done holds
+            // back the rest of its peer's.
+            let mut held = usize::MAX;
+            for j in send_q.iter_mut().filter(|j| !j.finished) {
+                if j.peer == held {
+                    continue;
+                }
+                moved += j.progress(UNIT);
+                if j.done() {
+                    j.finished = true;
+                    sends_left -= 1;
+                } else {
+                    held = j.peer;
                 }
             }
-            for (_, q) in recv_q.iter_mut() {
-                while let Some(j) = q.front_mut() {
-                    moved += j.progress(ctx, UNIT)?;
-                    if j.done() {
-                        q.pop_front();
-                    } else {
-                        break;
-                    }
+            held = usize::MAX;
+            for j in recv_q.iter_mut().filter(|j| !j.finished) {
+                if j.peer == held {
+                    continue;
+                }
+                moved += j.progress(ctx, UNIT)?;
+                if j.done() {
+                    j.finished = true;
+                    recvs_left -= 1;
+                } else {
+                    held = j.peer;
                 }
             }
-            send_q.retain(|(_, q)| !q.is_empty());
-            recv_q.retain(|(_, q)| !q.is_empty());
-            if send_q.is_empty() && recv_q.is_empty() {
+            if sends_left == 0 && recvs_left == 0 {
+                scratch.put(send_q, recv_q);
                 return Ok(());
             }
             if moved > 0 {
@@ -829,16 +894,16 @@ pub(crate) async fn run_shm(
             continue;
         }
         // SX-2: liveness of every peer still pending.
-        let mut peers: Vec<usize> = send_q.iter().map(|(p, _)| *p).collect();
-        peers.extend(recv_q.iter().map(|(p, _)| *p));
+        let mut peers: Vec<usize> = send_q
+            .iter()
+            .filter(|j| !j.finished)
+            .map(|j| j.peer)
+            .collect();
+        peers.extend(recv_q.iter().filter(|j| !j.finished).map(|j| j.peer));
         peers.sort_unstable();
         peers.dedup();
         for peer in peers {
-            let Some(r) = readers
-                .iter_mut()
-                .find(|(p, _)| *p == peer)
-                .and_then(|(_, r)| r.as_deref_mut())
-            else {
+            let Some(r) = readers.get(peer) else {
                 continue;
             };
             match r.liveness() {
@@ -860,14 +925,16 @@ pub(crate) async fn run_shm(
                 }
                 Liveness::Readable => {
                     let mut junk = Vec::new();
-                    // An Abort frame becomes PeerFailed; anything else is out of step.
-                    r.recv(
+                    // An Abort frame becomes PeerFailed; anything else is out
+                    // of step. Boxed: rare, and its state would otherwise
+                    // weigh on every step's future.
+                    Box::pin(r.recv(
                         ctx,
                         FrameKind::Data,
                         class,
                         Tag::of(ctx),
                         RecvInto::Bounded(&mut junk, 0),
-                    )
+                    ))
                     .await?;
                     return Err(ctx.mismatch(format!(
                         "rank {peer} sent a frame on the control link of a shared-memory peer"

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use super::link::direct::{moved, wait_ready, Switch};
-use super::link::{FrameClass, LinkReader, LinkWriter, RecvFrames, SendFrames};
+use super::link::{FrameClass, LinkReader, LinkWriter, Recvs, Sends};
 use crate::backends::OpCtx;
 use crate::error::Result;
 use crate::pace::Pacer;
@@ -91,8 +91,8 @@ pub(crate) async fn run_tcp<'a>(
     readers: Vec<(usize, Option<&'a mut LinkReader>)>,
     ctx: &'a OpCtx,
     class: FrameClass,
-    sends: Vec<(usize, SendFrames<'a>)>,
-    recvs: Vec<(usize, RecvFrames<'a>)>,
+    sends: Sends<'a>,
+    recvs: Recvs<'a>,
     how: Wait,
 ) -> Result<()> {
     let mut send_futs: Vec<Xfer<'a>> = Vec::with_capacity(sends.len());

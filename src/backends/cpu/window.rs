@@ -562,7 +562,7 @@ impl CpuBackend {
 
     fn bad_args(&self, ctx: &OpCtx, window: u64, rank: usize) -> Error {
         Error::InvalidArgument {
-            comm: ctx.comm.clone(),
+            comm: ctx.comm.to_string(),
             rank: ctx.rank,
             op: ctx.kind.name(),
             reason: format!(
@@ -584,7 +584,7 @@ impl CpuBackend {
         let len = data_offset(n)
             .checked_add(size)
             .ok_or_else(|| Error::InvalidArgument {
-                comm: ctx.comm.clone(),
+                comm: ctx.comm.to_string(),
                 rank: me,
                 op: ctx.kind.name(),
                 reason: format!("a window of {size} bytes cannot be mapped"),
@@ -621,7 +621,7 @@ impl CpuBackend {
         let mapping = match mapping {
             Some(m) => m,
             None => Mapping::anonymous(len).map_err(|e| Error::InvalidArgument {
-                comm: ctx.comm.clone(),
+                comm: ctx.comm.to_string(),
                 rank: me,
                 op: ctx.kind.name(),
                 reason: format!("cannot allocate a window of {size} bytes: {e}"),
@@ -827,7 +827,7 @@ async fn connect_pairs(
 
 fn range_error(ctx: &OpCtx, rank: usize, offset: usize, len: usize, size: usize) -> Error {
     Error::InvalidArgument {
-        comm: ctx.comm.clone(),
+        comm: ctx.comm.to_string(),
         rank: ctx.rank,
         op: ctx.kind.name(),
         reason: format!(

@@ -136,7 +136,7 @@ impl XcclBackend {
 
     fn no_window(&self, ctx: &OpCtx, window: u64) -> Error {
         Error::InvalidArgument {
-            comm: ctx.comm.clone(),
+            comm: ctx.comm.to_string(),
             rank: ctx.rank,
             op: ctx.kind.name(),
             reason: format!(
@@ -206,7 +206,7 @@ impl XcclBackend {
                 let size = w.sizes[self.rank];
                 if offset.checked_add(len).is_none_or(|end| end > size) {
                     return Err(Error::InvalidArgument {
-                        comm: ctx.comm.clone(),
+                        comm: ctx.comm.to_string(),
                         rank: ctx.rank,
                         op: ctx.kind.name(),
                         reason: format!(
@@ -249,7 +249,7 @@ impl XcclBackend {
             sizes[p] = got;
         }
         let layout = Layout::new(&sizes).ok_or_else(|| Error::InvalidArgument {
-            comm: ctx.comm.clone(),
+            comm: ctx.comm.to_string(),
             rank: me,
             op: ctx.kind.name(),
             reason: format!("window sizes {sizes:?} overflow the address space"),
@@ -593,7 +593,7 @@ impl XcclBackend {
             return Ok(WindowDone::Done);
         }
         Err(Error::InvalidArgument {
-            comm: ctx.comm.clone(),
+            comm: ctx.comm.to_string(),
             rank: ctx.rank,
             op: ctx.kind.name(),
             reason: format!(

@@ -538,10 +538,17 @@ impl LinkWriter {
     }
 }
 
-/// The frames to send to one peer in one step, in order.
-pub(crate) type SendFrames<'a> = Vec<(FrameKind, Tag, &'a [u8])>;
+/// The frames to send to one peer in one step, in order (most steps send
+/// one, which needs no heap allocation).
+pub(crate) type SendFrames<'a> = smallvec::SmallVec<[(FrameKind, Tag, &'a [u8]); 1]>;
 /// The frames to receive from one peer in one step, in order.
-pub(crate) type RecvFrames<'a> = Vec<(FrameKind, Tag, RecvInto<'a>)>;
+pub(crate) type RecvFrames<'a> = smallvec::SmallVec<[(FrameKind, Tag, RecvInto<'a>); 1]>;
+/// A step's sends, per peer (each peer at most once). Inline up to two
+/// peers, the most any step of a tree, ring or recursive-doubling schedule
+/// and a 2-rank direct op has: such a step allocates nothing for them.
+pub(crate) type Sends<'a> = smallvec::SmallVec<[(usize, SendFrames<'a>); 2]>;
+/// A step's receives, per peer (each peer at most once), as [`Sends`].
+pub(crate) type Recvs<'a> = smallvec::SmallVec<[(usize, RecvFrames<'a>); 2]>;
 
 /// Where a received payload goes.
 pub(crate) enum RecvInto<'a> {

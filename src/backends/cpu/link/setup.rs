@@ -327,7 +327,7 @@ async fn swap(
 /// communicator `comm`.
 pub(crate) fn shm_setup_ctx(comm: &str, rank: usize, size: usize, epoch: u64) -> OpCtx {
     OpCtx {
-        comm: comm.to_string(),
+        comm: comm.into(),
         rank,
         size,
         epoch,
@@ -416,7 +416,7 @@ pub(crate) async fn dial(
                     refused += 1;
                     if refused >= CONNECT_REFUSALS {
                         return Err(Error::PeerFailed {
-                            comm: ctx.comm.clone(),
+                            comm: ctx.comm.to_string(),
                             rank: me,
                             epoch,
                             op: "connect",
