@@ -1947,7 +1947,7 @@ impl Comm {
     }
 
     fn p2p_request(&self, ops: Vec<P2POp>) -> Result<Request> {
-        let bufs: Vec<&Tensor> = ops
+        let bufs: smallvec::SmallVec<[&Tensor; 2]> = ops
             .iter()
             .map(|o| match o {
                 P2POp::Send { tensor, .. } | P2POp::Recv { tensor, .. } => tensor,
@@ -1961,6 +1961,7 @@ impl Comm {
             },
             &bufs,
         )?;
+        drop(bufs);
         let mut transfers = Vec::with_capacity(ops.len());
         for op in ops {
             let (tensor, peer, send) = match op {

@@ -636,7 +636,8 @@ impl Core {
         if req.kind == OpKind::P2P {
             // AC-2: each batch takes the next seq of every peer it touches, once.
             if let OpData::P2P { ops } = &mut req.data {
-                let mut touched: Vec<usize> = ops.iter().map(|t| t.peer).collect();
+                let mut touched: smallvec::SmallVec<[usize; 4]> =
+                    ops.iter().map(|t| t.peer).collect();
                 touched.sort_unstable();
                 touched.dedup();
                 for p in touched {

@@ -1002,6 +1002,34 @@ where
     }
 }
 
+/// The frames of a fused plan's direct algorithm: each non-empty slice of
+/// `plan` one Data frame to its peer, and each expected payload received
+/// into that peer's slot of `slots` (resized to it).
+fn direct_frames<'a>(
+    plan: &fused::Plan<'a>,
+    slots: &'a mut [Vec<u8>],
+    tag: Tag,
+) -> (Sends<'a>, Recvs<'a>) {
+    let mut sends = Sends::new();
+    for (peer, parts) in plan.send.iter().enumerate() {
+        for part in parts.iter().flatten().filter(|p| !p.is_empty()) {
+            push_grouped(&mut sends, peer, (FrameKind::Data, tag, *part));
+        }
+    }
+    let mut recvs = Recvs::new();
+    for (peer, slot) in slots.iter_mut().enumerate() {
+        slot.clear();
+        if let Some(len) = plan.recv.get(peer).copied().flatten().filter(|&l| l > 0) {
+            slot.resize(len, 0);
+            recvs.push((
+                peer,
+                smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(&mut slot[..]))],
+            ));
+        }
+    }
+    (sends, recvs)
+}
+
 /// This rank's open links by peer, and the pool that opens the others when
 /// an op first needs them (`link::pool`). O(N) slots per rank; an op whose
 /// links are open checks them in O(its peers), with no allocation.
@@ -1428,35 +1456,19 @@ impl CpuBackend {
     /// fused plan, and runs its schedule instead.
     async fn direct(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<bool> {
         let (rank, size) = (self.rank, self.size);
-        let Some(plan) = fused::plan(rank, size, data) else {
-            return Ok(false);
-        };
         if self.in_frames.len() < size {
             self.in_frames.resize_with(size, Vec::new);
         }
-        let tag = Tag::of(ctx);
-        let mut sends = Sends::new();
-        for (peer, parts) in plan.send.iter().enumerate() {
-            for part in parts.iter().flatten().filter(|p| !p.is_empty()) {
-                push_grouped(&mut sends, peer, (FrameKind::Data, tag, *part));
-            }
+        // The plan is not kept across the wait (the frames borrow the op's
+        // buffers, not the plan), so the op's future does not hold its slots.
+        {
+            let frames = fused::plan(rank, size, data)
+                .map(|plan| direct_frames(&plan, &mut self.in_frames[..size], Tag::of(ctx)));
+            let Some((mut sends, mut recvs)) = frames else {
+                return Ok(false);
+            };
+            run_links(&mut self.links, ctx, class_of(ctx), &mut sends, &mut recvs).await?;
         }
-        let mut recvs = Recvs::new();
-        for (peer, slot) in self.in_frames.iter_mut().enumerate().take(size) {
-            slot.clear();
-            if let Some(len) = plan.recv[peer].filter(|&l| l > 0) {
-                slot.resize(len, 0);
-                recvs.push((
-                    peer,
-                    smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(&mut slot[..]))],
-                ));
-            }
-        }
-        // The frames borrow the op's buffers, not the plan: its slots are
-        // not kept across the wait.
-        drop(plan);
-        run_links(&mut self.links, ctx, class_of(ctx), &mut sends, &mut recvs).await?;
-        drop((sends, recvs));
         let got: SmallVec<[&[u8]; fused::FUSE_MAX_RANKS]> =
             self.in_frames.iter().take(size).map(|f| &f[..]).collect();
         fused::apply(rank, size, data, &got, &mut self.fuse_scratch)?;
