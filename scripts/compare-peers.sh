@@ -14,7 +14,9 @@
 # (default target/peers/run-<date>), MINBYTES, MAXBYTES, FACTOR, RANKS, OPS, BUDGET,
 # ITERS, WARMUP, SYSTEMS, ROUNDS (repeat the whole interleaved sweep this
 # many times; the report takes each point's median over rounds, which
-# evens out a host whose speed drifts from minute to minute).
+# evens out a host whose speed drifts from minute to minute), CHORUS_PERF
+# (a chorus-perf binary to measure instead of this tree's release build,
+# e.g. one built at an earlier commit, for an A/B against the peers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -76,9 +78,14 @@ if ! "$OMPI_VENV/bin/python" -c "import mpi4py" 2>/dev/null; then
   env MPICC=/usr/bin/mpicc "$OMPI_VENV/bin/pip" install -q --no-binary mpi4py --no-cache-dir mpi4py numpy
 fi
 
-log "building chorus-perf (release)"
-cargo build --release --quiet --bin chorus-perf
-PERF=target/release/chorus-perf
+if [ -n "${CHORUS_PERF:-}" ]; then
+  PERF=$CHORUS_PERF
+  log "measuring $PERF"
+else
+  log "building chorus-perf (release)"
+  cargo build --release --quiet --bin chorus-perf
+  PERF=target/release/chorus-perf
+fi
 RAW=$PEERS_DIR/tcp_pingpong
 if [[ " $SYSTEMS " == *" tcp-raw "* ]]; then
   cc -O2 -o "$RAW" scripts/tcp_pingpong.c

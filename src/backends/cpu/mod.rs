@@ -197,9 +197,16 @@ impl CpuBackend {
         let pool = link::Pool::open(&init, checksum)
             .instrument(span.clone())
             .await?;
+        let host_ids = pool.host_ids();
         let topo = hierarchical
-            .then(|| hier::Topology::from_ids(&pool.host_ids()))
+            .then(|| hier::Topology::from_ids(&host_ids))
             .flatten();
+        // SX-5, once (O(N)): the ranks of this communicator on this host,
+        // whether or not their links are open yet.
+        let local = match host_ids.get(init.rank) {
+            Some(me) => host_ids.iter().filter(|h| *h == me).count(),
+            None => init.size,
+        };
         if let Some(t) = &topo {
             tracing::debug!(comm = %init.comm, rank = init.rank, hosts = t.hosts(), uniform = t.uniform(), "hierarchical collectives");
         }
@@ -213,6 +220,7 @@ impl CpuBackend {
             pool,
             checksum,
             scratch: Default::default(),
+            oversubscribed: local > shm_exec::cpus(),
         };
         if policy == super::LinkPolicy::Eager {
             links.open_all().instrument(span).await?;
@@ -1049,6 +1057,8 @@ struct Links {
     checksum: bool,
     /// The job vectors of shared-memory steps, reused from step to step.
     scratch: shm_exec::ShmScratch,
+    /// More ranks of this communicator on this host than CPUs (SX-5).
+    oversubscribed: bool,
 }
 
 impl Links {
@@ -1152,12 +1162,14 @@ async fn run_links<'a>(
             readers,
             shm,
             scratch,
+            oversubscribed,
             ..
         } = links;
         let readers = shm_exec::Readers::All(&mut readers[..]);
         return shm_exec::run_shm(
             shm,
             scratch,
+            *oversubscribed,
             readers,
             ctx,
             class,
@@ -1193,6 +1205,7 @@ async fn run_mixed<'a>(
         readers,
         shm,
         scratch,
+        oversubscribed,
         ..
     } = links;
     let shm = &shm[..];
@@ -1251,6 +1264,7 @@ async fn run_mixed<'a>(
         shm_exec::run_shm(
             shm,
             scratch,
+            *oversubscribed,
             shm_exec::Readers::Picked(shm_r),
             ctx,
             class,

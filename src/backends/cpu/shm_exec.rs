@@ -236,7 +236,7 @@ impl ShmScratch {
 /// have the same layout (here: the same type for another lifetime). The
 /// standard library's in-place `collect` does the re-typing, without
 /// `unsafe`; where it could not, the result is a new, empty vector.
-pub(crate) fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
     v.clear();
     v.into_iter().filter_map(|_| None).collect()
 }
@@ -716,15 +716,18 @@ impl RecvJob<'_> {
 /// per (peer, direction), all peers at once (each peer appears at most
 /// once in each). `readers` gives the TCP reader of every peer of the step
 /// (liveness and Abort frames, [SX-2]). `may_block`: whether the engine
-/// may sleep in the kernel ([SX-3]). The step's jobs live in `scratch`'s
-/// vectors: a step allocates nothing.
+/// may sleep in the kernel ([SX-3]); `oversubscribed`: this communicator
+/// has more ranks on this host than there are CPUs ([SX-5]). The step's
+/// jobs live in `scratch`'s vectors: a step allocates nothing.
 ///
 /// [SX-2]: self#invariants
 /// [SX-3]: self#invariants
+/// [SX-5]: self#invariants
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run_shm<'a>(
     links: &'a [Option<ShmLink>],
     scratch: &mut ShmScratch,
+    oversubscribed: bool,
     mut readers: Readers<'_>,
     ctx: &OpCtx,
     class: FrameClass,
@@ -792,8 +795,6 @@ pub(crate) async fn run_shm<'a>(
         }));
     }
     let (mut sends_left, mut recvs_left) = (send_q.len(), recv_q.len());
-    // SX-5: more ranks of this communicator on this host than CPUs.
-    let oversubscribed = links.iter().flatten().count() + 1 > cpus();
     let mut last_progress = Instant::now();
     let mut park_for = SLEEP;
     // SX-7: when this wait started polling past SPIN.
