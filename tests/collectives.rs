@@ -1100,6 +1100,31 @@ fn reduce_premul_sum_leaves_the_non_root_input_unchanged_world_2() {
     });
 }
 
+/// A non-root rank of a plain `reduce` gets its tensor back unchanged,
+/// both where the backend only sends it (a small op, which the turn then
+/// lends without a copy) and where the algorithm accumulates into it (a
+/// tree on larger buffers, which runs on a working copy).
+#[test]
+fn reduce_leaves_the_non_root_input_unchanged_small_and_large_world_4() {
+    run_ranks(4, "reduce-keep", |comm| {
+        let r = comm.rank();
+        for (round, n) in [2usize, 9_000, 2, 300_000].into_iter().enumerate() {
+            let root = round % 4;
+            let input = Tensor::full((r + 1) as f32, n);
+            let out = comm.reduce(input, ReduceOp::Sum, root).expect("reduce");
+            let want = if r == root {
+                1.0 + 2.0 + 3.0 + 4.0
+            } else {
+                (r + 1) as f32
+            };
+            assert!(
+                out.as_slice::<f32>().iter().all(|&v| v == want),
+                "rank {r}, {n} elements, root {root}: want {want} everywhere"
+            );
+        }
+    });
+}
+
 /// Every collective mismatch kind, with fingerprint checks, on the backend
 /// under test: on every rank the op, or the barrier after it, fails with
 /// `Mismatch` within the bound. On cpu it is found in the op's messages or

@@ -11,9 +11,10 @@
 //! - the boxed request, which the ordering gate queues when the op cannot
 //!   run at once;
 //! - the backend's boxed op future (`Backend::execute` is an async trait
-//!   method);
-//! - for a non-root rank of `reduce`, the working copy it reduces from, so
-//!   that its caller's tensor comes back unchanged.
+//!   method).
+//!
+//! A non-root rank of a small `reduce` makes no working copy: its buffer
+//! is only sent, so the caller's tensor is lent to the op as it is.
 //!
 //! A rare step that waits long enough to check its peers' liveness builds
 //! a short list of them, hence the small slack over the counts above.
@@ -144,8 +145,8 @@ fn a_small_broadcast_allocates_only_its_work_request_and_future() {
 }
 
 #[test]
-fn a_small_reduce_allocates_only_its_work_request_future_and_working_copy() {
-    assert_bounded("alloc-reduce", PER_OP + 1.0, |c, t| {
+fn a_small_reduce_allocates_only_its_work_request_and_future() {
+    assert_bounded("alloc-reduce", PER_OP, |c, t| {
         c.reduce(t, ReduceOp::Sum, 0).expect("reduce")
     });
 }

@@ -715,7 +715,8 @@ impl Core {
         let n = ctx.size;
         let me = ctx.rank;
         // Before any byte travels (a small op's payload goes with its header).
-        prepare(ctx, req).await?;
+        let copy = !self.backend.leaves_input_unchanged(ctx, &req.data);
+        prepare(ctx, req, copy).await?;
         if req.kind == OpKind::Window {
             let op = req
                 .window
@@ -906,14 +907,18 @@ fn split_any(
 /// The local step before a reduction, on host buffers (a device backend
 /// applies `PremulSum` itself and reduces in place, CM-4):
 /// - a non-root rank of `reduce` works on a copy, so that its caller gets
-///   its tensor back unchanged (`keep`);
+///   its tensor back unchanged (`keep`), unless `copy` is false (the
+///   backend leaves that buffer unchanged) and no step below changes it;
 /// - scale for `PremulSum`, and make every boolean 0 or 1 so that
 ///   [`ReduceOp::combine_op_on`] holds.
 ///
 /// Paced, so a large buffer gives the runtime back as the transfers do.
-async fn prepare(ctx: &OpCtx, req: &mut Request) -> Result<()> {
+async fn prepare(ctx: &OpCtx, req: &mut Request, copy: bool) -> Result<()> {
+    // Scaling and 0/1 booleans below change the buffer in place.
+    let changes = matches!(req.user_op, Some(ReduceOp::PremulSum(_)))
+        || req.dtype == crate::tensor::DType::Bool;
     if let OpData::Reduce { buf, root, .. } = &mut req.data {
-        if ctx.rank != *root && !buf.is_device() && req.keep.is_none() {
+        if ctx.rank != *root && !buf.is_device() && req.keep.is_none() && (copy || changes) {
             let mut copy = Tensor::try_zeros(buf.dtype(), buf.len()).ok_or_else(|| {
                 Error::InvalidArgument {
                     comm: ctx.comm.to_string(),

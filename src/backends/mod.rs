@@ -902,6 +902,18 @@ pub trait Backend: Send {
         TcpFallbacks::default()
     }
 
+    /// Whether [`Backend::execute`] will leave this rank's buffer of `data`
+    /// as it found it: a non-root rank of a `reduce` whose algorithm only
+    /// sends its buffer (the `cpu` backend's one-step algorithm for small
+    /// ops). The executor then lends the caller's tensor to the op instead
+    /// of a working copy, which it otherwise makes so that a non-root
+    /// caller gets its tensor back unchanged. Asked per op, before it runs;
+    /// must not block. The default, `false`, is always correct.
+    fn leaves_input_unchanged(&self, ctx: &OpCtx, data: &OpData) -> bool {
+        let _ = (ctx, data);
+        false
+    }
+
     /// What this backend can do beyond the ops ([BE-4]). Asked once, when the
     /// communicator starts; must give the same answer on every rank of a
     /// communicator.

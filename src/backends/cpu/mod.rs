@@ -1333,6 +1333,19 @@ impl Backend for CpuBackend {
         true
     }
 
+    /// A non-root rank of a reduce small enough for the one-step algorithm
+    /// only sends its buffer ([`fused`]).
+    fn leaves_input_unchanged(&self, ctx: &OpCtx, data: &OpData) -> bool {
+        match data {
+            OpData::Reduce { buf, root, .. } => {
+                ctx.rank != *root
+                    && fused::plan(self.rank, self.size, data).is_some()
+                    && !buf.is_device()
+            }
+            _ => false,
+        }
+    }
+
     async fn window(&mut self, ctx: &OpCtx, op: super::WindowOp) -> Result<super::WindowDone> {
         self.window_op(ctx, op).await
     }
