@@ -123,6 +123,14 @@ fn per_op(name: &'static str, op: fn(&chorus::Comm, Tensor) -> Tensor) -> Vec<f6
 /// Every rank's thread allocates at most `max` times per op (plus
 /// [`SLACK`]).
 fn assert_bounded(name: &'static str, max: f64, op: fn(&chorus::Comm, Tensor) -> Tensor) {
+    // The counts are those of the shared-memory path without checksums;
+    // TCP links and CRC snapshots allocate by design.
+    for (var, off) in [("CHORUS_SHM", "0"), ("CHORUS_CHECKSUM", "1")] {
+        if std::env::var(var).is_ok_and(|v| v == off) {
+            eprintln!("{name}: skipped, {var}={off} is set");
+            return;
+        }
+    }
     let got = per_op(name, op);
     assert!(
         got.iter().all(|&a| a <= max + SLACK),
