@@ -1333,8 +1333,8 @@ impl Backend for CpuBackend {
         true
     }
 
-    /// A non-root rank of a reduce small enough for the one-step algorithm
-    /// only sends its buffer ([`fused`]).
+    /// A non-root rank of a reduce small enough for the one-step (fused)
+    /// algorithm only sends its buffer.
     fn leaves_input_unchanged(&self, ctx: &OpCtx, data: &OpData) -> bool {
         match data {
             OpData::Reduce { buf, root, .. } => {
