@@ -477,11 +477,11 @@ pub fn gather(
 /// Scatter block `r` of `Src` on `root` (`count` elements each) into every
 /// rank `r`'s `Dst`, with the elements of scratch `Src` this rank needs (0
 /// for none), as [`scatter_auto`] returns
-/// them. The mirror of [`gather`]: the root sends each other host's span
-/// to its leader in one message (`H - 1` cross hosts) and the blocks of
-/// its own host directly; a leader receives its span into scratch `Src`
-/// (`L * count`) and sends each member its block. Otherwise the flat
-/// scatter.
+/// them. Where [`gather`] runs in two levels, scatter is that schedule run
+/// backwards: the root sends each other host's span to its leader in one
+/// message (`H - 1` cross hosts) and the blocks of its own host directly;
+/// a leader receives its span into scratch `Src` (`L * count`) and sends
+/// each member its block. Otherwise the flat scatter.
 pub fn scatter(
     rank: usize,
     topo: &Topology,
@@ -489,66 +489,52 @@ pub fn scatter(
     root: usize,
     elem_bytes: usize,
 ) -> (Schedule, usize) {
-    let n = topo.size();
     if !two_level_rooted(topo, count, elem_bytes) {
-        return scatter_auto(rank, n, count, root, elem_bytes);
+        return scatter_auto(rank, topo.size(), count, root, elem_bytes);
     }
-    let Some((h, host, rep)) = topo.rooted(rank, root) else {
-        return (Schedule::default(), 0);
+    // The same messages and ranges, the other way: the two-level gather
+    // run backwards, whose scratch (`Dst` there) becomes `Src` here.
+    let (gather, scratch) = gather(rank, topo, count, root, elem_bytes);
+    (backwards(gather), scratch)
+}
+
+/// `s` run backwards, for a schedule that only copies: steps in reverse
+/// order, each send a receive (a copy) of the same range from the same
+/// peer, each receive a send, each local copy the other way, with `Src`
+/// and `Dst` swapped throughout. What `s` gathers, the result scatters.
+fn backwards(s: Schedule) -> Schedule {
+    let other = |b: BufId| match b {
+        BufId::Src => BufId::Dst,
+        BufId::Dst => BufId::Src,
     };
-    let block = |r: usize| r * count..(r + 1) * count;
-    let mut c = Composer::new();
-    if rank == root {
-        let mut all = Step::default();
-        all.transfers.push(Transfer::LocalCopy {
-            src: block(root),
-            dst: 0..count,
-        });
-        for &r in host.iter().filter(|&&r| r != root) {
-            all.transfers.push(Transfer::Send {
-                peer: r,
-                buf: BufId::Src,
-                range: block(r),
-            });
-        }
-        for x in (0..topo.hosts()).filter(|&x| x != h) {
-            all.transfers.push(Transfer::Send {
-                peer: topo.rep(x, root),
-                buf: BufId::Src,
-                range: topo.span(x, count),
-            });
-        }
-        c.steps.push(all);
-        return (c.finish(), 0);
-    }
-    if rank != rep {
-        c.steps.push(Step {
-            transfers: vec![recv_copy(rep, 0..count)],
-        });
-        return (c.finish(), 0);
-    }
-    c.steps.push(Step {
-        transfers: vec![Transfer::Recv {
-            peer: root,
-            buf: BufId::Src,
-            range: 0..host.len() * count,
-            action: RecvAction::Copy,
-        }],
-    });
-    let mut spread = Step::default();
-    spread.transfers.push(Transfer::LocalCopy {
-        src: 0..count,
-        dst: 0..count,
-    });
-    for (i, &r) in host.iter().enumerate().skip(1) {
-        spread.transfers.push(Transfer::Send {
-            peer: r,
-            buf: BufId::Src,
-            range: block(i),
-        });
-    }
-    c.steps.push(spread);
-    (c.finish(), host.len() * count)
+    let steps = s
+        .steps
+        .into_iter()
+        .rev()
+        .map(|step| Step {
+            transfers: step
+                .transfers
+                .into_iter()
+                .map(|t| match t {
+                    Transfer::Send { peer, buf, range } => Transfer::Recv {
+                        peer,
+                        buf: other(buf),
+                        range,
+                        action: RecvAction::Copy,
+                    },
+                    Transfer::Recv {
+                        peer, buf, range, ..
+                    } => Transfer::Send {
+                        peer,
+                        buf: other(buf),
+                        range,
+                    },
+                    Transfer::LocalCopy { src, dst } => Transfer::LocalCopy { src: dst, dst: src },
+                })
+                .collect(),
+        })
+        .collect();
+    Schedule { steps }
 }
 
 /// Whether a gather or scatter of `count` elements per rank runs in two
