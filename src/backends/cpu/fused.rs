@@ -140,6 +140,12 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
     if rank >= size || size < 2 {
         return None;
     }
+    // Only all_to_all and point-to-point fuse past FUSE_MAX_RANKS (`fits`
+    // refuses every other op there): no O(N) slots for an op that would
+    // not fuse anyway.
+    if size > FUSE_MAX_RANKS && !matches!(data, OpData::AllToAll { .. } | OpData::P2P { .. }) {
+        return None;
+    }
     let peers = || (0..size).filter(move |&p| p != rank);
     let mut send: SmallVec<[Option<Slices<'_>>; FUSE_MAX_RANKS]> = smallvec![None; size];
     let mut recv: SmallVec<[Option<usize>; FUSE_MAX_RANKS]> = smallvec![None; size];
