@@ -547,6 +547,11 @@ impl RingProducer {
         s.capacity - used
     }
 
+    /// Whether the consumer has read every byte written so far.
+    pub(crate) fn drained(&self) -> bool {
+        self.writable() == self.seg.capacity
+    }
+
     /// Copy as much of `src` as fits, publish it, and return the bytes written.
     pub(crate) fn write_some(&self, src: &[u8]) -> usize {
         let s = &self.seg;

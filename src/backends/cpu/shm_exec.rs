@@ -58,14 +58,27 @@
 //!   The sender chooses per message and says so in the prefix, so ranks
 //!   need not agree on the thresholds.
 //! - SX-5: when this communicator has more ranks on this host than the
-//!   process has CPUs, a waiting rank yields its CPU a few times
-//!   (`sched_yield`) before it sleeps: a peer that holds data this rank
-//!   waits for is then usually runnable at once, instead of the CPU idling
-//!   through a futex wake-up. Measured, 4 ranks on 2 cores, all_reduce:
-//!   8 B 124-160 -> 57-97 us, 256 KiB 0.91-1.02 -> 1.50-1.86 GB/s busbw;
-//!   the machine went from 0.71 CPUs busy to fully used. Not done when every
-//!   rank has its own CPU: there a yield only loses the time slice to other
-//!   load (bimodal 2-4 ms ops on a loaded box, measured earlier).
+//!   process has CPUs, a waiting rank polls only [`SPIN_SHARED`] times,
+//!   then yields its CPU (`sched_yield`) for [`YIELD_FOR`] before it
+//!   sleeps: a peer that holds data this rank waits for is then usually
+//!   runnable at once, instead of the CPU idling through a futex wake-up
+//!   (Open MPI yields when idle on an oversubscribed host for the same
+//!   reason). Measured, 4 ranks on 2 cores, all_reduce: 8 B 124-160 ->
+//!   57-97 us, 256 KiB 0.91-1.02 -> 1.50-1.86 GB/s busbw; the machine went
+//!   from 0.71 CPUs busy to fully used (8 yields then). Polling 16 times
+//!   instead of 200 before the first yield, and yielding for 20 us instead
+//!   of 8 times, then took 16 B to 2 KiB all_gather, all_to_all_single and
+//!   all_reduce from 25-52 us to 11-17 us: 200 polls are about 15 us that
+//!   the awaited peer, waiting for this CPU, cannot use. With 8 yields a
+//!   ping-pong between 2 of 4 ranks (the others idle) often slept before
+//!   its answer came (2.2-6.9 us per message against 1.2-1.9 now). Not
+//!   done when every rank has its own CPU: there a yield only loses the
+//!   time slice to other load (bimodal 2-4 ms ops on a loaded box,
+//!   measured earlier). A wait whose every awaited peer has read all this
+//!   rank sent it polls the full [`SPIN`] rounds before yielding: that peer
+//!   runs, or ran just now, on another CPU, and its answer is likely a
+//!   round trip away (a ping-pong between 2 of 4 ranks: 4.3-5.9 us per
+//!   message with 16 polls, 2.3-2.4 with this, short runs).
 //! - SX-7: when every rank has a CPU of its own, a wait on a thread that
 //!   may sleep polls for [`SPIN_FOR`] before its first futex sleep, not
 //!   just [`SPIN`] rounds. A futex wake-up costs tens of microseconds on a
@@ -100,6 +113,13 @@ use crate::pace::Pacer;
 const PREFIX: usize = 32;
 /// Spins before yielding the CPU.
 const SPIN: u32 = 200;
+/// Spins before yielding the CPU when the host is oversubscribed ([SX-5]),
+/// about a microsecond here: long enough for a peer that runs on another
+/// CPU to answer (a ping-pong), short enough not to hold up a peer that
+/// waits for this CPU.
+///
+/// [SX-5]: self#invariants
+const SPIN_SHARED: u32 = 16;
 /// Most bytes one job moves before the engine turns to the next job and
 /// counts the work ([SX-8]); a single-copy read step may move up to
 /// [`CMA_COPY_STEP`].
@@ -141,6 +161,12 @@ const CMA_COPY_STEP: usize = 1 << 20;
 ///
 /// [SX-5]: self#invariants
 const YIELDS: u32 = 8;
+
+/// How long a wait keeps yielding before its first futex sleep when the
+/// host is oversubscribed ([SX-5]), at least [`YIELDS`] times.
+///
+/// [SX-5]: self#invariants
+const YIELD_FOR: Duration = Duration::from_micros(20);
 
 /// CPUs this process may run on (cached).
 pub(crate) fn cpus() -> usize {
@@ -712,6 +738,19 @@ impl RecvJob<'_> {
     }
 }
 
+/// Whether every peer of an unfinished receive in `recv_q` has read all
+/// this rank wrote to it (SX-5), and there is at least one.
+fn awake(links: &[Option<ShmLink>], recv_q: &[RecvJob<'_>]) -> bool {
+    let mut any = false;
+    for j in recv_q.iter().filter(|j| !j.finished) {
+        match links.get(j.peer).and_then(Option::as_ref) {
+            Some(l) if l.tx.drained() => any = true,
+            _ => return false,
+        }
+    }
+    any
+}
+
 /// Run every frame of `sends` and `recvs` over the peers' rings, in order
 /// per (peer, direction), all peers at once (each peer appears at most
 /// once in each). `readers` gives the TCP reader of every peer of the step
@@ -795,9 +834,12 @@ pub(crate) async fn run_shm<'a>(
         }));
     }
     let (mut sends_left, mut recvs_left) = (send_q.len(), recv_q.len());
+    // SX-5: polls before the first yield.
+    let spin = if oversubscribed { SPIN_SHARED } else { SPIN };
+    let spin_first = spin;
     let mut last_progress = Instant::now();
     let mut park_for = SLEEP;
-    // SX-7: when this wait started polling past SPIN.
+    // SX-5, SX-7: when this wait started yielding or polling past SPIN.
     let mut spin_since: Option<Instant> = None;
     // SX-8: when a step that keeps moving bytes gives the runtime back.
     let mut pace = Pacer::new();
@@ -810,6 +852,7 @@ pub(crate) async fn run_shm<'a>(
         pace.rested();
         let round = Instant::now();
         let mut idle = 0u32;
+        let mut spin = spin;
         let mut slice_used = false;
         loop {
             let mut moved = 0usize;
@@ -848,6 +891,7 @@ pub(crate) async fn run_shm<'a>(
             if moved > 0 {
                 moved_since_close = true;
                 idle = 0;
+                spin = spin_first;
                 spin_since = None;
                 if !may_block {
                     last_progress = Instant::now();
@@ -862,15 +906,25 @@ pub(crate) async fn run_shm<'a>(
                 continue;
             }
             idle += 1;
-            if idle < SPIN {
+            if idle < spin {
                 std::hint::spin_loop();
+                continue;
+            }
+            // SX-5: every peer this rank still waits for has read all this
+            // rank sent it, so it runs (or ran just now) on another CPU:
+            // poll as long as with a CPU per rank before yielding.
+            if idle == spin && spin < SPIN && awake(links, &recv_q) {
+                spin = SPIN;
                 continue;
             }
             // SX-5: give the CPU to a peer that may hold what this rank
             // waits for. Also on a caller's runtime: a yield keeps the
             // worker runnable (it is not a sleep), while returning to the
             // runtime alone would spin through the whole time slice.
-            if oversubscribed && idle < SPIN + YIELDS {
+            if oversubscribed
+                && (idle < spin + YIELDS
+                    || spin_since.get_or_insert_with(Instant::now).elapsed() < YIELD_FOR)
+            {
                 std::thread::yield_now();
                 continue;
             }
