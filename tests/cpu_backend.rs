@@ -1237,6 +1237,71 @@ async fn all_to_all_single_fuses_only_when_every_rank_chose_it() {
     .await;
 }
 
+/// all_to_all_single without a header exchange: every ordered pair sends
+/// one message, an empty one for an empty block. Ranks whose blocks are all
+/// small move them in one step, the others pairwise; they mix in one op
+/// (a large block between two ranks, empty blocks, an empty op), on 3 and
+/// 4 ranks, with every result checked and the links left in step.
+#[tokio::test]
+async fn all_to_all_single_without_headers_mixes_one_step_and_pairwise_ranks() {
+    bounded(async {
+        for n in [3usize, 4] {
+            let mut w = world(n).await;
+            // Elements rank i sends rank j; 4097 f32 is above the 16 KiB
+            // per peer of the one-step algorithm.
+            let cases: [fn(usize, usize) -> usize; 4] = [
+                |i, j| if (i, j) == (0, 1) { 4097 } else { 3 + i + j },
+                |i, j| if (i + j) % 2 == 0 { 0 } else { 1 + i },
+                |i, j| {
+                    if (i, j) == (2, 0) {
+                        5000
+                    } else {
+                        usize::from(i == j)
+                    }
+                },
+                |_, _| 0,
+            ];
+            for (seq, sz) in cases.into_iter().enumerate() {
+                let val =
+                    move |i: usize, j: usize, k: usize| (i * 1_000_000 + j * 10_000 + k) as f32;
+                let mut data: Vec<OpData> = (0..n)
+                    .map(|r| {
+                        let send: Vec<usize> = (0..n).map(|j| sz(r, j)).collect();
+                        let recv: Vec<usize> = (0..n).map(|j| sz(j, r)).collect();
+                        let input: Vec<f32> = (0..n)
+                            .flat_map(|j| (0..sz(r, j)).map(move |k| val(r, j, k)))
+                            .collect();
+                        OpData::AllToAll {
+                            input: Tensor::from_slice(&input),
+                            output: Tensor::full(-1.0f32, recv.iter().sum()),
+                            send_counts: send,
+                            recv_counts: recv,
+                        }
+                    })
+                    .collect();
+                run_all(&mut w, OpKind::AllToAllSingle, seq as u64, &mut data).await;
+                for (r, d) in data.into_iter().enumerate() {
+                    let OpData::AllToAll { output, .. } = d else {
+                        unreachable!()
+                    };
+                    let want: Vec<f32> = (0..n)
+                        .flat_map(|j| (0..sz(j, r)).map(move |k| val(j, r, k)))
+                        .collect();
+                    assert_eq!(
+                        output.to_vec::<f32>(),
+                        want,
+                        "{n} ranks, case {seq}, rank {r}"
+                    );
+                }
+            }
+            for b in &mut w {
+                b.finalize().await;
+            }
+        }
+    })
+    .await;
+}
+
 /// Run one op on every rank of `w` at once, without a header exchange (the
 /// default checks), and fail on any rank's error.
 async fn run_all(w: &mut [CpuBackend], kind: OpKind, seq: u64, data: &mut [OpData]) {

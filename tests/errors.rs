@@ -10,7 +10,7 @@ use chorus::transport::{MemoryStore, Store};
 use chorus::{
     new_comm, Checks, Comm, CommOptions, DType, Device, Error, P2POp, ReduceOp, Rendezvous, Tensor,
 };
-use common::mismatch::{fingerprint, mismatch_reaches_every_rank, MismatchedOp};
+use common::mismatch::{mismatch_reaches_every_rank, MismatchedOp};
 use common::{opts, run_ranks, run_ranks_with};
 
 /// The strict checks these mismatch tests were written for: every rank
@@ -292,22 +292,82 @@ fn fingerprint_p2p_mismatches_fail_both_ranks_with_mismatch() {
     }
 }
 
-/// all_to_all keeps its size exchange with fingerprint checks (its split
-/// sizes agree only pair by pair): a mismatch there is found before any
-/// data moves, as with strict checks, and the communicator stays usable.
+/// An all_to_all_single whose rank `r` sends `send(r, j)` bytes to rank
+/// `j` and expects `recv(r, j)` from it.
+fn a2a(send: fn(usize, usize) -> usize, recv: fn(usize, usize) -> usize) -> MismatchedOp {
+    Box::new(move |c: &Comm| {
+        let (r, n) = (c.rank(), c.size());
+        let s: Vec<usize> = (0..n).map(|j| send(r, j)).collect();
+        let v: Vec<usize> = (0..n).map(|j| recv(r, j)).collect();
+        c.all_to_all_v_single(Tensor::zeros(DType::U8, s.iter().sum()), &s, &v)
+            .map(drop)
+    })
+}
+
+/// all_to_all_single's split sizes agree only pair by pair. With
+/// fingerprint checks on the cpu backend every ordered pair exchanges one
+/// message, an empty one for an empty block, and the receiver checks its
+/// length: a pair that disagrees (small or large block, empty on either
+/// side, or a rank's own block) fails every rank with a fatal `Mismatch`
+/// and the communicator is aborted. Where the backend keeps the exchange
+/// for it, the mismatch is found before data moves and is not fatal.
 #[test]
-fn fingerprint_all_to_all_size_mismatch_is_found_before_data_moves() {
-    run_ranks_with(2, "fp-a2a", fingerprint, |comm| {
-        let r = comm.rank();
-        let send = if r == 0 { vec![0, 2] } else { vec![0, 0] };
-        let recv = if r == 1 { vec![1, 0] } else { vec![0, 0] };
-        let total = send.iter().sum();
-        let e = comm
-            .all_to_all_v_single(Tensor::zeros(DType::U8, total), &send, &recv)
-            .unwrap_err();
-        assert!(is_mismatch(&e), "rank {r}: {e}");
-        comm.barrier().unwrap();
-    });
+fn fingerprint_all_to_all_single_size_mismatches_reach_every_rank() {
+    let backend = common::test_backend();
+    let cases: Vec<(usize, &str, MismatchedOp)> = vec![
+        (
+            2,
+            "fp-a2a-len",
+            a2a(|r, j| if (r, j) == (0, 1) { 2 } else { 1 }, |_, _| 1),
+        ),
+        (
+            4,
+            "fp-a2a-empty-recv",
+            a2a(
+                |r, j| if (r, j) == (0, 2) { 3 } else { 1 + r + j },
+                |r, j| if (r, j) == (2, 0) { 0 } else { 1 + r + j },
+            ),
+        ),
+        (
+            4,
+            "fp-a2a-empty-send",
+            a2a(
+                |r, j| if (r, j) == (1, 3) { 0 } else { 1 + r + j },
+                |r, j| if (r, j) == (3, 1) { 2 } else { 1 + r + j },
+            ),
+        ),
+        (
+            3,
+            "fp-a2a-large",
+            a2a(
+                |r, j| if (r, j) == (0, 1) { 20_000 } else { 1 },
+                |r, j| if (r, j) == (1, 0) { 20_001 } else { 1 },
+            ),
+        ),
+        (
+            2,
+            "fp-a2a-self",
+            a2a(|_, _| 2, |r, j| if (r, j) == (1, 1) { 3 } else { 2 }),
+        ),
+        (
+            // The list form learns its sizes from the messages; its dtype
+            // is in the fingerprint.
+            3,
+            "fp-a2a-list-dtype",
+            Box::new(|c: &Comm| {
+                let dtype = if c.rank() == 2 {
+                    DType::I32
+                } else {
+                    DType::F32
+                };
+                c.all_to_all(vec![Tensor::zeros(dtype, 2); c.size()])
+                    .map(drop)
+            }),
+        ),
+    ];
+    for (n, name, op) in cases {
+        mismatch_reaches_every_rank(&backend, n, name, op);
+    }
 }
 
 #[test]

@@ -120,6 +120,44 @@ fn small_ops_send_their_direct_algorithms_messages_and_nothing_else() {
                 }),
             ),
             (
+                "all_to_all_single",
+                all_to_all,
+                Box::new(|c: &Comm| {
+                    c.all_to_all_single(Tensor::full(1.0f32, 2 * c.size()))
+                        .expect("all_to_all_single");
+                }),
+            ),
+            (
+                // Every pair exchanges one message, an empty one for an
+                // empty block, so that the op checks each pair's sizes.
+                "all_to_all_v_single",
+                all_to_all,
+                Box::new(|c: &Comm| {
+                    let (r, n) = (c.rank(), c.size());
+                    let split = |i: usize, j: usize| usize::from((i + j) % 2 == 1);
+                    let send: Vec<usize> = (0..n).map(|j| split(r, j)).collect();
+                    let recv: Vec<usize> = (0..n).map(|j| split(j, r)).collect();
+                    let t = Tensor::full(1.0f32, send.iter().sum());
+                    c.all_to_all_v_single(t, &send, &recv)
+                        .expect("all_to_all_v_single");
+                }),
+            ),
+            (
+                // The list form learns its sizes from these messages.
+                "all_to_all",
+                all_to_all,
+                Box::new(|c: &Comm| {
+                    let (r, n) = (c.rank(), c.size());
+                    let inputs = (0..n)
+                        .map(|j| Tensor::full(r as f32, (r + j) % 3))
+                        .collect();
+                    let out = c.all_to_all(inputs).expect("all_to_all");
+                    for (j, t) in out.iter().enumerate() {
+                        assert_eq!(t.to_vec::<f32>(), vec![j as f32; (r + j) % 3]);
+                    }
+                }),
+            ),
+            (
                 "barrier",
                 n * rounds,
                 Box::new(|c: &Comm| c.barrier().expect("barrier")),
@@ -159,6 +197,12 @@ fn large_ops_send_their_schedules_messages_and_nothing_else() {
         });
         let want = sends(n, |r| schedule::all_gather(r, n, &vec![COUNT / n; n]));
         assert_eq!(got, want, "all_gather on {n} ranks");
+        // Pairwise steps: one message per ordered pair.
+        let got = messages(n, &format!("mc-a2a-large-{n}"), move |c| {
+            c.all_to_all_single(Tensor::full(1.0f32, COUNT))
+                .expect("all_to_all_single");
+        });
+        assert_eq!(got, n * (n - 1), "all_to_all_single on {n} ranks");
     }
 }
 

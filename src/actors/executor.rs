@@ -44,7 +44,7 @@
 //! | EX-7 | a backend that can fail between ops ([`Backend::polls_async_errors`]) is polled every `IDLE_POLL` while the communicator is idle, never during a turn; an error found so is fatal, like one an op returned. |
 //! | EX-8 | a clean finalize counts this rank out of the epoch's keys; the last rank out deletes every key under the epoch's prefix (and the joiners' pointer to it), bounded by `KEY_RELEASE`, so a reused store keeps no finished job's keys. |
 //! | EX-9 | a turn dropped before its end (the task running it was dropped, as when its runtime shuts down) raises the abort signal and completes its op with that cause; the communicator then aborts like after any fatal error, and its peers learn it as they learn any failure. |
-//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not an all_to_all or a window's creation or release; a point-to-point op skips its pairwise exchange only where the backend also checks in band or checks are off. [`OpCtx::headers`] says which happened. A skipping op carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and, if it completed, after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
+//! | EX-10 | an op skips the header exchange exactly when the mode is not strict, the backend runs ops without it ([`Capabilities::headerless_ops`](crate::backends::Capabilities::headerless_ops)), and the op is not a window's creation or release; a point-to-point op or an all_to_all_single (sizes that agree only pair by pair) skips its exchange only where the backend also checks in band, message lengths included, or checks are off, and the list form of all_to_all (whose output sizes the backend then learns from its messages) only where the backend checks in band. [`OpCtx::headers`] says which happened. A skipping op carries a nonzero [`OpCtx::fingerprint`] only in fingerprint mode, which a backend that checks in band ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)) checks on every message. In fingerprint mode every collective is in the watchdog's op log while it runs and, if it completed, after ([`super::stall`]), so a mismatch that sends no message, or that a backend cannot see, is found from the heartbeats; such a mismatch revokes the op as itself. |
 //!
 //! [WD-5]: crate::actors::watchdog#invariants
 //! [WD-8]: crate::actors::watchdog#invariants
@@ -240,11 +240,16 @@ pub(crate) struct Core {
     /// The mode is not strict and the backend runs ops without the header
     /// exchange (EX-10): read once, from its capabilities.
     skip: bool,
-    /// Point-to-point ops skip their pairwise exchange too: `skip`, and
-    /// either the backend checks every message in band or checks are off
-    /// (a p2p op has no place in the op log, since its peers differ per
-    /// rank, so nothing else would find a size or dtype mismatch).
-    skip_p2p: bool,
+    /// Ops whose sizes agree only pair by pair (point-to-point and
+    /// all_to_all_single) skip their exchange too: `skip`, and either the
+    /// backend checks every message in band (its length included) or
+    /// checks are off. The op log compares no sizes per pair (a p2p op has
+    /// no place in it at all, since its peers differ per rank), so nothing
+    /// else would find a size mismatch there.
+    skip_pairs: bool,
+    /// The backend checks every message in band, lengths included
+    /// ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)).
+    in_band: bool,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -272,7 +277,8 @@ impl Core {
         Core {
             mem: backend.device_memory(),
             skip: info.checks != Checks::Strict && backend.capabilities().headerless_ops,
-            skip_p2p: info.checks != Checks::Strict
+            in_band: backend.capabilities().in_band_checks,
+            skip_pairs: info.checks != Checks::Strict
                 && backend.capabilities().headerless_ops
                 && (backend.capabilities().in_band_checks || info.checks == Checks::Off),
             p2p_seq: vec![0; info.size],
@@ -659,20 +665,19 @@ impl Core {
     }
 
     /// EX-10: whether an op of `kind` runs without the header exchange:
-    /// the mode is not strict, and the op is not an all_to_all (the list
-    /// form's output sizes come from the headers; the split sizes of every
-    /// form agree only pair by pair, and a zero-length block sends no
-    /// message that could carry a check) or a window's creation or
-    /// release; point-to-point by `skip_p2p`.
+    /// the mode is not strict, and the op is not a window's creation or
+    /// release; point-to-point and all_to_all_single, whose sizes agree
+    /// only pair by pair, by `skip_pairs`; the list form of all_to_all,
+    /// whose output sizes come from the headers unless the backend learns
+    /// them from its messages, also only where it checks in band.
     fn skips_headers(&self, kind: OpKind) -> bool {
-        if kind == OpKind::P2P {
-            return self.skip_p2p;
+        match kind {
+            OpKind::P2P | OpKind::AllToAllSingle => self.skip_pairs,
+            // The backend learns the sizes from the messages.
+            OpKind::AllToAll => self.skip_pairs && self.in_band,
+            OpKind::NewWindow | OpKind::FreeWindow => false,
+            _ => self.skip,
         }
-        self.skip
-            && !matches!(
-                kind,
-                OpKind::AllToAll | OpKind::AllToAllSingle | OpKind::NewWindow | OpKind::FreeWindow
-            )
     }
 
     /// EX-10: the fingerprint the op's messages carry (`signature` is
@@ -725,7 +730,7 @@ impl Core {
             return Ok(Completion::Window(self.backend.window(ctx, op).await?));
         }
         if req.kind == OpKind::P2P {
-            if !self.skip_p2p {
+            if !self.skip_pairs {
                 self.p2p_headers(ctx, req).await?;
             }
         } else if !self.skips_headers(req.kind) {
@@ -770,7 +775,8 @@ impl Core {
                 }
                 check_collective(&headers).map_err(|m| self.mismatch(ctx, m))?;
             }
-            // EX-10: the list form of all_to_all always exchanges headers.
+            // EX-10: a list-form all_to_all that exchanged headers sizes its
+            // output from them.
             if let OpData::AllToAll {
                 output,
                 recv_counts,

@@ -86,7 +86,7 @@ pub(super) fn fits(per_peer: usize, size: usize) -> bool {
 /// [`fits`] without the bound on the world: an all_to_all sends `p - 1`
 /// messages per rank whatever its algorithm, so the direct one never sends
 /// more than its schedule would.
-fn fits_any_world(per_peer: usize, size: usize) -> bool {
+pub(super) fn fits_any_world(per_peer: usize, size: usize) -> bool {
     fused_enabled()
         && per_peer <= FUSE_PEER_MAX
         && per_peer.saturating_mul(size.saturating_sub(1)) <= FUSE_TOTAL_MAX

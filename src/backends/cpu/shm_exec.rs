@@ -717,6 +717,7 @@ impl RecvJob<'_> {
         }
         if let RecvInto::Bounded(buf, _) = &mut self.into {
             buf.clear();
+            link::reserve(buf, len).map_err(|w| ctx.mismatch(format!("rank {peer} {w}")))?;
             buf.resize(self.len, 0);
         }
         if h[2] == 1 {

@@ -578,6 +578,15 @@ impl RecvInto<'_> {
     }
 }
 
+/// Make room for a `len`-byte message in `buf` (a [`RecvInto::Bounded`]
+/// target), failing instead of aborting when it cannot be allocated.
+pub(crate) fn reserve(buf: &mut Vec<u8>, len: u64) -> std::result::Result<(), String> {
+    usize::try_from(len)
+        .ok()
+        .and_then(|l| buf.try_reserve_exact(l).ok())
+        .ok_or_else(|| format!("sent a {len}-byte message, more than this rank can allocate"))
+}
+
 /// Whether the peer's end of a link is still there, without blocking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Liveness {
@@ -795,6 +804,7 @@ impl LinkReader {
                     )));
                 }
                 buf.clear();
+                reserve(buf, len).map_err(|w| ctx.mismatch(format!("rank {peer} {w}")))?;
                 buf.resize(len as usize, 0);
                 let got = self.read_paced(ctx, buf, fold, pace).await?;
                 check(got)?;
