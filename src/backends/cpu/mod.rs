@@ -56,11 +56,12 @@
 //!   the dissemination rounds of [`schedule::barrier_rounds`] (across
 //!   hosts those of [`hier::barrier_rounds`]), a
 //!   point-to-point batch one frame per transfer with that transfer's
-//!   fingerprint, an all_to_all_single one frame per ordered pair of ranks,
-//!   an empty one for an empty block, received only into a block of exactly
-//!   its length (its split sizes agree only pair by pair). An abort caused
-//!   by a mismatch marks its Abort frames, so peers report a `Mismatch`
-//!   too.
+//!   fingerprint, an all_to_all one frame per ordered pair of ranks, an
+//!   empty one for an empty block (its split sizes agree only pair by
+//!   pair), received by all_to_all_single only into a block of exactly its
+//!   length and by the list form into a buffer of the length it brings. An
+//!   abort caused by a mismatch marks its Abort frames, so peers report a
+//!   `Mismatch` too.
 //!
 //! [BE-2]: crate::backends#invariants
 //! [SC-1]: crate::backends::cpu::schedule#invariants
