@@ -1539,7 +1539,9 @@ impl CpuBackend {
             ))
         };
         if ctx.kind == OpKind::AllToAll && recv_counts.is_empty() {
-            return self.all_to_all_learned(ctx, data).await;
+            return self
+                .all_to_all_learned(ctx, input, output, send_counts, recv_counts)
+                .await;
         }
         if send_counts.len() != size || recv_counts.len() != size {
             return Err(bad(format!(
@@ -1620,16 +1622,14 @@ impl CpuBackend {
     /// or that cannot be allocated, is a `Mismatch`. O(N) messages and N
     /// receive buffers per rank (the list form allocates its outputs
     /// anyway).
-    async fn all_to_all_learned(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
-        let OpData::AllToAll {
-            input,
-            output,
-            send_counts,
-            recv_counts,
-        } = data
-        else {
-            return Err(Error::Internal("all_to_all without all_to_all data".into()));
-        };
+    async fn all_to_all_learned(
+        &mut self,
+        ctx: &OpCtx,
+        input: &Tensor,
+        output: &mut Tensor,
+        send_counts: &[usize],
+        recv_counts: &mut Vec<usize>,
+    ) -> Result<()> {
         let (rank, size) = (self.rank, self.size);
         let dtype = input.dtype();
         let es = dtype.size();
