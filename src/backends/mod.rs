@@ -422,17 +422,21 @@ pub struct Capabilities {
     /// Whether the backend carries the op's fingerprint
     /// ([`OpCtx::fingerprint`]) on every data message and checks it on
     /// every message it receives before using a byte, and receives a
-    /// message only into a buffer of exactly its length. An all_to_all_single
-    /// then sends one message per ordered pair of ranks, an empty one for
-    /// an empty block, so that each pair's sizes are checked by the op.
+    /// message only into a buffer of exactly its length. With
+    /// [`Capabilities::headerless_ops`] too, the executor skips the header
+    /// exchange of both all_to_all forms: such a backend sends one message
+    /// per ordered pair of ranks, an empty one for an empty block, so that
+    /// each pair's sizes are checked by the op, and it receives a list-form
+    /// all_to_all ([`OpKind::AllToAll`]) with empty `recv_counts` and fills
+    /// them, and the output, from the lengths of the messages.
     pub in_band_checks: bool,
     /// Whether the backend runs every op without the header exchange: a
     /// barrier synchronises by itself, and nothing else depends on the
     /// exchange having run. With [`Checks::Fingerprint`] or [`Checks::Off`]
-    /// the executor then skips the exchange (but for the list form of
-    /// all_to_all, whose output sizes come from it, for window creation and
-    /// release, and, unless the backend also checks in band, for
-    /// all_to_all_single, whose split sizes agree only pair by pair); a
+    /// the executor then skips the exchange (but for window creation and
+    /// release, and, unless the backend also checks in band, for both
+    /// all_to_all forms: all_to_all_single's split sizes agree only pair by
+    /// pair, and the list form sizes its output from the exchange); a
     /// backend that does not also check in band is checked
     /// asynchronously, by the history hashes its ranks announce with their
     /// heartbeats. A backend that leaves this false keeps the exchange in
