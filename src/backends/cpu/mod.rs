@@ -1538,35 +1538,31 @@ impl CpuBackend {
                 ctx.seq
             ))
         };
+        // Element offsets of every block, checked against the buffer once.
+        let byte_ranges = |counts: &[usize], len: usize| {
+            let offs = builders::offsets(counts);
+            let total = offs.last().copied().unwrap_or(0).checked_mul(es);
+            match total {
+                Some(t) if counts.len() == size && t <= len => Ok(offs),
+                _ => Err(bad(format!(
+                    "{} split sizes {counts:?} for {size} ranks and {len} bytes",
+                    counts.len()
+                ))),
+            }
+        };
+        let so = byte_ranges(send_counts, input.len_bytes())?;
         if ctx.kind == OpKind::AllToAll && recv_counts.is_empty() {
             return self
-                .all_to_all_learned(ctx, input, output, send_counts, recv_counts)
+                .all_to_all_learned(ctx, input, &so, output, recv_counts)
                 .await;
         }
-        if send_counts.len() != size || recv_counts.len() != size {
-            return Err(bad(format!(
-                "{}/{} split sizes",
-                send_counts.len(),
-                recv_counts.len()
-            )));
-        }
+        let ro = byte_ranges(recv_counts, output.len_bytes())?;
         if send_counts[rank] != recv_counts[rank] {
             return Err(ctx.mismatch(format!(
                 "this rank sends itself {} elements but expects {} from itself",
                 send_counts[rank], recv_counts[rank]
             )));
         }
-        // Byte ranges of every block, checked against the buffers once.
-        let byte_ranges = |counts: &[usize], len: usize| {
-            let offs = builders::offsets(counts);
-            let total = offs.last().copied().unwrap_or(0).checked_mul(es);
-            match total {
-                Some(t) if t <= len => Ok(offs),
-                _ => Err(bad(format!("split sizes {counts:?} exceed {len} bytes"))),
-            }
-        };
-        let so = byte_ranges(send_counts, input.len_bytes())?;
-        let ro = byte_ranges(recv_counts, output.len_bytes())?;
         let inp = input.as_bytes();
         let mut blocks: SmallVec<[&mut [u8]; fused::FUSE_MAX_RANKS]> = SmallVec::new();
         let mut rest = output.as_bytes_mut();
@@ -1615,10 +1611,11 @@ impl CpuBackend {
     }
 
     /// CPU-6: the list form of all_to_all without a header exchange: the
-    /// messages of [`Self::all_to_all_pairs`], all in one step, each
-    /// received into a buffer of the length its sender gives (the sizes
-    /// are learned, not known); then the output and its receive sizes are
-    /// built from them. A length that is not a whole number of elements,
+    /// messages of [`Self::all_to_all_pairs`] (`so`: the element offsets of
+    /// the input's blocks, checked there), all in one step, each received
+    /// into a buffer of the length its sender gives (the sizes are learned,
+    /// not known); then the output and its receive sizes are built from
+    /// them. A length that is not a whole number of elements,
     /// or that cannot be allocated, is a `Mismatch`. O(N) messages and N
     /// receive buffers per rank (the list form allocates its outputs
     /// anyway).
@@ -1626,23 +1623,15 @@ impl CpuBackend {
         &mut self,
         ctx: &OpCtx,
         input: &Tensor,
+        so: &[usize],
         output: &mut Tensor,
-        send_counts: &[usize],
         recv_counts: &mut Vec<usize>,
     ) -> Result<()> {
         let (rank, size) = (self.rank, self.size);
         let dtype = input.dtype();
         let es = dtype.size();
-        let offs = builders::offsets(send_counts);
-        let fits = offs.last().copied().unwrap_or(0).checked_mul(es);
-        if send_counts.len() != size || fits.is_none_or(|t| t > input.len_bytes()) {
-            return Err(Error::Internal(format!(
-                "all_to_all #{} on rank {rank} of {size}: split sizes {send_counts:?} do not fit the input",
-                ctx.seq
-            )));
-        }
         let inp = input.as_bytes();
-        let block = |k: usize| &inp[offs[k] * es..offs[k + 1] * es];
+        let block = |k: usize| &inp[so[k] * es..so[k + 1] * es];
         let mut got: Vec<Vec<u8>> = vec![Vec::new(); size];
         {
             let tag = Tag::of(ctx);

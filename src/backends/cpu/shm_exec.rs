@@ -836,8 +836,7 @@ pub(crate) async fn run_shm<'a>(
     }
     let (mut sends_left, mut recvs_left) = (send_q.len(), recv_q.len());
     // SX-5: polls before the first yield.
-    let spin = if oversubscribed { SPIN_SHARED } else { SPIN };
-    let spin_first = spin;
+    let first_spin = if oversubscribed { SPIN_SHARED } else { SPIN };
     let mut last_progress = Instant::now();
     let mut park_for = SLEEP;
     // SX-5, SX-7: when this wait started yielding or polling past SPIN.
@@ -853,7 +852,7 @@ pub(crate) async fn run_shm<'a>(
         pace.rested();
         let round = Instant::now();
         let mut idle = 0u32;
-        let mut spin = spin;
+        let mut spin = first_spin;
         let mut slice_used = false;
         loop {
             let mut moved = 0usize;
@@ -892,7 +891,7 @@ pub(crate) async fn run_shm<'a>(
             if moved > 0 {
                 moved_since_close = true;
                 idle = 0;
-                spin = spin_first;
+                spin = first_spin;
                 spin_since = None;
                 if !may_block {
                     last_progress = Instant::now();
