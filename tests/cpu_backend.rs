@@ -1322,8 +1322,8 @@ async fn run_all(w: &mut [CpuBackend], kind: OpKind, seq: u64, data: &mut [OpDat
 }
 
 /// On a communicator that spans hosts (three of four ranks, named by
-/// `BackendInit::host_id`), all-reduce, all-gather, broadcast, reduce and
-/// barrier run in two levels: their results are right, and the links a rank opens off its
+/// `BackendInit::host_id`), all-reduce, all-gather, broadcast, reduce,
+/// reduce-scatter, gather, scatter and barrier run in two levels: their results are right, and the links a rank opens off its
 /// host go only to its rail (the ranks with its index on the other hosts)
 /// or, for a host's representative in a rooted or small op, to the other
 /// hosts' representatives.
@@ -1456,6 +1456,32 @@ async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
                 output.to_vec::<i32>() == block(r).collect::<Vec<_>>(),
                 "scatter on rank {r}"
             );
+        }
+
+        // Reduce-scatter of uneven blocks (one empty): on each host over
+        // every host's span, then along the rails.
+        let rs_count = |r: usize| if r == 7 { 0 } else { 1000 + 37 * r };
+        let counts: Vec<usize> = (0..n).map(rs_count).collect();
+        let total: usize = counts.iter().sum();
+        let mut data: Vec<OpData> = (0..n)
+            .map(|r| OpData::ReduceScatter {
+                input: Tensor::from_vec((0..total).map(|i| (r + i % 13) as i64).collect()),
+                output: Tensor::zeros(DType::I64, rs_count(r)),
+                counts: counts.clone(),
+                op: ReduceOp::Sum,
+            })
+            .collect();
+        run_all(&mut w, OpKind::ReduceScatter, 8, &mut data).await;
+        let mut start = 0;
+        for (r, d) in data.iter().enumerate() {
+            let OpData::ReduceScatter { output, .. } = d else {
+                unreachable!()
+            };
+            let want: Vec<i64> = (start..start + rs_count(r))
+                .map(|i| (0..n).map(|q| (q + i % 13) as i64).sum())
+                .collect();
+            assert!(output.to_vec::<i64>() == want, "reduce_scatter on rank {r}");
+            start += rs_count(r);
         }
 
         let (host, local) = (|r: usize| r / per_host, |r: usize| r % per_host);

@@ -16,6 +16,7 @@
 //! | [`broadcast`] | binomial tree among the hosts' representatives (the root on its host, the leader elsewhere), then within each host | `H - 1` |
 //! | [`reduce`] | [`reduce_auto`] to each host's representative, then among the representatives to the root | those of one `H`-rank reduce |
 //! | [`all_gather`], hosts of consecutive ranks | every rank's block to its host's leader, all-gather of the hosts' spans among the leaders ([`all_gather_auto`](super::schedule::all_gather_auto)), broadcast of the whole output from each leader | those of one `H`-rank all-gather |
+//! | [`reduce_scatter`], hosts of consecutive ranks, every host with `L` ranks | ring reduce-scatter on the host over every host's span at once, then a reduce-scatter along each rail ([`reduce_scatter_blocks`]: recursive halving on a power-of-two `H`) | each rank its rail's `H - 1` blocks |
 //! | [`gather`], [`scatter`], blocks too large for the flat binomial tree, hosts of consecutive ranks | the host's blocks to (from) its representative, then one message per host between the representatives and the root | `H - 1` |
 //! | [`barrier_rounds`] | binomial fan-in to the leader, dissemination among the leaders, binomial fan-out | `H ceil(log2 H)` |
 //!
@@ -50,9 +51,9 @@ use std::collections::HashMap;
 
 use super::schedule::{
     all_gather_auto as flat_all_gather, all_gather_in_place, all_reduce_auto,
-    broadcast as flat_broadcast, even_counts, gather_auto, offsets, reduce_auto, reduce_scatter,
-    reduce_tree, rooted_tree, scatter_auto, BufId, RecvAction, Rooted, Schedule, Step, Transfer,
-    SMALL_ALL_REDUCE_BYTES,
+    broadcast as flat_broadcast, even_counts, gather_auto, offsets, reduce_auto,
+    reduce_scatter as flat_reduce_scatter, reduce_scatter_blocks, reduce_tree, rooted_tree,
+    scatter_auto, BufId, RecvAction, Rooted, Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
 };
 
 /// Which host every rank of a communicator is on. O(N): three words per
@@ -242,7 +243,7 @@ pub fn all_reduce(rank: usize, topo: &Topology, count: usize, elem_bytes: usize)
         let counts = even_counts(count, l);
         let offs = offsets(&counts);
         let mine = offs[li]..offs[li + 1];
-        c.embed(reduce_scatter(li, l, &counts), on_host, 0);
+        c.embed(flat_reduce_scatter(li, l, &counts), on_host, 0);
         let rail = |x: usize| topo.members[x][li];
         c.embed(
             all_reduce_auto(h, topo.hosts(), mine.len(), elem_bytes),
@@ -397,6 +398,80 @@ pub fn all_gather(
         );
     }
     c.embed(flat_broadcast(li, host.len(), total, 0), |i| host[i], 0);
+    c.finish()
+}
+
+/// Reduce-scatter in place on `Dst`, the concatenation of one block per
+/// rank (`counts[r]` elements for rank `r`), as the flat
+/// [`reduce_scatter`](super::schedule::reduce_scatter): afterwards block
+/// `rank` holds the fully reduced block `rank`. In two levels when every
+/// host's ranks are consecutive and every host has `L` of them
+/// ([`Topology::contiguous`], [`Topology::uniform`]):
+///
+/// 1. On the host, a ring reduce-scatter over each host's span at once
+///    (`L - 1` steps, one message per host's span to the next rank on the
+///    host in each): the rank of local index `i` ends with its host's sum
+///    of block `i` of every host's span, the blocks of its rail.
+/// 2. Along the rail (the `H` ranks of local index `i`), a reduce-scatter
+///    of those `H` blocks ([`reduce_scatter_blocks`]: `log2 H` steps on a
+///    power-of-two `H`, else `H - 1`): each rank ends with the sum over all
+///    hosts of its own block.
+///
+/// So `L - 1 + log2 H` steps instead of the flat ring's `N - 1`, and only
+/// messages along rails cross hosts, each rank sending its rail's `H - 1`
+/// blocks (the same bytes across hosts per host as the flat ring, spread
+/// over `L` ranks). Otherwise the flat ring. An empty schedule for a
+/// `rank` outside the topology or `counts` of the wrong length ([SC-7]).
+///
+/// [SC-7]: super::schedule#invariants
+pub fn reduce_scatter(rank: usize, topo: &Topology, counts: &[usize]) -> Schedule {
+    let n = topo.size();
+    if rank >= n || counts.len() != n {
+        return Schedule::default();
+    }
+    if !(topo.contiguous() && topo.uniform()) {
+        return flat_reduce_scatter(rank, n, counts);
+    }
+    let offs = offsets(counts);
+    let block = |r: usize| offs[r]..offs[r + 1];
+    let (h, li) = (topo.host_of[rank], topo.local[rank]);
+    let host = &topo.members[h];
+    let l = host.len();
+    let (next, prev) = (host[(li + 1) % l], host[(li + l - 1) % l]);
+    let mut c = Composer::new();
+    // On the host: the flat ring's step `s` on every host's span, in host
+    // order (so both ends list the messages between them alike, [SC-3]).
+    for s in 0..l - 1 {
+        let (out, inc) = ((li + 2 * l - s - 1) % l, (li + 2 * l - s - 2) % l);
+        let mut step = Step::default();
+        for m in &topo.members {
+            if !block(m[out]).is_empty() {
+                step.transfers.push(Transfer::Send {
+                    peer: next,
+                    buf: BufId::Dst,
+                    range: block(m[out]),
+                });
+            }
+            if !block(m[inc]).is_empty() {
+                step.transfers.push(Transfer::Recv {
+                    peer: prev,
+                    buf: BufId::Dst,
+                    range: block(m[inc]),
+                    action: RecvAction::Reduce,
+                });
+            }
+        }
+        if !step.transfers.is_empty() {
+            c.steps.push(step);
+        }
+    }
+    // Along the rail: block `x` of the rail is the block of its rank on host `x`.
+    let rail = |x: usize| topo.members[x][li];
+    c.embed(
+        reduce_scatter_blocks(h, topo.hosts(), |x| block(rail(x))),
+        rail,
+        0,
+    );
     c.finish()
 }
 

@@ -543,3 +543,131 @@ fn all_gather_matches_the_reference_and_crosses_hosts_only_between_leaders() {
     )
     .is_empty());
 }
+
+/// Block `r` of `Dst` after rank `r`'s reduce-scatter: every rank's input
+/// reduced over that block.
+#[test]
+fn reduce_scatter_matches_the_reference_on_every_topology() {
+    let mut layouts = topologies();
+    layouts.push(
+        Topology::from_ids(&ids(&(0..16).map(|r| r / 2).collect::<Vec<_>>()))
+            .expect("8 hosts of 2"),
+    );
+    layouts.push(
+        Topology::from_ids(&ids(&(0..15).map(|r| r / 3).collect::<Vec<_>>()))
+            .expect("5 hosts of 3"),
+    );
+    for topo in layouts {
+        let n = topo.size();
+        let uneven: Vec<usize> = (0..n)
+            .map(|r| (r * 7 + 3) % 5 * usize::from(r % 4 != 2))
+            .collect();
+        for counts in [vec![3; n], uneven, vec![0; n], vec![1; n]] {
+            let offs = offsets(&counts);
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let scheds: Vec<Schedule> =
+                    (0..n).map(|r| reduce_scatter(r, &topo, &counts)).collect();
+                assert!(!scheds.iter().any(uses_src));
+                let two_level = topo.contiguous() && topo.uniform();
+                for (r, s) in scheds.iter().enumerate() {
+                    s.validate(r, n, 0, offs[n])
+                        .unwrap_or_else(|e| panic!("{e} on {topo:?}"));
+                    if two_level {
+                        // Off the host only along the rail.
+                        let (h, members) = (topo.host_of(r), topo.members(topo.host_of(r)));
+                        let li = members.iter().position(|&x| x == r).unwrap_or(0);
+                        for p in s.transfers().filter_map(Transfer::peer) {
+                            if topo.host_of(p) != h {
+                                assert_eq!(topo.members(topo.host_of(p))[li], p, "rank {r} to {p}");
+                            }
+                        }
+                        let (l, hosts) = (members.len(), topo.hosts());
+                        let rail_steps = if hosts.is_power_of_two() {
+                            hosts.trailing_zeros() as usize
+                        } else {
+                            hosts - 1
+                        };
+                        assert!(
+                            s.steps.len() <= l - 1 + rail_steps,
+                            "rank {r}: {} steps",
+                            s.steps.len()
+                        );
+                    }
+                }
+                let out = run(
+                    scheds,
+                    vec![vec![]; n],
+                    (0..n).map(|r| data(r, offs[n])).collect(),
+                    op,
+                );
+                let want = reduced(n, offs[n], op);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(
+                        got[offs[r]..offs[r + 1]],
+                        want[offs[r]..offs[r + 1]],
+                        "rank {r} of {topo:?}, {counts:?}, {op}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(reduce_scatter(
+        0,
+        &Topology::from_ids(&["a", "a", "b"]).expect("2 hosts"),
+        &[1, 1]
+    )
+    .is_empty());
+}
+
+/// At scale, 8 ranks per host: a reduce-scatter takes `L - 1 + log2 H`
+/// steps instead of the flat ring's `N - 1`, crosses hosts only along
+/// rails, and each rank sends at most `N - 1` messages (its host's spans
+/// on the host, then its rail's blocks). Simulated in full on 1 024 ranks;
+/// on 4 096 ranks, the schedules of a sample of ranks are checked.
+#[test]
+fn at_scale_a_reduce_scatter_takes_l_plus_log_h_steps_along_rails() {
+    const L: usize = 8;
+    for n in [1024usize, 4096] {
+        let h = n / L;
+        let topo = Topology::from_ids(&ids(&(0..n).map(|r| r / L).collect::<Vec<_>>()))
+            .expect("hosts of 8");
+        let counts = vec![1; n];
+        let steps = L - 1 + h.trailing_zeros() as usize;
+        let sample: Vec<usize> = if n <= 1024 {
+            (0..n).collect()
+        } else {
+            (0..n).step_by(97).chain([n - 1, L, L - 1]).collect()
+        };
+        for &r in &sample {
+            let s = reduce_scatter(r, &topo, &counts);
+            assert_eq!(s.steps.len(), steps, "rank {r}");
+            let sends: Vec<usize> = s
+                .transfers()
+                .filter_map(|t| match t {
+                    Transfer::Send { peer, .. } => Some(*peer),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(sends.len(), (L - 1) * h + h - 1, "rank {r}");
+            let far = sends
+                .iter()
+                .filter(|&&p| topo.host_of(p) != topo.host_of(r))
+                .count();
+            assert_eq!(far, h - 1, "rank {r}");
+        }
+        if n <= 1024 {
+            let scheds: Vec<Schedule> = (0..n).map(|r| reduce_scatter(r, &topo, &counts)).collect();
+            let out = simulate(
+                scheds,
+                vec![vec![]; n],
+                (0..n).map(|r| data(r, n)).collect(),
+                ReduceOp::Sum,
+            )
+            .expect("runs");
+            let want = reduced(n, n, ReduceOp::Sum);
+            for (r, got) in out.iter().enumerate() {
+                assert_eq!(got[r], want[r], "rank {r}");
+            }
+        }
+    }
+}

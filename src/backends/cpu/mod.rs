@@ -821,7 +821,10 @@ impl CpuBackend {
                 }
                 let o = builders::offsets(counts);
                 Planned {
-                    schedule: builders::reduce_scatter(rank, size, counts),
+                    schedule: match &self.topo {
+                        Some(t) => hier::reduce_scatter(rank, t, counts),
+                        None => builders::reduce_scatter(rank, size, counts),
+                    },
                     src: None,
                     dst: input,
                     op: *op,

@@ -42,6 +42,7 @@
 //! | [`reduce`] | ring reduce-scatter, then every rank sends its block to root | `p` |
 //! | [`reduce_tree`] | binomial tree towards `root` | `ceil(log2 p)` |
 //! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
+//! | [`reduce_scatter_blocks`] | the same on blocks anywhere in `Dst`: recursive halving on a power-of-two `p`, else the ring | `log2 p`, else `p-1` |
 //! | [`all_gather`] | local copy, then ring all-gather | `p-1` (1 if `p == 1`) |
 //! | [`all_gather_doubling`] | recursive doubling (power-of-two `p`, else the ring) | `log2 p` |
 //! | [`broadcast`] | binomial tree rooted at `root` | `ceil(log2 p)` |
@@ -536,6 +537,53 @@ pub fn reduce_scatter(rank: usize, size: usize, counts: &[usize]) -> Schedule {
     let offs = offsets(counts);
     let mut b = Builder::new(rank, size);
     b.ring_reduce_scatter(&offs);
+    b.finish()
+}
+
+/// Reduce-scatter in place on `Dst` over blocks that need not follow one
+/// another in the buffer: block `i` is `blocks(i)` (pairwise disjoint
+/// ranges), and afterwards `blocks(rank)` holds the fully reduced block
+/// `rank` (the rest is scratch). On a power-of-two `size`, recursive
+/// halving: `log2 size` steps, in each of which a rank sends the blocks it
+/// gives up to its partner, one message per non-empty block, in block
+/// order (so `size - 1` messages in all, as many as the ring's). Otherwise
+/// the ring of [`reduce_scatter`], `size - 1` steps. The two-level
+/// reduce-scatter of [`hier`](super::hier) runs it along a rail, whose
+/// blocks lie one host span apart.
+pub fn reduce_scatter_blocks(
+    rank: usize,
+    size: usize,
+    blocks: impl Fn(usize) -> Range<usize>,
+) -> Schedule {
+    if rank >= size {
+        return Schedule::default();
+    }
+    let mut b = Builder::new(rank, size);
+    if !size.is_power_of_two() {
+        b.ring_reduce_scatter_by(blocks);
+        return b.finish();
+    }
+    // The blocks `lo..lo + 2m` this rank still reduces are halved; it
+    // keeps the half holding block `rank`.
+    let mut lo = 0;
+    let mut m = size / 2;
+    while m > 0 {
+        b.step();
+        let partner = rank ^ m;
+        let (keep, give) = if rank & m == 0 {
+            (lo..lo + m, lo + m..lo + 2 * m)
+        } else {
+            (lo + m..lo + 2 * m, lo..lo + m)
+        };
+        for i in give {
+            b.send(partner, BufId::Dst, blocks(i));
+        }
+        for i in keep.clone() {
+            b.recv(partner, BufId::Dst, blocks(i), RecvAction::Reduce);
+        }
+        lo = keep.start;
+        m /= 2;
+    }
     b.finish()
 }
 
@@ -1166,12 +1214,18 @@ impl Builder {
     ///
     /// [SC-2]: self#invariants
     fn ring_reduce_scatter(&mut self, offs: &[usize]) {
+        self.ring_reduce_scatter_by(|i| block(offs, i));
+    }
+
+    /// The ring reduce-scatter of [`Builder::ring_reduce_scatter`] over
+    /// blocks anywhere in `Dst`: block `i` is `blocks(i)`.
+    fn ring_reduce_scatter_by(&mut self, blocks: impl Fn(usize) -> Range<usize>) {
         let (next, prev) = (self.next(), self.prev());
         for s in 0..self.size.saturating_sub(1) {
             self.step();
             let (out, inc) = (self.back(s + 1), self.back(s + 2));
-            self.send(next, BufId::Dst, block(offs, out));
-            self.recv(prev, BufId::Dst, block(offs, inc), RecvAction::Reduce);
+            self.send(next, BufId::Dst, blocks(out));
+            self.recv(prev, BufId::Dst, blocks(inc), RecvAction::Reduce);
         }
     }
 
