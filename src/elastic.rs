@@ -10,7 +10,7 @@
 //!
 //! **Reconfigure** forms epoch `N+1` of a communicator. Under
 //! `chorus/<job>/<name>/<instance>/epoch/<N+1>/`, survivors register as `member/<old
-//! rank>` and joiners take a ticket from the `joiners` counter. The first
+//! rank>` (and count themselves in `arrived`) and joiners take a ticket from the `joiners` counter. The first
 //! rank that sees every expected survivor registered (or whose deadline
 //! passes) closes the membership with `compare_set` on `closed`; the first
 //! close wins, and carries the verdict, so every rank reaches the same one.
@@ -27,13 +27,17 @@
 //!   joiners in ticket order.
 //! - EL-5: every key, heartbeat and data link of epoch `N+1` is scoped by the
 //!   new epoch; data frames and failure notices of epoch `N` are rejected.
-//! - EL-6: while the membership is open, only its coordinator (the lowest
-//!   old rank not known to have failed) reads the members' keys, every
-//!   20 ms; every other rank waits for the closed record, one store
-//!   request per [`MEMBERSHIP_SLICE`], and looks again at who failed
-//!   between slices (the coordinator may be among them). At the deadline
-//!   every rank closes. So an open membership costs the store O(N)
-//!   requests per 20 ms, not O(N²).
+//! - EL-6: every member counts itself in `arrived` after setting its key.
+//!   While the membership is open, only its coordinator (the lowest old
+//!   rank not known to have failed) polls, every 20 ms: it reads the
+//!   count, and only once the count covers every expected member (or at
+//!   the deadline) the member keys it has not yet seen set (a member key
+//!   stays for the epoch). Every other rank waits for the closed record,
+//!   one store request per [`MEMBERSHIP_SLICE`], and looks again at who
+//!   failed between slices (the coordinator may be among them). At the
+//!   deadline every rank closes. So an open membership costs the store
+//!   O(1) requests per rank and O(1) per 20 ms while members arrive, and
+//!   O(N) when the coordinator reads the keys, not O(N) per poll.
 //! - EL-7: an epoch whose membership closed but whose start failed on a
 //!   rank (a member died while the epoch connected) is failed like any
 //!   epoch: that rank publishes the epoch's failure notice (the first one
@@ -857,10 +861,17 @@ impl Comm {
             .set(&format!("{prefix}/member/{me}"), b"1".to_vec())
             .await
             .map_err(transport)?;
+        // Counted after the key is set: a count of k means at least k
+        // member keys can be read (EL-6).
+        let arrived_key = format!("{prefix}/arrived");
+        store.add(&arrived_key, 1).await.map_err(transport)?;
         let mut expected: Vec<usize> = (0..n).filter(|r| !failed.contains(r)).collect();
         let closed_key = format!("{prefix}/closed");
         let joiners_key = format!("{prefix}/joiners");
         let deadline = Instant::now() + opts.timeout;
+        // The coordinator's view of who registered: a member key, once set,
+        // stays for the epoch, so each poll reads only the keys not seen yet.
+        let mut registered = vec![false; n];
         let closed = loop {
             if let Some(raw) = store.get(&closed_key).await.map_err(transport)? {
                 break Closed::parse(&raw).ok_or_else(|| {
@@ -899,17 +910,19 @@ impl Comm {
                     continue;
                 }
             }
-            let mut present = vec![];
-            for r in 0..n {
-                if store
-                    .get(&format!("{prefix}/member/{r}"))
-                    .await
-                    .map_err(transport)?
-                    .is_some()
-                {
-                    present.push(r);
+            // The members' keys are read once enough ranks say they
+            // arrived to cover every expected one (or at the deadline).
+            let arrived = store.add(&arrived_key, 0).await.map_err(transport)?.max(0) as usize;
+            if arrived >= expected.len() || Instant::now() >= deadline {
+                for (r, seen) in registered.iter_mut().enumerate().filter(|(_, s)| !**s) {
+                    *seen = store
+                        .get(&format!("{prefix}/member/{r}"))
+                        .await
+                        .map_err(transport)?
+                        .is_some();
                 }
             }
+            let present: Vec<usize> = (0..n).filter(|&r| registered[r]).collect();
             let joiners = store.add(&joiners_key, 0).await.map_err(transport)?.max(0) as usize;
             let all_here = expected.iter().all(|r| present.contains(r));
             if (all_here && joiners >= opts.wait_joiners) || Instant::now() >= deadline {

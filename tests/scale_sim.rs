@@ -2,9 +2,11 @@
 //! communicators created over one counting in-memory store, on a backend
 //! that moves no data, with heartbeats on. It asserts what the scale issue
 //! asks of the control plane: store requests at creation and per heartbeat
-//! interval are a constant per rank (O(N) for the job), and a rank whose
+//! interval are a constant per rank (O(N) for the job), a rank whose
 //! heartbeats stop is reported to every other rank within the heartbeat
-//! bound (timeout + 2 intervals).
+//! bound (timeout + 2 intervals), and a `reconfigure` of every rank then
+//! forms the next epoch without it (the hung rank is told it was left out)
+//! for a constant number of store requests per rank.
 //!
 //! The rest of start-up is the data plane's: the `cpu` backend's two
 //! requests per rank are counted in `tests/bootstrap_scale.rs`, and the
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use chorus::backends::{async_trait, Backend, BackendInit, OpCtx, OpData};
 use chorus::transport::{MemoryStore, Store};
-use chorus::{new_comm, Device, Error, Rendezvous, Result};
+use chorus::{new_comm, Device, Error, ReconfigureOptions, Rendezvous, Result};
 use common::hooked::{Hooked, Req};
 
 /// A backend with no data plane: the communicators only run their control
@@ -66,7 +68,7 @@ const INTERVAL: Duration = Duration::from_millis(500);
 const TIMEOUT: Duration = Duration::from_secs(3);
 
 #[test]
-fn the_control_plane_of_4096_ranks_costs_the_store_o_n_and_finds_a_hung_rank() {
+fn the_control_plane_of_4096_ranks_costs_the_store_o_n_finds_a_hung_rank_and_reconfigures() {
     register();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let requests = Arc::new(AtomicUsize::new(0));
@@ -130,7 +132,47 @@ fn the_control_plane_of_4096_ranks_costs_the_store_o_n_and_finds_a_hung_rank() {
     let missing: Vec<usize> = (0..N).filter(|&r| r != victim && !told[r]).collect();
     println!("every rank told of the hung rank in {found:?}");
     let example = missing.first().map(|&m| format!("{:?}", comms[m].health()));
-    for c in comms {
+
+    // Every rank reconfigures: the hung one is told it was left out, the
+    // others form epoch 1 without it. Its heartbeats may reach the store
+    // again (the key of its old rank is a survivor's in epoch 1).
+    mute.store(false, Ordering::Relaxed);
+    let before = setup.load(Ordering::Relaxed);
+    let t = Instant::now();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let formed = rt.block_on(futures::future::join_all(comms.iter().map(|c| {
+        c.reconfigure_async(ReconfigureOptions {
+            timeout: Duration::from_secs(60),
+            ..ReconfigureOptions::default()
+        })
+    })));
+    let reconfigured = t.elapsed();
+    let at_reconfigure = setup.load(Ordering::Relaxed) - before;
+    println!("{N} ranks reconfigured in {reconfigured:?} with {at_reconfigure} store requests");
+    let mut next = Vec::new();
+    for (r, f) in formed.into_iter().enumerate() {
+        match f {
+            Ok((c, map)) => {
+                assert_ne!(r, victim, "the hung rank was let in");
+                let want = r - usize::from(r > victim);
+                assert_eq!(
+                    (c.rank(), c.size(), map.epoch),
+                    (want, N - 1, 1),
+                    "rank {r}"
+                );
+                assert_eq!(map.old_to_new[victim], None);
+                assert_eq!(map.old_to_new[r], Some(want));
+                next.push(c);
+            }
+            Err(Error::Excluded { .. }) if r == victim => {}
+            Err(e) => panic!("rank {r}: {e}"),
+        }
+    }
+    for c in next.into_iter().chain(comms) {
         c.abort();
     }
     assert!(
@@ -140,6 +182,10 @@ fn the_control_plane_of_4096_ranks_costs_the_store_o_n_and_finds_a_hung_rank() {
     assert!(
         per_interval <= 7.0 * N as f64,
         "{per_interval} store requests per interval"
+    );
+    assert!(
+        at_reconfigure <= 8 * N,
+        "{at_reconfigure} store requests to reconfigure"
     );
     assert!(
         missing.is_empty(),
