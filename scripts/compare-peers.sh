@@ -103,11 +103,29 @@ cat "$OUT/env.txt" >&2
 RES=$OUT/results.jsonl
 : > "$RES"
 common=(-b "$MINBYTES" -e "$MAXBYTES" -f "$FACTOR" -w "$WARMUP" -i "$ITERS")
+# Linux seeds a new TCP connection with what it cached about the last ones
+# to the same address (`ip tcp_metrics`: RTT, cwnd, reordering). On
+# loopback one system's run then sets the next one's start: after Open
+# MPI's TCP runs (which leave an RTT of about 4 ms cached), a Chorus TCP
+# launch ran its 1 MiB all_gather at 320-410 µs in 17 of 18 launches,
+# against 97-128 µs in 3 of 3 launches after a flush (2026-12-07). So every
+# launch starts from a flushed cache where the user may flush it (root).
+if [ "$(id -u)" != 0 ]; then
+  log "cannot flush the TCP metrics cache (needs root): TCP results may depend on the order of the runs"
+fi
+fresh_tcp() {
+  # An address with nothing cached fails the flush; that is fine.
+  if [ "$(id -u)" = 0 ]; then
+    ip tcp_metrics flush 127.0.0.1 >/dev/null 2>&1 || true
+    ip -6 tcp_metrics flush ::1 >/dev/null 2>&1 || true
+  fi
+}
 for round in $(seq "$ROUNDS"); do
 for n in $RANKS; do
   for op in $OPS; do
     for sys in $SYSTEMS; do
       log "round $round/$ROUNDS: $sys $op n=$n"
+      fresh_tcp
       case $sys in
         chorus)
           timeout 600 "$PERF" "$op" "${common[@]}" -n "$n" --in-place-only --budget "$BUDGET" --json \
