@@ -95,11 +95,21 @@ pub(crate) async fn run_tcp<'a>(
     recvs: Recvs<'a>,
     how: Wait,
 ) -> Result<()> {
+    // A link that carries data both ways in this step writes smaller
+    // pieces (`EXCHANGE_UNIT`): the peers this step receives from, sorted,
+    // O(P log P) for the step's P peers.
+    let mut from: smallvec::SmallVec<[usize; 4]> = recvs
+        .iter()
+        .filter(|(_, f)| !f.is_empty())
+        .map(|(p, _)| *p)
+        .collect();
+    from.sort_unstable();
     let mut send_futs: Vec<Xfer<'a>> = Vec::with_capacity(sends.len());
     for ((peer, frames), (_, w)) in sends.into_iter().zip(writers) {
         let Some(w) = w else {
             return Err(ctx.peer_failed(vec![peer], format!("no link to rank {peer}")));
         };
+        w.set_exchange(from.binary_search(&peer).is_ok());
         let (fd, switch) = (w.fd(), w.direct_switch());
         send_futs.push((
             fd,

@@ -43,7 +43,9 @@
 //!   ([`LinkWriter::mid_frame`]); an Abort frame is only written on a link
 //!   that is at a frame boundary, so it is never read as payload.
 //! - LK-8: a payload is written and read in pieces of at most
-//!   [`SOCKET_UNIT`] bytes, and checksummed and reduced in pieces of at most
+//!   [`SOCKET_UNIT`] bytes (one above [`EXCHANGE_SPLIT`] written in pieces
+//!   of [`EXCHANGE_UNIT`] while the link carries data both ways in the
+//!   step), and checksummed and reduced in pieces of at most
 //!   [`WORK_UNIT`], and the transfer counts each piece with its [`Pacer`],
 //!   so a frame of any size gives the runtime back at least every
 //!   [`SLICE`](crate::pace::SLICE) of work ([PA-1]), give or
@@ -171,6 +173,20 @@ pub(crate) const WORK_UNIT: usize = 256 << 10;
 /// pieces of [`WORK_UNIT`] cost 5-14 % of the bandwidth at 16-64 MiB;
 /// 1-4 MiB pieces 4-7 % at 16 MiB and nothing measurable at 64 MiB.
 pub(crate) const SOCKET_UNIT: usize = 1 << 20;
+/// Largest piece of a payload above [`EXCHANGE_SPLIT`] written in one
+/// socket call while the same link also carries the peer's data the other
+/// way in the step (an exchange: recursive halving and doubling, a 2-rank
+/// ring). Measured on loopback, 2 ranks, alternating builds, the kernel's
+/// TCP metrics flushed before each launch (docs/performance.md, "The TCP
+/// bandwidth path"): a 2 MiB all_gather (1 MiB each way) took 165-176 µs
+/// with 256 KiB writes against 279-288 µs with 1 MiB ones, a 4 MiB
+/// all_reduce 787-849 against 1 126-1 270 µs; one-way transfers
+/// (send_recv) were 20-50 % slower with 256 KiB writes, so they keep
+/// [`SOCKET_UNIT`].
+pub(crate) const EXCHANGE_UNIT: usize = 256 << 10;
+/// Payloads up to this size go in one piece even in an exchange: split in
+/// two, a 512 KiB one made a 1 MiB all_gather 5 % slower.
+pub(crate) const EXCHANGE_SPLIT: usize = 512 << 10;
 
 /// The CRC32C of `bytes`, computed [`WORK_UNIT`] at a time ([LK-8](self#invariants)).
 async fn crc32c_paced(bytes: &[u8], pace: &mut Pacer) -> u32 {
@@ -370,12 +386,22 @@ pub(crate) struct LinkWriter {
     checksum: bool,
     /// Reused to write a small frame's header and payload at once.
     coalesce: Vec<u8>,
+    /// The step also receives on this link: payloads above
+    /// [`EXCHANGE_SPLIT`] are written [`EXCHANGE_UNIT`] at a time.
+    exchange: bool,
 }
 
 impl LinkWriter {
     /// The rank at the other end.
     pub(crate) fn peer(&self) -> usize {
         self.peer
+    }
+
+    /// Write large payloads in pieces of [`EXCHANGE_UNIT`] while `exchange`
+    /// (the link carries the peer's data the other way at the same time),
+    /// else of [`SOCKET_UNIT`].
+    pub(crate) fn set_exchange(&mut self, exchange: bool) {
+        self.exchange = exchange;
     }
 
     /// Whether a frame was left half-written ([LK-4](self#invariants)).
@@ -440,8 +466,10 @@ impl LinkWriter {
     }
 
     /// Write `hdr` and `payload` as one frame: together in one `write` up to
-    /// [`COALESCE_LIMIT`], else the header with the first [`SOCKET_UNIT`] of
-    /// the payload in one vectored `write`, then the rest a unit at a time;
+    /// [`COALESCE_LIMIT`], else the header with the first unit
+    /// ([`SOCKET_UNIT`], or [`EXCHANGE_UNIT`] for a payload above
+    /// [`EXCHANGE_SPLIT`] in an exchange) of the payload in one vectored
+    /// `write`, then the rest a unit at a time;
     /// `mid_frame` is set while it is under way ([LK-4](self#invariants)).
     async fn write_raw(
         &mut self,
@@ -458,7 +486,12 @@ impl LinkWriter {
             self.half.write_all(buf).await?;
             pace.account(buf.len()).await;
         } else {
-            let (first, rest) = payload.split_at(SOCKET_UNIT.min(payload.len()));
+            let unit = if self.exchange && payload.len() > EXCHANGE_SPLIT {
+                EXCHANGE_UNIT
+            } else {
+                SOCKET_UNIT
+            };
+            let (first, rest) = payload.split_at(unit.min(payload.len()));
             let mut n = self
                 .half
                 .write_vectored(&[std::io::IoSlice::new(hdr), std::io::IoSlice::new(first)])
@@ -469,7 +502,7 @@ impl LinkWriter {
             }
             self.half.write_all(&first[n - hdr.len()..]).await?;
             pace.account(first.len()).await;
-            for piece in rest.chunks(SOCKET_UNIT) {
+            for piece in rest.chunks(unit) {
                 self.half.write_all(piece).await?;
                 pace.account(piece.len()).await;
             }
@@ -900,6 +933,7 @@ pub(crate) fn split_link(
             mid_frame: false,
             checksum,
             coalesce: Vec::new(),
+            exchange: false,
         },
     )
 }
@@ -1060,6 +1094,56 @@ mod tests {
         w.half.write_all(&hdr).await.expect("write");
         w.half.write_all(b"abce").await.expect("write");
         assert!(matches!(recv(&mut r).await, Err(Error::Corrupted { .. })));
+    }
+
+    /// LK-8: in an exchange a payload above `EXCHANGE_SPLIT` goes in
+    /// `EXCHANGE_UNIT` pieces and one up to it in one piece; either way the
+    /// frame arrives whole and checked, and the writer can leave the
+    /// exchange for the next step.
+    #[tokio::test]
+    async fn lk_8_exchange_pieces_arrive_as_one_frame() {
+        let (mut r, mut w) = pair(true, true).await;
+        let sizes = [
+            EXCHANGE_SPLIT,
+            EXCHANGE_SPLIT + 1,
+            3 * EXCHANGE_UNIT + 777,
+            SOCKET_UNIT + 5,
+        ];
+        let payloads: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|&n| (0..n as u32).map(|i| (i * 7 + n as u32) as u8).collect())
+            .collect();
+        let sent = payloads.clone();
+        let writer = tokio::spawn(async move {
+            for (i, p) in sent.iter().enumerate() {
+                w.set_exchange(i < 3);
+                w.write_frame_paced(
+                    FrameKind::Data,
+                    FrameClass::Collective,
+                    Tag::seq(i as u64),
+                    p,
+                    &mut Pacer::new(),
+                )
+                .await
+                .expect("write");
+            }
+            w
+        });
+        for (i, want) in payloads.iter().enumerate() {
+            let mut got = Vec::new();
+            r.recv(
+                &ctx(),
+                FrameKind::Data,
+                FrameClass::Collective,
+                Tag::seq(i as u64),
+                RecvInto::Bounded(&mut got, 4 << 20),
+            )
+            .await
+            .expect("intact");
+            assert!(got == *want, "frame {i} of {} bytes", want.len());
+        }
+        let w = writer.await.expect("writer");
+        assert!(!w.mid_frame());
     }
 
     /// LK-8: a payload of several pieces is checked across them (the CRC
