@@ -17,6 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use chorus::backends::cpu::CpuBackend;
+use chorus::backends::{Backend, BackendInit};
 use chorus::transport::{MemoryStore, Store, TransportError};
 
 use chorus::{
@@ -910,12 +912,146 @@ fn fault_worker(what: &str) {
     println!("@@alive");
 }
 
+/// The backend of `reconf_connect` workers: `cpu`, except that rank 2
+/// kills its own process (SIGKILL: nothing of it runs on) while epoch 1
+/// starts, after publishing the address of a listener that is already
+/// closed, as a process killed between publishing its data-link record and
+/// accepting leaves behind. (A rank killed before it published anything
+/// is found only at `connect_timeout`: docs/runtime-semantics.md says so.)
+const DIES_CONNECTING: &str = "cpu-killed-connecting-epoch-1";
+
+fn register_dies_connecting() {
+    chorus::register_backend(DIES_CONNECTING, |_device, init: BackendInit| async move {
+        if init.epoch == 1 && init.rank == 2 {
+            let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            let addr = closed.local_addr().expect("address");
+            drop(closed);
+            init.store
+                .set(
+                    &format!("{}/cpu/rank/{}", init.key_prefix, init.rank),
+                    format!("{addr}\n").into_bytes(),
+                )
+                .await
+                .expect("publish the record");
+            println!("@@dying");
+            // SAFETY: raising a signal on this process; SIGKILL never returns.
+            unsafe { libc::raise(libc::SIGKILL) };
+        }
+        Ok(Box::new(CpuBackend::connect(init).await?) as Box<dyn Backend>)
+    })
+    .expect("register the backend");
+}
+
+/// A rank of `reconf_connect`: all-reduces until rank 3 is killed, then
+/// reconfigures into epoch 1, where rank 2 dies while it connects
+/// ([`register_dies_connecting`]); reports the first failure naming rank
+/// 2 (the reconfigure's, or the new epoch's first op's) and how long after
+/// the reconfigure began, then reconfigures again into epoch 2.
+fn reconf_connect_worker() {
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    println!("@@pid {}", std::process::id());
+    register_dies_connecting();
+    let o = CommOptions::default()
+        .with_heartbeat(HB, HB_TIMEOUT)
+        .with_timeout(Duration::from_secs(20))
+        .with_connect_timeout(Duration::from_secs(20));
+    let comm = new_comm(DIES_CONNECTING, Device::Cpu, "faults", o).expect("new_comm");
+    let mut done = 0;
+    let e = loop {
+        match comm.all_reduce(Tensor::full(1.0f32, 1024), ReduceOp::Sum) {
+            Ok(_) => {
+                done += 1;
+                if done == 3 {
+                    println!("@@running");
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    println!(
+        "@@error kind={} failed={:?} {e}",
+        kind(&e),
+        e.failed_ranks()
+    );
+    let t0 = Instant::now();
+    let failed = match comm.reconfigure(ReconfigureOptions::default()) {
+        Err(e) => e,
+        Ok((next, _)) => {
+            // The epoch formed where this rank's links to rank 2 were not
+            // needed yet: its first op meets the death.
+            let e = next
+                .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
+                .expect_err("rank 2 died while epoch 1 connected");
+            let again = next.reconfigure(ReconfigureOptions::default());
+            report_second(rank, &e, t0, again);
+            return;
+        }
+    };
+    let again = comm.reconfigure(ReconfigureOptions::default());
+    report_second(rank, &failed, t0, again);
+}
+
+fn report_second(
+    rank: usize,
+    first: &Error,
+    t0: Instant,
+    again: chorus::Result<(Comm, chorus::RankMap)>,
+) {
+    println!(
+        "@@first kind={} ms={} failed={:?} {first}",
+        kind(first),
+        t0.elapsed().as_millis(),
+        first.failed_ranks()
+    );
+    let (next, map) = again.unwrap_or_else(|e| panic!("rank {rank}: second reconfigure: {e}"));
+    let s = next
+        .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
+        .expect("epoch 2 all_reduce");
+    let ok = s.to_vec::<i64>().iter().all(|&v| v == next.size() as i64);
+    println!(
+        "@@reconf size={} epoch={} ok={ok} map={:?}",
+        next.size(),
+        next.epoch(),
+        map.old_to_new
+    );
+    next.finalize().expect("finalize");
+    println!("@@alive");
+}
+
+/// Rank 3 killed, then rank 2 killed (a process of its own, SIGKILL)
+/// while the survivors' epoch 1 connects, after it published its address:
+/// ranks 0 and 1 learn it within the heartbeat bound (not at the 20 s
+/// connect timeout), naming rank 2, and their next reconfigure forms epoch
+/// 2 of the two of them.
+#[test]
+fn rank_killed_while_epoch_1_connects_is_found_and_the_next_reconfigure_forms() {
+    let deadline = Instant::now() + MP_DEADLINE;
+    let mut ranks = spawn_ranks(4, "reconf_connect");
+    ranks.wait_lines(&[0, 1, 2, 3], "@@running", deadline);
+    ranks.signal(3, "KILL");
+    ranks.wait_lines(&[2], "@@dying", deadline);
+    for line in ranks.wait_lines(&[0, 1], "@@first", deadline) {
+        let (k, ms, failed) = parse_error(&line);
+        assert!(
+            ["PeerFailed", "Aborted", "Transport"].contains(&k.as_str()),
+            "{line}"
+        );
+        assert!(ms < (HB_TIMEOUT + SLACK).as_millis(), "too slow: {line}");
+        assert!(k == "Transport" || failed.contains('2'), "{line}");
+    }
+    for line in ranks.wait_lines(&[0, 1], "@@reconf", deadline) {
+        assert!(line.contains("size=2 epoch=2 ok=true"), "{line}");
+    }
+    ranks.wait_lines(&[0, 1], "@@alive", deadline);
+}
+
 /// The body of one rank process (run by the tests below, not on its own).
 #[test]
 #[ignore = "a rank of the multi-process tests; run by them"]
 fn worker() {
     match std::env::var("CHORUS_TEST_WORKER").as_deref() {
         Ok("elastic") => elastic_train::run_rank().expect("elastic rank"),
+        Ok("reconf_connect") => reconf_connect_worker(),
         Ok(mode) => fault_worker(mode),
         Err(_) => {}
     }
