@@ -898,6 +898,12 @@ fn fault_worker(what: &str) {
     let (next, map) = comm
         .reconfigure(ReconfigureOptions::default())
         .expect("reconfigure");
+    report_epoch(next, &map);
+}
+
+/// All-reduce once on the epoch a worker reconfigured into, and report it
+/// (`@@reconf`, then `@@alive`).
+fn report_epoch(next: Comm, map: &chorus::RankMap) {
     let s = next
         .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
         .expect("new epoch all_reduce");
@@ -923,16 +929,7 @@ const DIES_CONNECTING: &str = "cpu-killed-connecting-epoch-1";
 fn register_dies_connecting() {
     chorus::register_backend(DIES_CONNECTING, |_device, init: BackendInit| async move {
         if init.epoch == 1 && init.rank == 2 {
-            let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-            let addr = closed.local_addr().expect("address");
-            drop(closed);
-            init.store
-                .set(
-                    &format!("{}/cpu/rank/{}", init.key_prefix, init.rank),
-                    format!("{addr}\n").into_bytes(),
-                )
-                .await
-                .expect("publish the record");
+            common::publish_dead_listener(&init).await;
             println!("@@dying");
             // SAFETY: raising a signal on this process; SIGKILL never returns.
             unsafe { libc::raise(libc::SIGKILL) };
@@ -1004,18 +1001,7 @@ fn report_second(
         first.failed_ranks()
     );
     let (next, map) = again.unwrap_or_else(|e| panic!("rank {rank}: second reconfigure: {e}"));
-    let s = next
-        .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
-        .expect("epoch 2 all_reduce");
-    let ok = s.to_vec::<i64>().iter().all(|&v| v == next.size() as i64);
-    println!(
-        "@@reconf size={} epoch={} ok={ok} map={:?}",
-        next.size(),
-        next.epoch(),
-        map.old_to_new
-    );
-    next.finalize().expect("finalize");
-    println!("@@alive");
+    report_epoch(next, &map);
 }
 
 /// Rank 3 killed, then rank 2 killed (a process of its own, SIGKILL)

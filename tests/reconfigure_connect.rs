@@ -8,6 +8,8 @@
 //! publishes a data-link record whose listener is already closed (what a
 //! process killed right after publishing leaves behind) and fails.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,16 +41,7 @@ fn opts(store: &Arc<dyn Store>, rank: usize, size: usize) -> CommOptions {
 
 async fn backend(init: BackendInit) -> chorus::Result<Box<dyn Backend>> {
     if init.epoch == 1 && init.rank == DIES_CONNECTING {
-        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = closed.local_addr().expect("address");
-        drop(closed);
-        init.store
-            .set(
-                &format!("{}/cpu/rank/{}", init.key_prefix, init.rank),
-                format!("{addr}\n").into_bytes(),
-            )
-            .await
-            .expect("publish the record");
+        common::publish_dead_listener(&init).await;
         return Err(Error::Internal(
             "killed by the test while epoch 1 connects".into(),
         ));

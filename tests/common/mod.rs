@@ -244,3 +244,19 @@ pub fn run_child_test(name: &str, flag: &str, limit: Duration) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Publish, as rank `init.rank`'s `cpu` data-link record, the address of a
+/// listener that is already closed: what a process killed between
+/// publishing its record and accepting leaves behind.
+pub async fn publish_dead_listener(init: &chorus::backends::BackendInit) {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = closed.local_addr().expect("address");
+    drop(closed);
+    init.store
+        .set(
+            &format!("{}/cpu/rank/{}", init.key_prefix, init.rank),
+            format!("{addr}\n").into_bytes(),
+        )
+        .await
+        .expect("publish the record");
+}
