@@ -121,6 +121,8 @@ pub(crate) async fn run_tcp<'a>(
                     w.send_paced(ctx, kind, class, tag, payload, &mut pace)
                         .await?;
                 }
+                // Writes outside a step (window ops) are one-way.
+                w.set_exchange(false);
                 Ok(())
             })),
         ));
