@@ -30,7 +30,10 @@
 //! Memory: a [`Topology`] is O(N) per rank, built once per communicator.
 //! Building one rank's schedule is O(its transfers) plus the block layouts
 //! of its phases, O(L) on the host and O(H) among hosts (as a flat
-//! all-reduce on `H` ranks); nothing per op is O(N).
+//! all-reduce on `H` ranks); nothing else per op is O(N). The ops that
+//! take a count per rank (all_gather, reduce_scatter) lay out their N
+//! blocks, O(N), as the flat ones do, and reduce_scatter sends `(L - 1) H`
+//! messages on the host, its algorithm's.
 //!
 //! ```
 //! use chorus::backends::cpu::hier::{all_reduce, Topology};
@@ -52,8 +55,9 @@ use std::collections::HashMap;
 use super::schedule::{
     all_gather_auto as flat_all_gather, all_gather_in_place, all_reduce_auto,
     broadcast as flat_broadcast, even_counts, gather_auto, offsets, reduce_auto,
-    reduce_scatter as flat_reduce_scatter, reduce_scatter_blocks, reduce_tree, rooted_tree,
-    scatter_auto, BufId, RecvAction, Rooted, Schedule, Step, Transfer, SMALL_ALL_REDUCE_BYTES,
+    reduce_scatter as flat_reduce_scatter, reduce_scatter_blocks, reduce_scatter_sets, reduce_tree,
+    rooted_tree, scatter_auto, BufId, RecvAction, Rooted, Schedule, Step, Transfer,
+    SMALL_ALL_REDUCE_BYTES,
 };
 
 /// Which host every rank of a communicator is on. O(N): three words per
@@ -409,8 +413,8 @@ pub fn all_gather(
 /// ([`Topology::contiguous`], [`Topology::uniform`]):
 ///
 /// 1. On the host, a ring reduce-scatter over each host's span at once
-///    (`L - 1` steps, one message per host's span to the next rank on the
-///    host in each): the rank of local index `i` ends with its host's sum
+///    ([`reduce_scatter_sets`]: `L - 1` steps, one message per host's span
+///    to the next rank on the host in each): the rank of local index `i` ends with its host's sum
 ///    of block `i` of every host's span, the blocks of its rail.
 /// 2. Along the rail (the `H` ranks of local index `i`), a reduce-scatter
 ///    of those `H` blocks ([`reduce_scatter_blocks`]: `log2 H` steps on a
@@ -436,35 +440,16 @@ pub fn reduce_scatter(rank: usize, topo: &Topology, counts: &[usize]) -> Schedul
     let block = |r: usize| offs[r]..offs[r + 1];
     let (h, li) = (topo.host_of[rank], topo.local[rank]);
     let host = &topo.members[h];
-    let l = host.len();
-    let (next, prev) = (host[(li + 1) % l], host[(li + l - 1) % l]);
     let mut c = Composer::new();
-    // On the host: the flat ring's step `s` on every host's span, in host
-    // order (so both ends list the messages between them alike, [SC-3]).
-    for s in 0..l - 1 {
-        let (out, inc) = ((li + 2 * l - s - 1) % l, (li + 2 * l - s - 2) % l);
-        let mut step = Step::default();
-        for m in &topo.members {
-            if !block(m[out]).is_empty() {
-                step.transfers.push(Transfer::Send {
-                    peer: next,
-                    buf: BufId::Dst,
-                    range: block(m[out]),
-                });
-            }
-            if !block(m[inc]).is_empty() {
-                step.transfers.push(Transfer::Recv {
-                    peer: prev,
-                    buf: BufId::Dst,
-                    range: block(m[inc]),
-                    action: RecvAction::Reduce,
-                });
-            }
-        }
-        if !step.transfers.is_empty() {
-            c.steps.push(step);
-        }
-    }
+    // On the host: local rank `i`'s block is its block of every host's
+    // span, one message per host, in host order.
+    c.embed(
+        reduce_scatter_sets(li, host.len(), |i| {
+            topo.members.iter().map(move |m| block(m[i]))
+        }),
+        |i| host[i],
+        0,
+    );
     // Along the rail: block `x` of the rail is the block of its rank on host `x`.
     let rail = |x: usize| topo.members[x][li];
     c.embed(

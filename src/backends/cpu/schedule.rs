@@ -43,6 +43,7 @@
 //! | [`reduce_tree`] | binomial tree towards `root` | `ceil(log2 p)` |
 //! | [`reduce_scatter`] | ring reduce-scatter; rank `r` ends with block `r` | `p-1` |
 //! | [`reduce_scatter_blocks`] | the same on blocks anywhere in `Dst`: recursive halving on a power-of-two `p`, else the ring | `log2 p`, else `p-1` |
+//! | [`reduce_scatter_sets`] | the ring on blocks that are lists of ranges of `Dst`, a message per range | `p-1` |
 //! | [`all_gather`] | local copy, then ring all-gather | `p-1` (1 if `p == 1`) |
 //! | [`all_gather_doubling`] | recursive doubling (power-of-two `p`, else the ring) | `log2 p` |
 //! | [`broadcast`] | binomial tree rooted at `root` | `ceil(log2 p)` |
@@ -560,7 +561,7 @@ pub fn reduce_scatter_blocks(
     }
     let mut b = Builder::new(rank, size);
     if !size.is_power_of_two() {
-        b.ring_reduce_scatter_by(blocks);
+        b.ring_reduce_scatter_by(|i| [blocks(i)]);
         return b.finish();
     }
     // The blocks `lo..lo + 2m` this rank still reduces are halved; it
@@ -584,6 +585,24 @@ pub fn reduce_scatter_blocks(
         lo = keep.start;
         m /= 2;
     }
+    b.finish()
+}
+
+/// The ring reduce-scatter of [`reduce_scatter`] where block `i` is a list
+/// of ranges of `Dst`, `blocks(i)` (all pairwise disjoint), each sent as a
+/// message of its own: afterwards the ranges of `blocks(rank)` hold their
+/// full reduction. `size - 1` steps. The two-level reduce-scatter of
+/// [`hier`](super::hier) runs it on a host, block `i` being local rank
+/// `i`'s block of every host's span.
+pub fn reduce_scatter_sets<I>(rank: usize, size: usize, blocks: impl Fn(usize) -> I) -> Schedule
+where
+    I: IntoIterator<Item = Range<usize>>,
+{
+    if rank >= size {
+        return Schedule::default();
+    }
+    let mut b = Builder::new(rank, size);
+    b.ring_reduce_scatter_by(blocks);
     b.finish()
 }
 
@@ -1214,18 +1233,26 @@ impl Builder {
     ///
     /// [SC-2]: self#invariants
     fn ring_reduce_scatter(&mut self, offs: &[usize]) {
-        self.ring_reduce_scatter_by(|i| block(offs, i));
+        self.ring_reduce_scatter_by(|i| [block(offs, i)]);
     }
 
     /// The ring reduce-scatter of [`Builder::ring_reduce_scatter`] over
-    /// blocks anywhere in `Dst`: block `i` is `blocks(i)`.
-    fn ring_reduce_scatter_by(&mut self, blocks: impl Fn(usize) -> Range<usize>) {
+    /// blocks anywhere in `Dst`, each a list of ranges: block `i` is
+    /// `blocks(i)`, one message per range, in list order.
+    fn ring_reduce_scatter_by<I>(&mut self, blocks: impl Fn(usize) -> I)
+    where
+        I: IntoIterator<Item = Range<usize>>,
+    {
         let (next, prev) = (self.next(), self.prev());
         for s in 0..self.size.saturating_sub(1) {
             self.step();
             let (out, inc) = (self.back(s + 1), self.back(s + 2));
-            self.send(next, BufId::Dst, blocks(out));
-            self.recv(prev, BufId::Dst, blocks(inc), RecvAction::Reduce);
+            for r in blocks(out) {
+                self.send(next, BufId::Dst, r);
+            }
+            for r in blocks(inc) {
+                self.recv(prev, BufId::Dst, r, RecvAction::Reduce);
+            }
         }
     }
 
