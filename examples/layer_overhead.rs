@@ -42,6 +42,7 @@ fn init(store: &Arc<MemoryStore>, rank: usize) -> BackendInit {
         bind_ip: "127.0.0.1".parse().expect("ip"),
         links: chorus::backends::LinkPolicy::Auto,
         host_id: None,
+        peers_failed: chorus::backends::PeerFailures::none(),
     }
 }
 

@@ -46,8 +46,17 @@
 //!   once their first op fails. So every rank forms the following epoch
 //!   from one numbering, and a retry never meets the same closed
 //!   membership again.
+//! - EL-8: with heartbeats on, a member's key holds its process's presence
+//!   endpoint ([`crate::presence`]), and the closed membership lists the
+//!   survivors' endpoints. While the epoch's backend connects, each survivor
+//!   probes its ring neighbours among the survivors every heartbeat
+//!   interval; one that is gone is named in the epoch's failure notice, and
+//!   every member's connect stops waiting for it when that notice appears
+//!   (`BackendInit::peers_failed`). Joiners are not probed: one that dies
+//!   before it publishes its data-link address is found at
+//!   `connect_timeout`.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,6 +68,7 @@ use crate::backends::{SplitArgs, SplitChild};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::options::{CommOptions, Device};
+use crate::presence::StartWatch;
 use crate::tensor::Tensor;
 use crate::transport::records::{ranks_in, ranks_out, Record};
 use crate::transport::{CompareSet, Store, TransportError};
@@ -203,6 +213,9 @@ struct Closed {
     old_size: usize,
     survivors: Vec<usize>,
     joiners: usize,
+    /// Each survivor's presence endpoint ([`crate::presence`]), in
+    /// `survivors` order; `None` for one without (O(survivors)).
+    presence: Vec<Option<SocketAddr>>,
 }
 
 impl Closed {
@@ -212,6 +225,11 @@ impl Closed {
             old_size: self.old_size as u64,
             survivors: ranks_out(&self.survivors),
             joiners: self.joiners as u64,
+            presence: self
+                .presence
+                .iter()
+                .map(|a| a.map(|a| a.to_string()).unwrap_or_default())
+                .collect(),
         }
         .encode()
     }
@@ -222,15 +240,23 @@ impl Closed {
             old_size,
             survivors,
             joiners,
+            presence,
         } = Record::decode(raw)?
         else {
             return None;
         };
+        let survivors = ranks_in(&survivors)?;
+        // An endpoint that does not parse is not probed (it only speeds up
+        // finding a death); a list of another length is malformed.
+        if presence.len() != survivors.len() {
+            return None;
+        }
         Some(Closed {
             quorum,
             old_size: usize::try_from(old_size).ok()?,
-            survivors: ranks_in(&survivors)?,
+            survivors,
             joiners: usize::try_from(joiners).ok()?,
+            presence: presence.iter().map(|a| a.parse().ok()).collect(),
         })
     }
 
@@ -857,8 +883,17 @@ impl Comm {
             return Err(excluded());
         }
         tracing::info!(comm = %ctx.name, rank = me, epoch = next, ?failed, "reconfiguring");
+        // The member key carries this process's presence endpoint, which
+        // the member's ring neighbours probe while the epoch starts (EL-8).
+        let watched = !ctx.options.heartbeat_interval.is_zero();
+        let presence = watched
+            .then(|| crate::presence::endpoint(ctx.bind_ip))
+            .flatten();
         store
-            .set(&format!("{prefix}/member/{me}"), b"1".to_vec())
+            .set(
+                &format!("{prefix}/member/{me}"),
+                presence.map_or_else(|| b"1".to_vec(), |a| a.to_string().into_bytes()),
+            )
             .await
             .map_err(transport)?;
         // Counted after the key is set: a count of k means at least k
@@ -869,9 +904,10 @@ impl Comm {
         let closed_key = format!("{prefix}/closed");
         let joiners_key = format!("{prefix}/joiners");
         let deadline = Instant::now() + opts.timeout;
-        // The coordinator's view of who registered: a member key, once set,
-        // stays for the epoch, so each poll reads only the keys not seen yet.
-        let mut registered = vec![false; n];
+        // The coordinator's view of who registered (and with which presence
+        // endpoint): a member key, once set, stays for the epoch, so each
+        // poll reads only the keys not seen yet.
+        let mut registered: Vec<Option<Option<SocketAddr>>> = vec![None; n];
         let closed = loop {
             if let Some(raw) = store.get(&closed_key).await.map_err(transport)? {
                 break Closed::parse(&raw).ok_or_else(|| {
@@ -914,15 +950,19 @@ impl Comm {
             // arrived to cover every expected one (or at the deadline).
             let arrived = store.add(&arrived_key, 0).await.map_err(transport)?.max(0) as usize;
             if arrived >= expected.len() || Instant::now() >= deadline {
-                for (r, seen) in registered.iter_mut().enumerate().filter(|(_, s)| !**s) {
+                for (r, seen) in registered
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(_, s)| s.is_none())
+                {
                     *seen = store
                         .get(&format!("{prefix}/member/{r}"))
                         .await
                         .map_err(transport)?
-                        .is_some();
+                        .map(|raw| std::str::from_utf8(&raw).ok().and_then(|a| a.parse().ok()));
                 }
             }
-            let present: Vec<usize> = (0..n).filter(|&r| registered[r]).collect();
+            let present: Vec<usize> = (0..n).filter(|&r| registered[r].is_some()).collect();
             let joiners = store.add(&joiners_key, 0).await.map_err(transport)?.max(0) as usize;
             let all_here = expected.iter().all(|r| present.contains(r));
             if (all_here && joiners >= opts.wait_joiners) || Instant::now() >= deadline {
@@ -934,6 +974,7 @@ impl Comm {
                 let mine = Closed {
                     quorum,
                     old_size: n,
+                    presence: present.iter().map(|&r| registered[r].flatten()).collect(),
                     survivors: present,
                     joiners,
                 };
@@ -992,6 +1033,18 @@ impl Comm {
             old_to_new: old_to_new.clone(),
             joined: (closed.survivors.len()..closed.size()).collect(),
         };
+        // EL-8: watch the ring neighbours among the survivors while the
+        // epoch's backend connects.
+        let watch = watched.then(|| StartWatch {
+            store: store.clone(),
+            notice_key: notice_key(&prefix),
+            epoch: next,
+            rank,
+            neighbours: crate::presence::neighbours(rank, &closed.presence, presence),
+            interval: ctx.options.heartbeat_interval,
+            timeout: ctx.options.heartbeat_timeout,
+            until: ctx.options.connect_timeout,
+        });
         let started = start_epoch(
             &ctx,
             self.shared.backend_requested.clone(),
@@ -999,6 +1052,7 @@ impl Comm {
             rank,
             closed.size(),
             next,
+            watch,
         )
         .await;
         let set_unstarted = |u: Option<Unstarted>| {
@@ -1052,6 +1106,7 @@ async fn start_epoch(
     rank: usize,
     size: usize,
     epoch: u64,
+    watch: Option<StartWatch>,
 ) -> Result<Comm> {
     let spec = crate::Spec {
         backend,
@@ -1063,7 +1118,23 @@ async fn start_epoch(
         ctx: ctx.clone(),
         parent: None,
     };
-    let comm = crate::start(spec).await?;
+    // The backend connects while the watch runs; the watch reports a dead
+    // member to it through `peers_failed`, and ends with the connect.
+    let (report, peers_failed) = crate::backends::PeerFailures::channel();
+    let mut init = spec.backend_init();
+    init.peers_failed = peers_failed;
+    let connect = crate::backends::create_on(&spec.backend, spec.device, init);
+    let watching = async move {
+        if let Some(w) = watch {
+            w.run(report).await;
+        }
+        std::future::pending::<std::convert::Infallible>().await
+    };
+    let backend = tokio::select! {
+        b = connect => b?,
+        never = watching => match never {},
+    };
+    let comm = crate::start_with_backend(spec, backend).await?;
     if rank == 0 {
         publish_latest(&comm).await;
         // Every member connected, so none reads the last epoch's keys any
@@ -1212,7 +1283,7 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
                 lineage: None,
             });
             let rank = closed.survivors.len() + ticket;
-            return start_epoch(&ctx, backend, device, rank, closed.size(), next).await;
+            return start_epoch(&ctx, backend, device, rank, closed.size(), next, None).await;
         }
         // Closed before our ticket counted: try the epoch after it.
         tracing::info!(comm = %name, epoch = next, "membership closed without this joiner; retrying");
@@ -1230,6 +1301,7 @@ mod tests {
             old_size: 4,
             survivors: vec![0, 1, 3],
             joiners: 1,
+            presence: vec![Some(SocketAddr::from(([127, 0, 0, 1], 4000))), None, None],
         };
         assert_eq!(Closed::parse(&c.encode()), Some(c.clone()));
         assert_eq!(c.size(), 4);

@@ -120,6 +120,7 @@ pub mod op;
 mod options;
 mod pace;
 mod persistent;
+mod presence;
 mod runtime;
 pub mod tensor;
 pub mod transport;
@@ -137,7 +138,8 @@ pub mod test_support {
 
 pub use actors::status::{ChildFailure, State, Status};
 pub use backends::{
-    register_backend, Backend, BackendInit, Capabilities, LinkPolicy, SplitMode, WindowAccess,
+    register_backend, Backend, BackendInit, Capabilities, LinkPolicy, PeerFailures, SplitMode,
+    WindowAccess,
 };
 pub use checks::Checks;
 pub use comm::{Comm, P2POp};
@@ -337,6 +339,7 @@ impl Spec {
             bind_ip: ctx.bind_ip,
             links: backends::LinkPolicy::Auto,
             host_id: None,
+            peers_failed: backends::PeerFailures::none(),
         }
     }
 }

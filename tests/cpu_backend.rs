@@ -41,6 +41,7 @@ fn init(
         bind_ip: "127.0.0.1".parse().unwrap(),
         links: chorus::backends::LinkPolicy::Auto,
         host_id: None,
+        peers_failed: chorus::backends::PeerFailures::none(),
     }
 }
 
@@ -1337,6 +1338,7 @@ async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
             CpuBackend::connect(BackendInit {
                 links: LinkPolicy::Lazy,
                 host_id: Some(format!("h{}", r / per_host)),
+                peers_failed: chorus::backends::PeerFailures::none(),
                 ..init(&store, prefix, r, n, b"s", Duration::from_secs(10))
             })
         }))
@@ -1518,6 +1520,7 @@ async fn tcp_pair() -> Vec<CpuBackend> {
     join_all((0..2).map(|r| {
         CpuBackend::connect(BackendInit {
             host_id: Some(format!("host-{r}")),
+            peers_failed: chorus::backends::PeerFailures::none(),
             ..init(&store, prefix, r, 2, b"s", Duration::from_secs(10))
         })
     }))

@@ -546,6 +546,7 @@ async fn data_link_from_an_older_epoch_is_rejected_at_the_handshake() {
         // The handshake is what is tested: open the link at creation.
         links: chorus::backends::LinkPolicy::Eager,
         host_id: None,
+        peers_failed: chorus::backends::PeerFailures::none(),
     };
     let start = Instant::now();
     let (new, old) = futures::join!(
@@ -918,24 +919,30 @@ fn report_epoch(next: Comm, map: &chorus::RankMap) {
     println!("@@alive");
 }
 
-/// The backend of `reconf_connect` workers: `cpu`, except that rank 2
-/// kills its own process (SIGKILL: nothing of it runs on) while epoch 1
-/// starts, after publishing the address of a listener that is already
-/// closed, as a process killed between publishing its data-link record and
-/// accepting leaves behind. (A rank killed before it published anything
-/// is found only at `connect_timeout`: docs/runtime-semantics.md says so.)
+/// The backend of `reconf_connect` and `reconf_unpublished` workers:
+/// `cpu`, except that rank 2 kills its own process (SIGKILL: nothing of it
+/// runs on) while epoch 1 starts. With `published`, it first publishes the
+/// address of a listener that is already closed, as a process killed
+/// between publishing its data-link record and accepting leaves behind;
+/// without, it dies before its record exists, and only its presence
+/// endpoint's refusal tells the others.
 const DIES_CONNECTING: &str = "cpu-killed-connecting-epoch-1";
 
-fn register_dies_connecting() {
-    chorus::register_backend(DIES_CONNECTING, |_device, init: BackendInit| async move {
-        if init.epoch == 1 && init.rank == 2 {
-            common::publish_dead_listener(&init).await;
-            println!("@@dying");
-            // SAFETY: raising a signal on this process; SIGKILL never returns.
-            unsafe { libc::raise(libc::SIGKILL) };
-        }
-        Ok(Box::new(CpuBackend::connect(init).await?) as Box<dyn Backend>)
-    })
+fn register_dies_connecting(published: bool) {
+    chorus::register_backend(
+        DIES_CONNECTING,
+        move |_device, init: BackendInit| async move {
+            if init.epoch == 1 && init.rank == 2 {
+                if published {
+                    common::publish_dead_listener(&init).await;
+                }
+                println!("@@dying");
+                // SAFETY: raising a signal on this process; SIGKILL never returns.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            Ok(Box::new(CpuBackend::connect(init).await?) as Box<dyn Backend>)
+        },
+    )
     .expect("register the backend");
 }
 
@@ -944,10 +951,10 @@ fn register_dies_connecting() {
 /// ([`register_dies_connecting`]); reports the first failure naming rank
 /// 2 (the reconfigure's, or the new epoch's first op's) and how long after
 /// the reconfigure began, then reconfigures again into epoch 2.
-fn reconf_connect_worker() {
+fn reconf_connect_worker(published: bool) {
     let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
     println!("@@pid {}", std::process::id());
-    register_dies_connecting();
+    register_dies_connecting(published);
     let o = CommOptions::default()
         .with_heartbeat(HB, HB_TIMEOUT)
         .with_timeout(Duration::from_secs(20))
@@ -1011,12 +1018,26 @@ fn report_second(
 /// 2 of the two of them.
 #[test]
 fn rank_killed_while_epoch_1_connects_is_found_and_the_next_reconfigure_forms() {
+    killed_while_epoch_1_connects("reconf_connect");
+}
+
+/// As above, but rank 2 dies before it published its data-link address, so
+/// no connection of the others can fail: its ring neighbours' probes of its
+/// presence endpoint find it (EL-8), within the heartbeat bound, not at
+/// the 20 s connect timeout.
+#[test]
+fn rank_killed_before_publishing_its_address_in_epoch_1_is_found_by_its_neighbours() {
+    killed_while_epoch_1_connects("reconf_unpublished");
+}
+
+fn killed_while_epoch_1_connects(mode: &str) {
     let deadline = Instant::now() + MP_DEADLINE;
-    let mut ranks = spawn_ranks(4, "reconf_connect");
+    let mut ranks = spawn_ranks(4, mode);
     ranks.wait_lines(&[0, 1, 2, 3], "@@running", deadline);
     ranks.signal(3, "KILL");
     ranks.wait_lines(&[2], "@@dying", deadline);
     for line in ranks.wait_lines(&[0, 1], "@@first", deadline) {
+        eprintln!("{mode}: {line}");
         let (k, ms, failed) = parse_error(&line);
         assert!(
             ["PeerFailed", "Aborted", "Transport"].contains(&k.as_str()),
@@ -1037,7 +1058,8 @@ fn rank_killed_while_epoch_1_connects_is_found_and_the_next_reconfigure_forms() 
 fn worker() {
     match std::env::var("CHORUS_TEST_WORKER").as_deref() {
         Ok("elastic") => elastic_train::run_rank().expect("elastic rank"),
-        Ok("reconf_connect") => reconf_connect_worker(),
+        Ok("reconf_connect") => reconf_connect_worker(true),
+        Ok("reconf_unpublished") => reconf_connect_worker(false),
         Ok(mode) => fault_worker(mode),
         Err(_) => {}
     }

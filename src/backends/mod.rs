@@ -199,6 +199,60 @@ pub struct BackendInit {
     /// multi-host layout on one machine. `CHORUS_SHM=0` still turns shared
     /// memory and the hierarchy off.
     pub host_id: Option<String>,
+    /// Peers found dead while this backend connects, by whoever creates it
+    /// (a reconfigure watches the members of the epoch it starts; see
+    /// [`PeerFailures`]). A backend that waits for its peers while it
+    /// connects stops waiting when this reports, and fails with
+    /// `PeerFailed` naming them. [`PeerFailures::none`] never reports.
+    pub peers_failed: PeerFailures,
+}
+
+/// Peers found dead while a backend connects ([`BackendInit::peers_failed`]).
+///
+/// A communicator created by [`Comm::reconfigure`](crate::Comm::reconfigure)
+/// watches its members while its backend connects: a member killed before it
+/// published its address would otherwise be found only when
+/// `connect_timeout` ran out. Cloning it gives another view of the same
+/// report; it holds one report, O(failed ranks).
+#[derive(Clone, Debug, Default)]
+pub struct PeerFailures(Option<tokio::sync::watch::Receiver<Option<PeerReport>>>);
+
+/// What a [`PeerFailures`] watch reports: the ranks found dead, and what
+/// was observed.
+pub type PeerReport = (Vec<usize>, String);
+
+impl PeerFailures {
+    /// A watch that never reports (what a communicator's first epoch, a
+    /// split child, or a backend made by hand gets).
+    pub fn none() -> PeerFailures {
+        PeerFailures(None)
+    }
+
+    /// A watch and the sender that reports to it.
+    pub(crate) fn channel() -> (tokio::sync::watch::Sender<Option<PeerReport>>, PeerFailures) {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        (tx, PeerFailures(Some(rx)))
+    }
+
+    /// Wait for a report: the ranks found dead and what was observed.
+    /// Pending for ever when nothing will report (a watch of
+    /// [`PeerFailures::none`], or one whose watcher ended without finding
+    /// anyone), so it is meant to be raced against the wait it may cut
+    /// short.
+    pub async fn reported(&self) -> PeerReport {
+        if let Some(rx) = &self.0 {
+            let mut rx = rx.clone();
+            let report = rx
+                .wait_for(Option::is_some)
+                .await
+                .ok()
+                .and_then(|v| v.clone());
+            if let Some(report) = report {
+                return report;
+            }
+        }
+        std::future::pending().await
+    }
 }
 
 /// When a backend opens its data links to its peers.

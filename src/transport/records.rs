@@ -37,6 +37,10 @@ pub(crate) enum Record {
         survivors: Vec<u64>,
         /// How many joiners are admitted.
         joiners: u64,
+        /// Each survivor's presence endpoint (`host:port`, empty for none),
+        /// in `survivors` order: what the members probe while the epoch
+        /// starts.
+        presence: Vec<String>,
     },
     /// Where the newest epoch of a top-level communicator lives.
     Latest {
@@ -102,6 +106,7 @@ mod tests {
                 old_size: 4,
                 survivors: vec![0, 1, 3],
                 joiners: 2,
+                presence: vec!["127.0.0.1:4000".into(), String::new(), "[::1]:5".into()],
             },
             Record::Latest {
                 base: "chorus/job/world/0".into(),

@@ -444,7 +444,22 @@ impl Pool {
             .await?;
         tracing::debug!(comm = %init.comm, rank = me, addr = %local, "data-link listener published");
         let keys: Vec<String> = (0..size).map(|r| record_key(&init.key_prefix, r)).collect();
-        let got = match init.store.wait(&keys, init.connect_timeout).await {
+        // A reconfigure's watch may find a member dead before it published
+        // its record: stop waiting then, naming it.
+        let waited = tokio::select! {
+            r = init.store.wait(&keys, init.connect_timeout) => r,
+            (failed_ranks, detail) = init.peers_failed.reported() => {
+                return Err(Error::PeerFailed {
+                    comm: init.comm.clone(),
+                    rank: me,
+                    epoch: init.epoch,
+                    op: "connect",
+                    detail,
+                    failed_ranks,
+                });
+            }
+        };
+        let got = match waited {
             Ok(r) => r,
             Err(TransportError::WaitTimeout { keys: missing, .. }) => {
                 let failed = (0..size).filter(|&r| missing.contains(&keys[r])).collect();
