@@ -50,6 +50,14 @@
 //!   before its ack (cancelled op) sets `cma_revoked` before its buffer can
 //!   be freed; a consumer checks it after every read and fails rather than
 //!   keep bytes that may have changed under it.
+//! - SH-7: a ring's pages are allocated when its file is created
+//!   (`posix_fallocate`) and mapped into both sides' page tables when they
+//!   map it (`MAP_POPULATE`), so no op takes a page fault in a ring. Before,
+//!   the first pass through a ring faulted a page every 4 KiB of data on
+//!   each side: 2 KiB all_reduces on 4 ranks ran at 52–64 µs for their
+//!   first few hundred ops and 19–25 µs after. A full `/dev/shm` fails the
+//!   ring's creation (the pair then uses TCP, with a warning) rather than
+//!   raising SIGBUS at a write past the space left.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -127,7 +135,9 @@ fn os_err(what: &str) -> std::io::Error {
 impl ShmSegment {
     fn map(fd: Option<i32>, len: usize) -> std::io::Result<*mut u8> {
         let (flags, fd) = match fd {
-            Some(fd) => (libc::MAP_SHARED, fd),
+            // SH-7: the pages of a ring file are in the page tables from
+            // the start.
+            Some(fd) => (libc::MAP_SHARED | libc::MAP_POPULATE, fd),
             None => (libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1),
         };
         // SAFETY: a fresh mapping chosen by the kernel (null hint); the
@@ -182,6 +192,19 @@ impl ShmSegment {
             .mode(0o600)
             .open(path)?;
         file.set_len(len as u64)?;
+        // SH-7: every page of the ring exists before the first op. A full
+        // /dev/shm fails here, with an error (the pair then uses TCP),
+        // instead of a SIGBUS at the first write past the space left.
+        // SAFETY: a plain call on the file's open descriptor.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+        if rc != 0 {
+            let _ = std::fs::remove_file(path);
+            let e = std::io::Error::from_raw_os_error(rc);
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("allocating {len} bytes of shared memory for a ring: {e}"),
+            ));
+        }
         let ptr = Self::map(Some(file.as_raw_fd()), len).inspect_err(|_| {
             let _ = std::fs::remove_file(path);
         })?;
