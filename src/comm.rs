@@ -711,8 +711,9 @@ impl Comm {
         }
         // AC-6: the op takes its place in the order here, in this caller's
         // program order; it runs now only if nothing is ahead of it.
-        if let Some((lease, req)) = home.submit(Box::new(req)) {
+        if let Some((lease, mut req)) = home.submit(Box::new(req)) {
             if inline {
+                req.issued = req.completer.as_ref().and_then(|c| c.issued());
                 // A turn on this (blocked) thread, which may sleep in the kernel.
                 crate::runtime::run_here(&home.rt, lease.run(req, true));
             } else {

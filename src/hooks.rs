@@ -570,7 +570,7 @@ pub(crate) struct Tracked {
     op: &'static str,
     /// Its flight-recorder entry.
     rec: Option<u64>,
-    issued: Instant,
+    pub(crate) issued: Instant,
     started: Option<Instant>,
     seq: Option<u64>,
     /// Whether its pre hooks were sent to the hook thread.

@@ -238,6 +238,11 @@ impl Completer {
         self.tracked = Some(tracked);
     }
 
+    /// When the op was issued, if an observer recorded it.
+    pub(crate) fn issued(&self) -> Option<std::time::Instant> {
+        self.tracked.as_ref().map(|t| t.issued)
+    }
+
     /// The op's turn started at `now`, with sequence number `seq`.
     pub(crate) fn started(&mut self, seq: Option<u64>, now: std::time::Instant) {
         if let Some(t) = &mut self.tracked {

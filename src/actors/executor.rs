@@ -329,9 +329,14 @@ impl Core {
         };
         self.stamp(&mut req);
         let signature = self.signature(&req);
-        // One clock read for the turn: the timeout counts from here, and
-        // the flight recorder and the stall check see the same start.
-        let start = tokio::time::Instant::now();
+        // One clock read for the turn (none when it starts on the issuing
+        // thread right after the issue was recorded): the timeout counts
+        // from here, and the flight recorder and the stall check see the
+        // same start.
+        let start = match req.issued.take() {
+            Some(t) => tokio::time::Instant::from_std(t),
+            None => tokio::time::Instant::now(),
+        };
         let started = start.into_std();
         completer.started(
             match &req.data {

@@ -115,6 +115,10 @@ pub(crate) struct Request {
     pub(crate) completer: Option<Completer>,
     /// Collective sequence number (assigned by the executor).
     pub(crate) seq: u64,
+    /// When the op was issued, set only when its turn starts at once on the
+    /// issuing thread: the turn then starts from it rather than reading the
+    /// clock again (the time between is the op's validation and the gate).
+    pub(crate) issued: Option<std::time::Instant>,
 }
 
 impl Request {
@@ -143,6 +147,7 @@ impl Request {
             stream: None,
             completer: None,
             seq: 0,
+            issued: None,
         }
     }
 
