@@ -282,6 +282,142 @@ mod tests {
         );
     }
 
+    fn closed_port() -> SocketAddr {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("port")
+    }
+
+    fn watch(
+        store: &Arc<crate::transport::MemoryStore>,
+        neighbours: Vec<(usize, SocketAddr)>,
+    ) -> StartWatch {
+        StartWatch {
+            store: store.clone(),
+            notice_key: "w/epoch/1/failed".into(),
+            epoch: 1,
+            rank: 0,
+            neighbours,
+            interval: Duration::from_millis(20),
+            timeout: Duration::from_secs(5),
+            until: Duration::from_secs(60),
+        }
+    }
+
+    /// A neighbour whose endpoint refuses is named in the epoch's notice
+    /// and reported; a live one is not.
+    #[tokio::test]
+    async fn el8_a_watch_names_a_gone_neighbour_in_the_notice_and_reports_it() {
+        let store = Arc::new(crate::transport::MemoryStore::new());
+        let live = endpoint(IpAddr::from([127, 0, 0, 1])).expect("endpoint");
+        let (tx, failures) = crate::backends::PeerFailures::channel();
+        let w = watch(&store, vec![(1, live), (3, closed_port())]);
+        let run = tokio::spawn(w.run(tx));
+        let (failed, detail) = tokio::time::timeout(Duration::from_secs(10), failures.reported())
+            .await
+            .expect("reported within the bound");
+        assert_eq!(failed, vec![3]);
+        assert!(detail.contains("refused"), "{detail}");
+        run.await.expect("watch task");
+        let raw = store
+            .get("w/epoch/1/failed")
+            .await
+            .unwrap()
+            .expect("notice");
+        let n = Notice::parse(&raw, 1).expect("a notice of epoch 1");
+        assert_eq!((n.by, n.failed_ranks), (0, vec![3]));
+    }
+
+    /// A notice someone else published is reported at once, without a
+    /// probe; one of another epoch is not.
+    #[tokio::test]
+    async fn el8_a_watch_reports_the_notice_of_its_epoch_only() {
+        let store = Arc::new(crate::transport::MemoryStore::new());
+        let old = Notice {
+            epoch: 0,
+            by: 2,
+            failed_ranks: vec![1],
+            detail: "old".into(),
+            mismatch: false,
+        };
+        store.set("w/epoch/1/failed", old.encode()).await.unwrap();
+        let (tx, failures) = crate::backends::PeerFailures::channel();
+        let mut w = watch(&store, Vec::new());
+        w.until = Duration::from_millis(200);
+        // The stale notice ends the wait without a report, and with no
+        // neighbour to probe the watch then waits for ever.
+        let ended = tokio::time::timeout(Duration::from_millis(500), w.run(tx)).await;
+        assert!(ended.is_err(), "a notice of another epoch was reported");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), failures.reported())
+                .await
+                .is_err()
+        );
+
+        let store = Arc::new(crate::transport::MemoryStore::new());
+        let (tx, failures) = crate::backends::PeerFailures::channel();
+        let run = tokio::spawn(watch(&store, Vec::new()).run(tx));
+        let theirs = Notice {
+            epoch: 1,
+            by: 2,
+            failed_ranks: vec![5],
+            detail: "rank 5 died while epoch 1 started".into(),
+            mismatch: false,
+        };
+        store
+            .set("w/epoch/1/failed", theirs.encode())
+            .await
+            .unwrap();
+        let (failed, detail) = tokio::time::timeout(Duration::from_secs(10), failures.reported())
+            .await
+            .expect("reported");
+        assert_eq!(failed, vec![5]);
+        assert!(detail.contains("found by rank 2"), "{detail}");
+        run.await.expect("watch task");
+    }
+
+    /// The cpu backend's connect, waiting for a peer that never publishes
+    /// its address, stops when the watch reports it, long before its
+    /// connect timeout, with `PeerFailed` naming it.
+    #[tokio::test]
+    async fn el8_a_connect_stops_waiting_for_a_member_the_watch_reports() {
+        let store = Arc::new(crate::transport::MemoryStore::new());
+        let (tx, failures) = crate::backends::PeerFailures::channel();
+        let init = crate::backends::BackendInit {
+            comm: "w".into(),
+            key_prefix: "w/epoch/1".into(),
+            rank: 0,
+            size: 2,
+            epoch: 1,
+            store: store.clone(),
+            secret: Arc::from(&b"s"[..]),
+            connect_timeout: Duration::from_secs(60),
+            bind_ip: IpAddr::from([127, 0, 0, 1]),
+            links: crate::backends::LinkPolicy::Auto,
+            host_id: None,
+            peers_failed: failures,
+        };
+        let connect = tokio::spawn(crate::backends::cpu::CpuBackend::connect(init));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tx.send_replace(Some((vec![1], "rank 1 died while epoch 1 started".into())));
+        let r = tokio::time::timeout(Duration::from_secs(10), connect)
+            .await
+            .expect("the connect stopped within the bound")
+            .expect("connect task");
+        match r {
+            Err(crate::Error::PeerFailed {
+                failed_ranks,
+                detail,
+                ..
+            }) => {
+                assert_eq!(failed_ranks, vec![1]);
+                assert!(detail.contains("died while epoch 1 started"), "{detail}");
+            }
+            Err(e) => panic!("not PeerFailed: {e}"),
+            Ok(_) => panic!("connected without rank 1"),
+        }
+    }
+
     #[tokio::test]
     async fn pr1_an_endpoint_answers_and_a_closed_port_is_gone() {
         let addr = endpoint(IpAddr::from([127, 0, 0, 1])).expect("endpoint");
@@ -291,10 +427,7 @@ mod tests {
             assert_eq!(probe(addr, Duration::from_secs(5)).await, Probe::Alive);
         }
         // A port nobody listens on any more: refused.
-        let closed = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("port");
-        match probe(closed, Duration::from_secs(5)).await {
+        match probe(closed_port(), Duration::from_secs(5)).await {
             Probe::Gone(why) => assert!(why.contains("refused"), "{why}"),
             Probe::Alive => panic!("a closed port answered"),
         }
