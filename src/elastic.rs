@@ -52,9 +52,10 @@
 //!   probes its ring neighbours among the survivors every heartbeat
 //!   interval; one that is gone is named in the epoch's failure notice, and
 //!   every member's connect stops waiting for it when that notice appears
-//!   (`BackendInit::peers_failed`). Joiners are not probed: one that dies
-//!   before it publishes its data-link address is found at
-//!   `connect_timeout`.
+//!   (`BackendInit::peers_failed`). A joiner writes its endpoint under its
+//!   ticket and is probed like a survivor; one whose key was not there yet
+//!   when the membership closed is not probed (found at
+//!   `connect_timeout`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
@@ -213,8 +214,8 @@ struct Closed {
     old_size: usize,
     survivors: Vec<usize>,
     joiners: usize,
-    /// Each survivor's presence endpoint ([`crate::presence`]), in
-    /// `survivors` order; `None` for one without (O(survivors)).
+    /// Each member's presence endpoint ([`crate::presence`]) in new-rank
+    /// order (survivors, then joiners); `None` for one without (O(size)).
     presence: Vec<Option<SocketAddr>>,
 }
 
@@ -246,22 +247,58 @@ impl Closed {
             return None;
         };
         let survivors = ranks_in(&survivors)?;
+        let joiners = usize::try_from(joiners).ok()?;
         // An endpoint that does not parse is not probed (it only speeds up
         // finding a death); a list of another length is malformed.
-        if presence.len() != survivors.len() {
+        if presence.len() != survivors.len().checked_add(joiners)? {
             return None;
         }
         Some(Closed {
             quorum,
             old_size: usize::try_from(old_size).ok()?,
             survivors,
-            joiners: usize::try_from(joiners).ok()?,
+            joiners,
             presence: presence.iter().map(|a| a.parse().ok()).collect(),
         })
     }
 
     fn size(&self) -> usize {
         self.survivors.len() + self.joiners
+    }
+}
+
+/// The store key where joiner `ticket` of the epoch at `prefix` leaves its
+/// presence endpoint (EL-8).
+fn joiner_key(prefix: &str, ticket: usize) -> String {
+    format!("{prefix}/joiner/{ticket}")
+}
+
+/// A presence endpoint as a member or joiner key holds it; `None` for
+/// anything else (a member without one writes `1`).
+fn parse_endpoint(raw: &[u8]) -> Option<SocketAddr> {
+    std::str::from_utf8(raw).ok()?.parse().ok()
+}
+
+/// The start watch of new rank `rank` of the epoch at `prefix` (EL-8): its
+/// ring neighbours among every member of `closed`, leaving out this
+/// process's own endpoint `mine`.
+fn start_watch(
+    ctx: &CommCtx,
+    prefix: &str,
+    epoch: u64,
+    rank: usize,
+    closed: &Closed,
+    mine: Option<SocketAddr>,
+) -> StartWatch {
+    StartWatch {
+        store: ctx.store.clone(),
+        notice_key: notice_key(prefix),
+        epoch,
+        rank,
+        neighbours: crate::presence::neighbours(rank, &closed.presence, mine),
+        interval: ctx.options.heartbeat_interval,
+        timeout: ctx.options.heartbeat_timeout,
+        until: ctx.options.connect_timeout,
     }
 }
 
@@ -959,7 +996,7 @@ impl Comm {
                         .get(&format!("{prefix}/member/{r}"))
                         .await
                         .map_err(transport)?
-                        .map(|raw| std::str::from_utf8(&raw).ok().and_then(|a| a.parse().ok()));
+                        .map(|raw| parse_endpoint(&raw));
                 }
             }
             let present: Vec<usize> = (0..n).filter(|&r| registered[r].is_some()).collect();
@@ -971,10 +1008,21 @@ impl Comm {
                     Some(m) => size >= m.max(1),
                     None => present.len() * 2 > n,
                 };
+                // The joiners' endpoints, by ticket (EL-8): O(joiners), read
+                // only when closing.
+                let mut presence: Vec<Option<SocketAddr>> =
+                    present.iter().map(|&r| registered[r].flatten()).collect();
+                for t in 0..joiners {
+                    let raw = store
+                        .get(&joiner_key(&prefix, t))
+                        .await
+                        .map_err(transport)?;
+                    presence.push(raw.as_deref().and_then(parse_endpoint));
+                }
                 let mine = Closed {
                     quorum,
                     old_size: n,
-                    presence: present.iter().map(|&r| registered[r].flatten()).collect(),
+                    presence,
                     survivors: present,
                     joiners,
                 };
@@ -1033,18 +1081,8 @@ impl Comm {
             old_to_new: old_to_new.clone(),
             joined: (closed.survivors.len()..closed.size()).collect(),
         };
-        // EL-8: watch the ring neighbours among the survivors while the
-        // epoch's backend connects.
-        let watch = watched.then(|| StartWatch {
-            store: store.clone(),
-            notice_key: notice_key(&prefix),
-            epoch: next,
-            rank,
-            neighbours: crate::presence::neighbours(rank, &closed.presence, presence),
-            interval: ctx.options.heartbeat_interval,
-            timeout: ctx.options.heartbeat_timeout,
-            until: ctx.options.connect_timeout,
-        });
+        // EL-8: watch the ring neighbours while the epoch's backend connects.
+        let watch = watched.then(|| start_watch(&ctx, &prefix, next, rank, &closed, presence));
         let started = start_epoch(
             &ctx,
             self.shared.backend_requested.clone(),
@@ -1251,6 +1289,18 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
             .max(1) as usize
             - 1;
         tracing::info!(comm = %name, epoch = next, ticket, "registered as a joiner");
+        // EL-8: this process's presence endpoint, under the ticket.
+        let bind_ip = crate::bootstrap::bind_ip(&options, connected.local_ip)?;
+        let watched = !options.heartbeat_interval.is_zero();
+        let presence = watched
+            .then(|| crate::presence::endpoint(bind_ip))
+            .flatten();
+        if let Some(a) = presence {
+            store
+                .set(&joiner_key(&prefix, ticket), a.to_string().into_bytes())
+                .await
+                .map_err(transport)?;
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         let raw = store
             .wait(&[format!("{prefix}/closed")], left)
@@ -1276,14 +1326,15 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
                 base,
                 store: store.clone(),
                 secret: Arc::from(secret.clone().unwrap_or_default()),
-                bind_ip: crate::bootstrap::bind_ip(&options, connected.local_ip)?,
+                bind_ip,
                 options: options.clone(),
                 server: None,
                 store_host: None,
                 lineage: None,
             });
             let rank = closed.survivors.len() + ticket;
-            return start_epoch(&ctx, backend, device, rank, closed.size(), next, None).await;
+            let watch = watched.then(|| start_watch(&ctx, &prefix, next, rank, &closed, presence));
+            return start_epoch(&ctx, backend, device, rank, closed.size(), next, watch).await;
         }
         // Closed before our ticket counted: try the epoch after it.
         tracing::info!(comm = %name, epoch = next, "membership closed without this joiner; retrying");
@@ -1301,10 +1352,23 @@ mod tests {
             old_size: 4,
             survivors: vec![0, 1, 3],
             joiners: 1,
-            presence: vec![Some(SocketAddr::from(([127, 0, 0, 1], 4000))), None, None],
+            presence: vec![
+                Some(SocketAddr::from(([127, 0, 0, 1], 4000))),
+                None,
+                None,
+                Some(SocketAddr::from(([0, 0, 0, 0, 0, 0, 0, 1], 9))),
+            ],
         };
         assert_eq!(Closed::parse(&c.encode()), Some(c.clone()));
         assert_eq!(c.size(), 4);
+        // EL-8: one endpoint per member, joiners included.
+        let short = Closed {
+            presence: c.presence[..3].to_vec(),
+            ..c.clone()
+        };
+        assert_eq!(Closed::parse(&short.encode()), None);
+        assert_eq!(parse_endpoint(b"127.0.0.1:4000"), c.presence[0]);
+        assert_eq!(parse_endpoint(b"1"), None);
         assert_eq!(Closed::parse(b"maybe|1||0"), None);
     }
 }
