@@ -788,7 +788,7 @@ mod tests {
             bind_ip: std::net::IpAddr::from([127, 0, 0, 1]),
             links: crate::backends::LinkPolicy::Auto,
             host_id: None,
-            peers_failed: super::PeerFailures::none(),
+            peers_failed: crate::backends::PeerFailures::none(),
         };
         let b = VendorBackend::connect(init, move || Ok(Fake { release, closed: c }))
             .await
