@@ -44,10 +44,15 @@ use crate::transport::{CompareSet, Store};
 static ENDPOINTS: Mutex<Vec<(IpAddr, SocketAddr)>> = Mutex::new(Vec::new());
 
 /// This process's presence endpoint on `ip`, bound and served on first use.
-/// `None` (logged at `warn`) if it cannot be bound or served: the members
-/// of a reconfigure then do not watch this process, and its death while an
-/// epoch starts is found at `connect_timeout`.
+/// `None` (logged at `warn`) if it cannot be bound or served, and for a
+/// wildcard `ip` (`0.0.0.0`, `::`), whose address names no host to a peer:
+/// the members of a reconfigure then do not watch this process, and its
+/// death while an epoch starts is found at `connect_timeout`.
 pub(crate) fn endpoint(ip: IpAddr) -> Option<SocketAddr> {
+    if ip.is_unspecified() {
+        tracing::debug!(%ip, "a wildcard bind address: no presence endpoint is advertised");
+        return None;
+    }
     let mut eps = ENDPOINTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -273,7 +278,8 @@ mod tests {
         assert_eq!(ranks(neighbours(0, &eps[..2], at(1))), vec![1]);
         assert!(neighbours(0, &eps[..1], at(1)).is_empty());
         // Members of this process, and members without an endpoint, are
-        // not probed.
+        // not probed; nor is a wildcard address advertised.
+        assert_eq!(endpoint(IpAddr::from([0, 0, 0, 0])), None);
         let shared = [at(1), at(1), None, at(1)];
         assert!(neighbours(0, &shared, at(1)).is_empty());
         assert_eq!(
