@@ -928,11 +928,11 @@ fn report_epoch(next: Comm, map: &chorus::RankMap) {
 /// endpoint's refusal tells the others.
 const DIES_CONNECTING: &str = "cpu-killed-connecting-epoch-1";
 
-fn register_dies_connecting(published: bool) {
+fn register_dies_connecting(published: bool, victim: usize) {
     chorus::register_backend(
         DIES_CONNECTING,
         move |_device, init: BackendInit| async move {
-            if init.epoch == 1 && init.rank == 2 {
+            if init.epoch == 1 && init.rank == victim {
                 if published {
                     common::publish_dead_listener(&init).await;
                 }
@@ -954,7 +954,7 @@ fn register_dies_connecting(published: bool) {
 fn reconf_connect_worker(published: bool) {
     let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
     println!("@@pid {}", std::process::id());
-    register_dies_connecting(published);
+    register_dies_connecting(published, 2);
     let o = CommOptions::default()
         .with_heartbeat(HB, HB_TIMEOUT)
         .with_timeout(Duration::from_secs(20))
@@ -1030,6 +1030,75 @@ fn rank_killed_before_publishing_its_address_in_epoch_1_is_found_by_its_neighbou
     killed_while_epoch_1_connects("reconf_unpublished");
 }
 
+/// Ranks 0..3 form a communicator of 3; the fourth process joins it, and
+/// dies (SIGKILL) in its backend factory while epoch 1, which admitted it
+/// as rank 3, starts, before it published anything. Its ring neighbours
+/// probe its presence endpoint (EL-8): ranks 0..3 get `PeerFailed` naming
+/// rank 3 within the heartbeat bound, and their next reconfigure forms
+/// epoch 2 of the three of them.
+#[test]
+fn joiner_killed_while_epoch_1_starts_is_found_by_its_neighbours() {
+    let deadline = Instant::now() + MP_DEADLINE;
+    let ranks = spawn_ranks(4, "joiner_dies");
+    ranks.wait_lines(&[3], "@@dying", deadline);
+    for line in ranks.wait_lines(&[0, 1, 2], "@@first", deadline) {
+        eprintln!("joiner_dies: {line}");
+        let (k, ms, failed) = parse_error(&line);
+        assert_eq!(k, "PeerFailed", "{line}");
+        assert_eq!(failed, "[3]", "{line}");
+        assert!(ms < (HB_TIMEOUT + SLACK).as_millis(), "too slow: {line}");
+    }
+    for line in ranks.wait_lines(&[0, 1, 2], "@@reconf", deadline) {
+        assert!(line.contains("size=3 epoch=2 ok=true"), "{line}");
+    }
+    ranks.wait_lines(&[0, 1, 2], "@@alive", deadline);
+}
+
+/// A process of `joiner_dies`: ranks 0..3 run a communicator of 3 until
+/// they agree a joiner waits, then reconfigure with it (which fails when it
+/// dies) and again without it; the fourth process joins and dies
+/// ([`register_dies_connecting`] with victim 3).
+fn joiner_dies_worker() {
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    println!("@@pid {}", std::process::id());
+    register_dies_connecting(false, 3);
+    let o = CommOptions::default()
+        .with_heartbeat(HB, HB_TIMEOUT)
+        .with_timeout(Duration::from_secs(20))
+        .with_connect_timeout(Duration::from_secs(20));
+    if rank == 3 {
+        let e = chorus::join_comm(DIES_CONNECTING, Device::Cpu, "faults", o)
+            .expect_err("the joiner dies while it starts");
+        panic!("the joiner outlived its own SIGKILL: {e}");
+    }
+    let comm =
+        new_comm(DIES_CONNECTING, Device::Cpu, "faults", o.with_rank(rank, 3)).expect("new_comm");
+    // Every rank leaves the loop after the same op: the largest count of
+    // waiting joiners any rank saw decides.
+    loop {
+        let seen = comm.pending_joiners().expect("pending_joiners") as i64;
+        let agreed = comm
+            .all_reduce(Tensor::full(seen, 1), ReduceOp::Max)
+            .expect("all_reduce");
+        if agreed.to_vec::<i64>()[0] > 0 {
+            break;
+        }
+    }
+    let t0 = Instant::now();
+    let with_joiner = ReconfigureOptions {
+        wait_joiners: 1,
+        ..ReconfigureOptions::default()
+    };
+    let failed = match comm.reconfigure(with_joiner) {
+        Err(e) => e,
+        Ok((next, _)) => next
+            .all_reduce(Tensor::full(1i64, 64), ReduceOp::Sum)
+            .expect_err("the joiner died while epoch 1 started"),
+    };
+    let again = comm.reconfigure(ReconfigureOptions::default());
+    report_second(rank, &failed, t0, again);
+}
+
 fn killed_while_epoch_1_connects(mode: &str) {
     let deadline = Instant::now() + MP_DEADLINE;
     let mut ranks = spawn_ranks(4, mode);
@@ -1060,6 +1129,7 @@ fn worker() {
         Ok("elastic") => elastic_train::run_rank().expect("elastic rank"),
         Ok("reconf_connect") => reconf_connect_worker(true),
         Ok("reconf_unpublished") => reconf_connect_worker(false),
+        Ok("joiner_dies") => joiner_dies_worker(),
         Ok(mode) => fault_worker(mode),
         Err(_) => {}
     }
