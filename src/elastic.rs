@@ -279,6 +279,17 @@ fn parse_endpoint(raw: &[u8]) -> Option<SocketAddr> {
     std::str::from_utf8(raw).ok()?.parse().ok()
 }
 
+/// Whether a member with `options` watches its neighbours while an epoch
+/// starts (heartbeats on), and the presence endpoint it advertises on `ip`
+/// (only then; `None` also where none can be bound) (EL-8).
+fn presence_of(options: &CommOptions, ip: IpAddr) -> (bool, Option<SocketAddr>) {
+    let watched = !options.heartbeat_interval.is_zero();
+    (
+        watched,
+        watched.then(|| crate::presence::endpoint(ip)).flatten(),
+    )
+}
+
 /// The start watch of new rank `rank` of the epoch at `prefix` (EL-8): its
 /// ring neighbours among every member of `closed`, leaving out this
 /// process's own endpoint `mine`.
@@ -922,10 +933,7 @@ impl Comm {
         tracing::info!(comm = %ctx.name, rank = me, epoch = next, ?failed, "reconfiguring");
         // The member key carries this process's presence endpoint, which
         // the member's ring neighbours probe while the epoch starts (EL-8).
-        let watched = !ctx.options.heartbeat_interval.is_zero();
-        let presence = watched
-            .then(|| crate::presence::endpoint(ctx.bind_ip))
-            .flatten();
+        let (watched, presence) = presence_of(&ctx.options, ctx.bind_ip);
         store
             .set(
                 &format!("{prefix}/member/{me}"),
@@ -1291,10 +1299,7 @@ async fn join(backend: String, device: Device, name: String, options: CommOption
         tracing::info!(comm = %name, epoch = next, ticket, "registered as a joiner");
         // EL-8: this process's presence endpoint, under the ticket.
         let bind_ip = crate::bootstrap::bind_ip(&options, connected.local_ip)?;
-        let watched = !options.heartbeat_interval.is_zero();
-        let presence = watched
-            .then(|| crate::presence::endpoint(bind_ip))
-            .flatten();
+        let (watched, presence) = presence_of(&options, bind_ip);
         if let Some(a) = presence {
             store
                 .set(&joiner_key(&prefix, ticket), a.to_string().into_bytes())
