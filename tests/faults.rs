@@ -946,19 +946,28 @@ fn register_dies_connecting(published: bool, victim: usize) {
     .expect("register the backend");
 }
 
+/// What every process of the tests of a death while epoch 1 starts does
+/// first: report its pid, register [`register_dies_connecting`] for
+/// `victim`, and take the options they share (heartbeats, and a 20 s
+/// connect timeout that the detection bound must beat). Returns `RANK`.
+fn dies_connecting_rank(published: bool, victim: usize) -> (usize, CommOptions) {
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    println!("@@pid {}", std::process::id());
+    register_dies_connecting(published, victim);
+    let o = CommOptions::default()
+        .with_heartbeat(HB, HB_TIMEOUT)
+        .with_timeout(Duration::from_secs(20))
+        .with_connect_timeout(Duration::from_secs(20));
+    (rank, o)
+}
+
 /// A rank of `reconf_connect`: all-reduces until rank 3 is killed, then
 /// reconfigures into epoch 1, where rank 2 dies while it connects
 /// ([`register_dies_connecting`]); reports the first failure naming rank
 /// 2 (the reconfigure's, or the new epoch's first op's) and how long after
 /// the reconfigure began, then reconfigures again into epoch 2.
 fn reconf_connect_worker(published: bool) {
-    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
-    println!("@@pid {}", std::process::id());
-    register_dies_connecting(published, 2);
-    let o = CommOptions::default()
-        .with_heartbeat(HB, HB_TIMEOUT)
-        .with_timeout(Duration::from_secs(20))
-        .with_connect_timeout(Duration::from_secs(20));
+    let (rank, o) = dies_connecting_rank(published, 2);
     let comm = new_comm(DIES_CONNECTING, Device::Cpu, "faults", o).expect("new_comm");
     let mut done = 0;
     let e = loop {
@@ -1059,13 +1068,7 @@ fn joiner_killed_while_epoch_1_starts_is_found_by_its_neighbours() {
 /// dies) and again without it; the fourth process joins and dies
 /// ([`register_dies_connecting`] with victim 3).
 fn joiner_dies_worker() {
-    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
-    println!("@@pid {}", std::process::id());
-    register_dies_connecting(false, 3);
-    let o = CommOptions::default()
-        .with_heartbeat(HB, HB_TIMEOUT)
-        .with_timeout(Duration::from_secs(20))
-        .with_connect_timeout(Duration::from_secs(20));
+    let (rank, o) = dies_connecting_rank(false, 3);
     if rank == 3 {
         let e = chorus::join_comm(DIES_CONNECTING, Device::Cpu, "faults", o)
             .expect_err("the joiner dies while it starts");
