@@ -1511,6 +1511,166 @@ async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
     .await;
 }
 
+/// all_to_all on a communicator across hosts (three hosts of four ranks,
+/// placed round-robin so no host's ranks are consecutive) runs on rails:
+/// uneven blocks (empty ones included), large blocks and the list form
+/// that learns its sizes all arrive right, and a rank's links off its
+/// host go only to its rail. A block of the wrong length that was
+/// forwarded fails the op on the rank it was for, naming its sender and
+/// the rank that forwarded it.
+#[tokio::test]
+async fn all_to_all_across_hosts_runs_on_rails() {
+    bounded(async {
+        let (n, hosts) = (12usize, 3usize);
+        let host = |r: usize| r % hosts;
+        let store = Arc::new(MemoryStore::new());
+        let prefix = "comm/rails#0/epoch/3";
+        let mut w: Vec<CpuBackend> = join_all((0..n).map(|r| {
+            CpuBackend::connect(BackendInit {
+                links: LinkPolicy::Lazy,
+                host_id: Some(format!("h{}", host(r))),
+                peers_failed: chorus::backends::PeerFailures::none(),
+                ..init(&store, prefix, r, n, b"s", Duration::from_secs(10))
+            })
+        }))
+        .await
+        .into_iter()
+        .map(|b| b.expect("connect"))
+        .collect();
+        if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") {
+            // No host ids without shared memory, so no hierarchy.
+            assert!(w.iter().all(|b| b.topology().is_none()));
+            return;
+        }
+        let val = |i: usize, j: usize, k: usize| (i * 1_000_000 + j * 10_000 + k) as f32;
+        let single = |sz: fn(usize, usize) -> usize| -> Vec<OpData> {
+            (0..n)
+                .map(|r| OpData::AllToAll {
+                    input: Tensor::from_vec(
+                        (0..n)
+                            .flat_map(|j| (0..sz(r, j)).map(move |k| val(r, j, k)))
+                            .collect(),
+                    ),
+                    output: Tensor::full(-1.0f32, (0..n).map(|j| sz(j, r)).sum()),
+                    send_counts: (0..n).map(|j| sz(r, j)).collect(),
+                    recv_counts: (0..n).map(|j| sz(j, r)).collect(),
+                })
+                .collect()
+        };
+        let cases: [fn(usize, usize) -> usize; 2] = [
+            |i, j| {
+                if (i + j) % 5 == 0 {
+                    0
+                } else {
+                    1 + (i * 7 + j) % 9
+                }
+            },
+            |i, j| 3000 + i + j,
+        ];
+        for (seq, sz) in cases.into_iter().enumerate() {
+            let mut data = single(sz);
+            run_all(&mut w, OpKind::AllToAllSingle, seq as u64, &mut data).await;
+            for (r, d) in data.into_iter().enumerate() {
+                let OpData::AllToAll { output, .. } = d else {
+                    unreachable!()
+                };
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|j| (0..sz(j, r)).map(move |k| val(j, r, k)))
+                    .collect();
+                assert!(output.to_vec::<f32>() == want, "case {seq}, rank {r}");
+            }
+        }
+        // The list form: receive sizes learned from the frames.
+        let sz = |i: usize, j: usize| (i + 2 * j) % 4;
+        let mut data: Vec<OpData> = (0..n)
+            .map(|r| OpData::AllToAll {
+                input: Tensor::from_vec(
+                    (0..n)
+                        .flat_map(|j| (0..sz(r, j)).map(move |k| (r * 100 + j * 10 + k) as i64))
+                        .collect(),
+                ),
+                output: Tensor::zeros(DType::I64, 0),
+                send_counts: (0..n).map(|j| sz(r, j)).collect(),
+                recv_counts: vec![],
+            })
+            .collect();
+        run_all(&mut w, OpKind::AllToAll, 2, &mut data).await;
+        for (r, d) in data.iter().enumerate() {
+            let OpData::AllToAll {
+                output,
+                recv_counts,
+                ..
+            } = d
+            else {
+                unreachable!()
+            };
+            let want: Vec<i64> = (0..n)
+                .flat_map(|j| (0..sz(j, r)).map(move |k| (j * 100 + r * 10 + k) as i64))
+                .collect();
+            assert_eq!(output.to_vec::<i64>(), want, "list form, rank {r}");
+            assert_eq!(
+                recv_counts,
+                &(0..n).map(|j| sz(j, r)).collect::<Vec<_>>(),
+                "list form, rank {r}"
+            );
+        }
+        // RA-2: off the host, only the rail (same index on its host).
+        for (r, b) in w.iter().enumerate() {
+            let t = b.topology().expect("hosts");
+            let far: Vec<usize> = b
+                .linked_peers()
+                .into_iter()
+                .filter(|&p| host(p) != host(r))
+                .collect();
+            assert_eq!(far.len(), hosts - 1, "rank {r} off its host: {far:?}");
+            assert!(
+                far.iter().all(|&p| t.local(p) == t.local(r)),
+                "rank {r} off its host: {far:?}"
+            );
+        }
+        // RA-3: rank 1 (host 1, index 0) sends rank 5 (host 2, index 1) 3
+        // elements where rank 5 expects 2; rank 2 (host 2, index 0)
+        // forwards them.
+        let mut data = single(|i, j| if (i, j) == (1, 5) { 3 } else { 2 });
+        if let OpData::AllToAll {
+            recv_counts,
+            output,
+            ..
+        } = &mut data[5]
+        {
+            recv_counts[1] = 2;
+            *output = Tensor::zeros(DType::F32, 2 * n);
+        }
+        let res = join_all(w.iter_mut().zip(data.iter_mut()).enumerate().map(
+            |(r, (b, d))| async move {
+                let c = OpCtx {
+                    headers: false,
+                    ..ctx(r, n, OpKind::AllToAllSingle, 3)
+                };
+                b.execute(&c, d).await
+            },
+        ))
+        .await;
+        for (r, res) in res.into_iter().enumerate() {
+            match (r, res) {
+                (5, Err(e @ Error::Mismatch { .. })) => {
+                    let text = e.to_string();
+                    assert!(
+                        text.contains("rank 1 sent 12 bytes (forwarded by rank 2)"),
+                        "{text}"
+                    );
+                }
+                (5, other) => panic!("rank 5: {other:?}"),
+                (_, res) => res.unwrap_or_else(|e| panic!("rank {r}: {e}")),
+            }
+        }
+        for b in &mut w {
+            b.finalize().await;
+        }
+    })
+    .await;
+}
+
 /// Two ranks on different hosts (so their link is TCP) whose ops run as a
 /// blocked caller runs them (`may_block`): each on its own thread, which
 /// may wait in the kernel (the TCP latency path).

@@ -20,6 +20,9 @@
 //! | [`gather`], [`scatter`], blocks too large for the flat binomial tree, hosts of consecutive ranks | the host's blocks to (from) its representative, then one message per host between the representatives and the root | `H - 1` |
 //! | [`barrier_rounds`] | binomial fan-in to the leader, dissemination among the leaders, binomial fan-out | `H ceil(log2 H)` |
 //!
+//! all_to_all's two levels (rails) forward blocks between ranks rather
+//! than run a schedule; they live in [`alltoall`](super::alltoall).
+//!
 //! A host's *leader* is its lowest rank. Every choice here is a pure
 //! function of arguments every rank agrees on (the records every rank
 //! read, the op's count and root), so all ranks build matching schedules.
@@ -121,6 +124,11 @@ impl Topology {
     /// The host index of `rank`.
     pub fn host_of(&self, rank: usize) -> usize {
         self.host_of[rank]
+    }
+
+    /// `rank`'s index among its host's ranks (its rail).
+    pub fn local(&self, rank: usize) -> usize {
+        self.local[rank]
     }
 
     /// The ranks of host `h`, ascending.

@@ -56,10 +56,11 @@
 //!   the dissemination rounds of [`schedule::barrier_rounds`] (across
 //!   hosts those of [`hier::barrier_rounds`]), a
 //!   point-to-point batch one frame per transfer with that transfer's
-//!   fingerprint, an all_to_all one frame per ordered pair of ranks, an
+//!   fingerprint, an all_to_all one block per ordered pair of ranks, an
 //!   empty one for an empty block (its split sizes agree only pair by
 //!   pair), received by all_to_all_single only into a block of exactly its
-//!   length and by the list form into a buffer of the length it brings. An
+//!   length and by the list form into a buffer of the length it brings
+//!   (pairwise, or across hosts forwarded along rails: [`alltoall`]). An
 //!   abort caused by a mismatch marks its Abort frames, so peers report a
 //!   `Mismatch` too.
 //!
@@ -81,6 +82,7 @@ use crate::kernels;
 use crate::op::{OpKind, ReduceOp};
 use crate::tensor::Tensor;
 
+pub mod alltoall;
 mod fused;
 pub mod hier;
 mod link;
@@ -148,9 +150,13 @@ pub struct CpuBackend {
     /// The communicator is aborted because its ranks' ops disagree
     /// ([`Backend::abort_for`]): the Abort frames say so (LK-9).
     abort_mismatch: bool,
-    /// The hosts of a communicator that spans several, whose all-reduce,
-    /// all-gather, broadcast, reduce and barrier then run hierarchically ([`hier`]). O(N).
+    /// The hosts of a communicator that spans several, whose collectives
+    /// then run hierarchically ([`hier`], and all_to_all on rails,
+    /// [`alltoall`]). O(N).
     topo: Option<hier::Topology>,
+    /// Reusable staging of all_to_all across hosts ([`alltoall`]). O(N)
+    /// vectors once used.
+    a2a: alltoall::Staging,
 }
 
 /// The data parts of the Header frames of one op ([FU-3]): what each peer
@@ -245,6 +251,7 @@ impl CpuBackend {
             windows,
             abort_mismatch: false,
             topo,
+            a2a: Default::default(),
         })
     }
 
@@ -1509,175 +1516,6 @@ impl CpuBackend {
         Ok(true)
     }
 
-    /// CPU-6: all_to_all_single without a header exchange. Its split sizes
-    /// agree only pair by pair, so every ordered pair of ranks exchanges
-    /// exactly one message, an empty one for an empty block, and each
-    /// message is received only into a block of exactly its length: a pair
-    /// whose sizes disagree fails the op on the receiving rank with a
-    /// `Mismatch` (the sender's length is in the message's prefix), and the
-    /// abort that follows reaches every rank. A rank whose blocks are small
-    /// (the direct algorithm's limits, `fused`) moves all of them in one
-    /// step; otherwise it steps through the pairwise exchange, to `rank +
-    /// s` and from `rank - s`. The messages are the same either way, so
-    /// ranks may choose differently: a one-step rank serves every peer at
-    /// once and never holds up a stepping one. O(N) messages and O(N)
-    /// offsets per rank.
-    async fn all_to_all_pairs(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
-        let OpData::AllToAll {
-            input,
-            output,
-            send_counts,
-            recv_counts,
-        } = data
-        else {
-            return Err(Error::Internal("all_to_all without all_to_all data".into()));
-        };
-        let (rank, size) = (self.rank, self.size);
-        let es = input.dtype().size();
-        let bad = |what: String| {
-            Error::Internal(format!(
-                "{} #{} on rank {rank} of {size}: {what}",
-                ctx.kind.name(),
-                ctx.seq
-            ))
-        };
-        // Element offsets of every block, checked against the buffer once.
-        let byte_ranges = |counts: &[usize], len: usize| {
-            let offs = builders::offsets(counts);
-            let total = offs.last().copied().unwrap_or(0).checked_mul(es);
-            match total {
-                Some(t) if counts.len() == size && t <= len => Ok(offs),
-                _ => Err(bad(format!(
-                    "{} split sizes {counts:?} for {size} ranks and {len} bytes",
-                    counts.len()
-                ))),
-            }
-        };
-        let so = byte_ranges(send_counts, input.len_bytes())?;
-        if ctx.kind == OpKind::AllToAll && recv_counts.is_empty() {
-            return self
-                .all_to_all_learned(ctx, input, &so, output, recv_counts)
-                .await;
-        }
-        let ro = byte_ranges(recv_counts, output.len_bytes())?;
-        if send_counts[rank] != recv_counts[rank] {
-            return Err(ctx.mismatch(format!(
-                "this rank sends itself {} elements but expects {} from itself",
-                send_counts[rank], recv_counts[rank]
-            )));
-        }
-        let inp = input.as_bytes();
-        let mut blocks: SmallVec<[&mut [u8]; fused::FUSE_MAX_RANKS]> = SmallVec::new();
-        let mut rest = output.as_bytes_mut();
-        for k in 0..size {
-            let (head, tail) = rest.split_at_mut((ro[k + 1] - ro[k]) * es);
-            blocks.push(head);
-            rest = tail;
-        }
-        let block = |k: usize| &inp[so[k] * es..so[k + 1] * es];
-        blocks[rank].copy_from_slice(block(rank));
-        let tag = Tag::of(ctx);
-        let class = class_of(ctx);
-        let peer_max = (0..size)
-            .filter(|&p| p != rank)
-            .map(|p| (so[p + 1] - so[p]).max(ro[p + 1] - ro[p]) * es)
-            .max()
-            .unwrap_or(0);
-        if fused::fits_any_world(peer_max, size) {
-            let mut sends = Sends::new();
-            let mut recvs = Recvs::new();
-            for (p, out) in blocks.into_iter().enumerate().filter(|(p, _)| *p != rank) {
-                sends.push((p, smallvec::smallvec![(FrameKind::Data, tag, block(p))]));
-                recvs.push((
-                    p,
-                    smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(out))],
-                ));
-            }
-            return run_links(&mut self.links, ctx, class, &mut sends, &mut recvs).await;
-        }
-        let mut blocks: SmallVec<[Option<&mut [u8]>; fused::FUSE_MAX_RANKS]> =
-            blocks.into_iter().map(Some).collect();
-        for s in 1..size {
-            let (to, from) = ((rank + s) % size, (rank + size - s) % size);
-            let out = blocks[from]
-                .take()
-                .ok_or_else(|| bad(format!("block of rank {from} taken twice")))?;
-            let mut sends: Sends<'_> =
-                smallvec::smallvec![(to, smallvec::smallvec![(FrameKind::Data, tag, block(to))])];
-            let mut recvs: Recvs<'_> = smallvec::smallvec![(
-                from,
-                smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(out))]
-            )];
-            run_links(&mut self.links, ctx, class, &mut sends, &mut recvs).await?;
-        }
-        Ok(())
-    }
-
-    /// CPU-6: the list form of all_to_all without a header exchange: the
-    /// messages of [`Self::all_to_all_pairs`] (`so`: the element offsets of
-    /// the input's blocks, checked there), all in one step, each received
-    /// into a buffer of the length its sender gives (the sizes are learned,
-    /// not known); then the output and its receive sizes are built from
-    /// them. A length that is not a whole number of elements,
-    /// or that cannot be allocated, is a `Mismatch`. O(N) messages and N
-    /// receive buffers per rank (the list form allocates its outputs
-    /// anyway).
-    async fn all_to_all_learned(
-        &mut self,
-        ctx: &OpCtx,
-        input: &Tensor,
-        so: &[usize],
-        output: &mut Tensor,
-        recv_counts: &mut Vec<usize>,
-    ) -> Result<()> {
-        let (rank, size) = (self.rank, self.size);
-        let dtype = input.dtype();
-        let es = dtype.size();
-        let inp = input.as_bytes();
-        let block = |k: usize| &inp[so[k] * es..so[k + 1] * es];
-        let mut got: Vec<Vec<u8>> = vec![Vec::new(); size];
-        {
-            let tag = Tag::of(ctx);
-            let mut sends = Sends::new();
-            let mut recvs = Recvs::new();
-            for (p, slot) in got.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
-                sends.push((p, smallvec::smallvec![(FrameKind::Data, tag, block(p))]));
-                recvs.push((
-                    p,
-                    smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Bounded(slot, u64::MAX))],
-                ));
-            }
-            run_links(&mut self.links, ctx, class_of(ctx), &mut sends, &mut recvs).await?;
-        }
-        let mut counts = Vec::with_capacity(size);
-        for (p, b) in got.iter().enumerate() {
-            let len = if p == rank { block(p).len() } else { b.len() };
-            if len % es != 0 {
-                return Err(ctx.mismatch(format!(
-                    "rank {p} sent {len} bytes, not a whole number of {} elements",
-                    dtype.name()
-                )));
-            }
-            counts.push(len / es);
-        }
-        let total = counts.iter().sum::<usize>();
-        let mut out = Tensor::try_zeros(dtype, total).ok_or_else(|| {
-            ctx.mismatch(format!(
-                "peers sent {counts:?} elements for this rank, more than fits in memory"
-            ))
-        })?;
-        let mut at = 0;
-        let dst = out.as_bytes_mut();
-        for (p, b) in got.iter().enumerate() {
-            let src = if p == rank { block(p) } else { &b[..] };
-            dst[at..at + src.len()].copy_from_slice(src);
-            at += src.len();
-        }
-        *output = out;
-        *recv_counts = counts;
-        Ok(())
-    }
-
     async fn execute_inner(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
         let mut p2p_done = None;
         match self.carried.take().filter(|c| carried_for(c, ctx, data)) {
@@ -1689,7 +1527,7 @@ impl CpuBackend {
             // CPU-6: no header exchange ran for this op.
             None => match data {
                 OpData::Barrier => return self.barrier(ctx).await,
-                OpData::AllToAll { .. } => return self.all_to_all_pairs(ctx, data).await,
+                OpData::AllToAll { .. } => return self.all_to_all(ctx, data).await,
                 OpData::P2P { .. } => {}
                 _ => {
                     if self.direct(ctx, data).await? {

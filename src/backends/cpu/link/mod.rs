@@ -39,8 +39,8 @@ pub(crate) mod setup;
 
 pub(crate) use frame::{
     checks_hint, checksum_from_env, crc_field, encode_abort, fingerprint_mismatch, reserve,
-    verify_crc, FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvInto, Recvs, Sends,
-    Tag, FLAG_CRC, MAX_HEADER_FRAME, WORK_UNIT,
+    verify_crc, FrameClass, FrameKind, LinkReader, LinkWriter, Liveness, RecvFrames, RecvInto,
+    Recvs, SendFrames, Sends, Tag, FLAG_CRC, MAX_HEADER_FRAME, WORK_UNIT,
 };
 pub(crate) use pool::Pool;
 pub(crate) use setup::listen;
