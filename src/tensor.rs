@@ -6,6 +6,11 @@
 //! and an operation in flight (dropping a [`Work`](crate::Work) cannot leave a
 //! dangling buffer behind).
 //!
+//! Host tensors of 2 MiB and up live in an anonymous mapping of their own,
+//! on transparent huge pages where the kernel allows (`mapped`: the first
+//! touch of each 2 MiB costs one page fault, not 512); smaller ones come
+//! from the global allocator.
+//!
 //! A tensor can also borrow memory that something else allocated — a NumPy
 //! array, a pinned buffer, a memory-mapped file — through
 //! [`Tensor::from_external`]. It then holds a keep-alive *owner* next to the
@@ -47,6 +52,8 @@
 use std::fmt;
 
 use half::{bf16, f16};
+
+mod mapped;
 
 /// The sum of element counts, or `None` if it overflows `usize` (counts
 /// from users and peers are never trusted to add up safely).
@@ -314,6 +321,9 @@ pub struct Tensor {
 enum Storage {
     /// T-1: u64 words keep every view aligned.
     Owned(Vec<u64>),
+    /// A large buffer in a mapping of its own, on huge pages where the
+    /// kernel allows (`mapped`); page-aligned (T-1).
+    Mapped(mapped::Mapped),
     /// Memory owned by someone else, kept alive by `owner` (T-4).
     External(External),
     /// Device memory, never dereferenced on the host (T-5).
@@ -406,8 +416,8 @@ impl Tensor {
                 len: self.len,
                 storage: Storage::Owned(words.clone()),
             },
-            Storage::External(_) => {
-                let mut t = Tensor::zeros(self.dtype, self.len);
+            Storage::External(_) | Storage::Mapped(_) => {
+                let mut t = Tensor::try_zeros(self.dtype, self.len)?;
                 t.as_bytes_mut().copy_from_slice(self.as_bytes());
                 t
             }
@@ -463,10 +473,20 @@ impl Tensor {
         let bytes = len
             .checked_mul(dtype.size())
             .filter(|&b| b <= isize::MAX as usize)?;
+        // Large buffers in a mapping of their own (huge pages), else, or
+        // where that fails, from the global allocator.
+        let storage = (bytes >= mapped::HUGE_MIN && mapped::enabled())
+            .then(|| mapped::Mapped::zeroed(bytes))
+            .flatten()
+            .map(Storage::Mapped);
+        let storage = match storage {
+            Some(s) => s,
+            None => Storage::Owned(try_zeroed_words(bytes.div_ceil(8))?),
+        };
         Some(Tensor {
             dtype,
             len,
-            storage: Storage::Owned(try_zeroed_words(bytes.div_ceil(8))?),
+            storage,
         })
     }
 
@@ -759,6 +779,7 @@ impl Tensor {
         let n = self.len_bytes();
         Some(match &self.storage {
             Storage::Owned(words) => &bytemuck::cast_slice::<u64, u8>(words)[..n],
+            Storage::Mapped(m) => &m.bytes()[..n],
             // SAFETY: `from_external`'s contract: `ptr` is valid for
             // `len_bytes` (== n, T-2) initialized bytes while the owner, a
             // field of this tensor, lives; `&self` rules out a `&mut` view.
@@ -785,6 +806,7 @@ impl Tensor {
         let n = self.len_bytes();
         Some(match &mut self.storage {
             Storage::Owned(words) => &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..n],
+            Storage::Mapped(m) => &mut m.bytes_mut()[..n],
             // SAFETY: as in `try_as_bytes`, plus exclusive access: the
             // contract forbids any other access to the memory, and
             // `&mut self` rules out another view through this tensor.
@@ -974,6 +996,29 @@ impl fmt::Debug for Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tensor of 2 MiB or more lives in a mapping of its own (huge pages
+    /// where allowed): zeroed, aligned, and read, written, cloned and
+    /// compared like any other.
+    #[test]
+    fn large_tensors_are_mapped_and_behave_like_small_ones() {
+        let n = (mapped::HUGE_MIN / 4) + 3;
+        let mut t = Tensor::zeros(DType::F32, n);
+        if mapped::enabled() {
+            assert!(matches!(t.storage, Storage::Mapped(_)));
+        }
+        assert_eq!(t.len_bytes(), 4 * n);
+        assert!(t.as_slice::<f32>().iter().all(|x| *x == 0.0));
+        assert_eq!(t.as_bytes().as_ptr() as usize % 8, 0);
+        for (i, x) in t.as_mut_slice::<f32>().iter_mut().enumerate() {
+            *x = i as f32;
+        }
+        let c = t.clone();
+        assert!(c == t);
+        assert_eq!(c.as_slice::<f32>()[n - 1], (n - 1) as f32);
+        let small = Tensor::zeros(DType::F32, 16);
+        assert!(matches!(small.storage, Storage::Owned(_)));
+    }
 
     #[test]
     fn bools_compare_by_truth_and_convert() {
