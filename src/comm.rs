@@ -58,7 +58,7 @@ use crate::hooks::{AbortHookArgs, PostHookArgs, PreHookArgs, RemovableHandle};
 use crate::op::{OpKind, ReduceOp};
 use crate::options::{CommOptions, Device};
 use crate::tensor::{DType, Tensor};
-use crate::work::{to_pair, to_tensor, to_tensors, to_unit, Completion, Work};
+use crate::work::{to_lists, to_pair, to_tensor, to_tensors, to_unit, Completion, Work};
 
 /// One operation of a batched point-to-point call ([`Comm::batch_p2p`]).
 #[derive(Debug)]
@@ -1604,6 +1604,101 @@ impl Comm {
                     recv_counts: vec![],
                 },
             ))
+        })
+    }
+
+    /// [`Comm::all_to_all`] into buffers the caller provides, as
+    /// `torch.distributed.all_to_all(output_tensor_list, input_tensor_list)`
+    /// takes them: `inputs[j]` goes to rank `j`, and what rank `j` sent
+    /// here lands in `outputs[j]`, whose length says how many elements this
+    /// rank expects from `j`. Returns `(outputs, inputs)`, the outputs
+    /// filled, so both lists can go round again. Nothing is allocated for
+    /// the results (the op's receive buffer is one tensor of the outputs'
+    /// total length, copied into them at completion), and
+    /// every block's length is checked pair by pair, as
+    /// [`Comm::all_to_all_v_single`] checks them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `inputs` or `outputs` does not have
+    /// `size()` entries, if dtypes are mixed, or for device tensors (use
+    /// [`Comm::all_to_all_v_single`] there); [`Error::Mismatch`] if rank
+    /// `i` sends rank `j` a different number of elements than `outputs[i]`
+    /// on rank `j` holds, or ranks use different dtypes: on every rank on
+    /// the `cpu` backend with fingerprint checks (the default), as for
+    /// `all_to_all_v_single`; on rank `j` alone where the sizes travel in
+    /// a header exchange (`CHORUS_CHECKS=strict`, `gloo`, `mpi`).
+    ///
+    /// ```no_run
+    /// # fn demo(comm: &chorus::Comm) -> chorus::Result<()> {
+    /// use chorus::Tensor;
+    /// let n = comm.size();
+    /// // One element to every rank, one from every rank.
+    /// let inputs = (0..n).map(|j| Tensor::full(j as f32, 1)).collect();
+    /// let outputs = (0..n).map(|_| Tensor::full(0.0f32, 1)).collect();
+    /// let (got, _inputs) = comm.all_to_all_into(inputs, outputs)?;
+    /// assert_eq!(got[0].as_slice::<f32>(), &[comm.rank() as f32]);
+    /// # Ok(()) }
+    /// ```
+    pub fn all_to_all_into(
+        &self,
+        inputs: Vec<Tensor>,
+        outputs: Vec<Tensor>,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        self.blocking("all_to_all", || self.all_to_all_into_async(inputs, outputs))
+    }
+
+    /// Async form of [`Comm::all_to_all_into`].
+    pub fn all_to_all_into_async(
+        &self,
+        inputs: Vec<Tensor>,
+        outputs: Vec<Tensor>,
+    ) -> Work<(Vec<Tensor>, Vec<Tensor>)> {
+        self.submit(to_lists, || {
+            let n = self.size();
+            if inputs.len() != n || outputs.len() != n {
+                return Err(self.invalid(
+                    "all_to_all",
+                    format!(
+                        "{} inputs and {} outputs given for {n} ranks",
+                        inputs.len(),
+                        outputs.len()
+                    ),
+                ));
+            }
+            let dtype = inputs[0].dtype();
+            if inputs.iter().chain(&outputs).any(|t| t.dtype() != dtype) {
+                return Err(self.invalid("all_to_all", "inputs and outputs have mixed dtypes"));
+            }
+            if inputs.iter().chain(&outputs).any(Tensor::is_device) {
+                return Err(self.invalid(
+                    "all_to_all",
+                    "all_to_all_into takes host tensors; use all_to_all_v_single on the device",
+                ));
+            }
+            let send_counts: Vec<usize> = inputs.iter().map(Tensor::len).collect();
+            let recv_counts: Vec<usize> = outputs.iter().map(Tensor::len).collect();
+            let total = self.checked_total("all_to_all", &recv_counts)?;
+            let input = Tensor::concat(dtype, &inputs).ok_or_else(|| {
+                self.invalid("all_to_all", "no memory for the concatenated inputs")
+            })?;
+            let output = Tensor::try_zeros(dtype, total)
+                .ok_or_else(|| self.invalid("all_to_all", "no memory for the receive buffer"))?;
+            let mut req = Request::collective(
+                OpKind::AllToAll,
+                None,
+                dtype,
+                None,
+                input.len(),
+                send_counts.clone(),
+                OpData::AllToAll {
+                    input,
+                    output,
+                    send_counts,
+                    recv_counts,
+                },
+            );
+            req.fill = Some((outputs, inputs));
+            Ok(req)
         })
     }
 

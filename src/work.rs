@@ -586,6 +586,20 @@ pub(crate) fn to_pair(c: Completion) -> Result<(Tensor, Tensor)> {
     }
 }
 
+/// `outputs ++ inputs` of a list `_into` op (two lists of equal length),
+/// as `(outputs, inputs)`.
+pub(crate) fn to_lists(c: Completion) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+    match c {
+        Completion::Tensors(mut v) if v.len() % 2 == 0 => {
+            let inputs = v.split_off(v.len() / 2);
+            Ok((v, inputs))
+        }
+        other => Err(Error::Internal(format!(
+            "expected two lists of tensors, got {other:?}"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

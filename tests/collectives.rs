@@ -293,11 +293,20 @@ fn rooted_and_gathering_ops(n: usize) {
                         )
                     })
                     .collect();
-                let outs = comm.all_to_all(inputs).unwrap();
+                let outs = comm.all_to_all(inputs.clone()).unwrap();
                 assert_eq!(outs.len(), n);
                 for (j, t) in outs.iter().enumerate() {
                     let want = vec![(j * 10 + r) as f64 % 100.0; (j + 1) * (r + 1) % 7];
                     assert_close(dtype, t, &want, &what("all_to_all"));
+                }
+                // all_to_all_into: the same exchange into given outputs.
+                let outputs: Vec<Tensor> = (0..n)
+                    .map(|j| Tensor::zeros(dtype, (j + 1) * (r + 1) % 7))
+                    .collect();
+                let (outs, _) = comm.all_to_all_into(inputs, outputs).unwrap();
+                for (j, t) in outs.iter().enumerate() {
+                    let want = vec![(j * 10 + r) as f64 % 100.0; (j + 1) * (r + 1) % 7];
+                    assert_close(dtype, t, &want, &what("all_to_all_into"));
                 }
             }
         }
@@ -779,6 +788,80 @@ fn all_to_all_single_into_reuses_the_output_and_mixes_with_the_allocating_form()
             let e = comm
                 .all_to_all_single_into(mk(2), Tensor::zeros(DType::I32, n * 2))
                 .unwrap_err();
+            assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+            comm.barrier().unwrap();
+        });
+    }
+}
+
+/// all_to_all_into fills the outputs it is given (external memory in
+/// place), sync and async, and mixes with the allocating list form in one
+/// op; a wrong number of outputs or a device tensor is refused before
+/// anything moves.
+#[test]
+fn all_to_all_into_fills_the_given_outputs_and_mixes_with_the_list_form() {
+    for n in [2, 3] {
+        run_ranks(n, &format!("a2a-list-into-{n}"), move |comm| {
+            let r = comm.rank();
+            // Rank `p` sends rank `j` `size(p, j)` elements `p * 100 + j`.
+            let size = |p: usize, j: usize| (p + 2 * j) % 4 + usize::from(p == j) * 70_000;
+            let inputs = || -> Vec<Tensor> {
+                (0..n)
+                    .map(|j| Tensor::full((r * 100 + j) as i32, size(r, j)))
+                    .collect()
+            };
+            let check = |outs: &[Tensor]| {
+                assert_eq!(outs.len(), n);
+                for (j, t) in outs.iter().enumerate() {
+                    assert_eq!(t.to_vec::<i32>(), vec![(j * 100 + r) as i32; size(j, r)]);
+                }
+            };
+            // Outputs over memory the test owns: written in place.
+            let mut mem: Vec<Vec<i32>> = (0..n).map(|j| vec![-1; size(j, r).max(1)]).collect();
+            let outputs: Vec<Tensor> = mem
+                .iter_mut()
+                .enumerate()
+                .map(|(j, m)| {
+                    // SAFETY: `m` outlives the op (it is read after `wait`)
+                    // and nothing else touches it meanwhile.
+                    unsafe {
+                        Tensor::from_external(
+                            DType::I32,
+                            m.as_mut_ptr().cast(),
+                            size(j, r),
+                            Box::new(()),
+                        )
+                    }
+                    .expect("external output")
+                })
+                .collect();
+            let (outs, ins) = comm
+                .all_to_all_into_async(inputs(), outputs)
+                .wait()
+                .unwrap();
+            check(&outs);
+            // The inputs come back unchanged, for the next op.
+            assert!(ins.iter().zip(inputs()).all(|(a, b)| *a == b));
+            drop(outs);
+            for (j, m) in mem.iter().enumerate() {
+                assert!(m[..size(j, r)].iter().all(|&x| x == (j * 100 + r) as i32));
+            }
+            // Rank 0 gives its outputs, the others let the op size them.
+            let outs = if r == 0 {
+                let outputs = (0..n)
+                    .map(|j| Tensor::zeros(DType::I32, size(j, r)))
+                    .collect();
+                comm.all_to_all_into(inputs(), outputs).unwrap().0
+            } else {
+                comm.all_to_all(inputs()).unwrap()
+            };
+            check(&outs);
+            let e = comm
+                .all_to_all_into(inputs(), vec![Tensor::zeros(DType::I32, 1)])
+                .unwrap_err();
+            assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
+            let outputs = (0..n).map(|_| Tensor::zeros(DType::F32, 1)).collect();
+            let e = comm.all_to_all_into(inputs(), outputs).unwrap_err();
             assert!(matches!(e, chorus::Error::InvalidArgument { .. }), "{e}");
             comm.barrier().unwrap();
         });

@@ -350,6 +350,20 @@ fn fingerprint_all_to_all_single_size_mismatches_reach_every_rank() {
             a2a(|_, _| 2, |r, j| if (r, j) == (1, 1) { 3 } else { 2 }),
         ),
         (
+            // all_to_all_into: rank 1's output for rank 0 holds one
+            // element fewer than rank 0 sends it.
+            3,
+            "fp-a2a-into-len",
+            Box::new(|c: &Comm| {
+                let (r, n) = (c.rank(), c.size());
+                let inputs = (0..n).map(|_| Tensor::zeros(DType::U8, 3)).collect();
+                let outputs = (0..n)
+                    .map(|j| Tensor::zeros(DType::U8, if (r, j) == (1, 0) { 2 } else { 3 }))
+                    .collect();
+                c.all_to_all_into(inputs, outputs).map(drop)
+            }),
+        ),
+        (
             // The list form learns its sizes from the messages; its dtype
             // is in the fingerprint.
             3,

@@ -1069,6 +1069,25 @@ fn finish(
             recv_counts,
             ..
         } => {
+            if let Some((mut fill, inputs)) = req.fill.take() {
+                // all_to_all_into: the caller's outputs, one per sender,
+                // then its inputs, handed back.
+                let lens: Vec<usize> = fill.iter().map(Tensor::len).collect();
+                if lens != recv_counts {
+                    return Err(ctx.mismatch(format!(
+                        "peers sent {recv_counts:?} elements for this rank, but its outputs hold {lens:?}"
+                    )));
+                }
+                let from = output.as_bytes();
+                let mut at = 0;
+                for t in &mut fill {
+                    let n = t.len_bytes();
+                    t.as_bytes_mut().copy_from_slice(&from[at..at + n]);
+                    at += n;
+                }
+                fill.extend(inputs);
+                return Ok(Completion::Tensors(fill));
+            }
             if req.kind == OpKind::AllToAll {
                 Completion::Tensors(
                     // Sizes come from the peers' headers.

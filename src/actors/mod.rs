@@ -106,6 +106,9 @@ pub(crate) struct Request {
     pub(crate) return_input: bool,
     /// gather_single: complete with the root's whole output, unsplit.
     pub(crate) whole: bool,
+    /// all_to_all_into: the caller's outputs, filled from the op's output
+    /// at completion, and its inputs; both returned (`None` otherwise).
+    pub(crate) fill: Option<(Vec<Tensor>, Vec<Tensor>)>,
     /// A window op (kinds `NewWindow` and `Window`), run by
     /// [`Backend::window`] instead of `execute`.
     pub(crate) window: Option<crate::backends::WindowOp>,
@@ -142,6 +145,7 @@ impl Request {
             keep: None,
             return_input: false,
             whole: false,
+            fill: None,
             window: None,
             timeout: Duration::from_secs(600),
             stream: None,
