@@ -903,13 +903,17 @@ impl PyComm {
         dtype: u8,
         timeout: Option<f64>,
     ) -> PyResult<PyWork> {
-        let dests = dests(&bufs(outputs, dtype)?)?;
+        let outs = bufs(outputs, dtype)?;
+        let dests = dests(&outs)?;
+        // The outputs as views of the caller's buffers where they can be
+        // (then filled in place, and `fill` below copies nothing).
+        let outputs: Vec<Tensor> = outs.iter().map(Buf::tensor).collect();
         let inputs: Vec<Tensor> = bufs(inputs, dtype)?.iter().map(Buf::tensor).collect();
         self.submit(
             py,
             timeout,
-            move |c| c.all_to_all_async(inputs),
-            move |ts: Vec<Tensor>| {
+            move |c| c.all_to_all_into_async(inputs, outputs),
+            move |(ts, _inputs): (Vec<Tensor>, Vec<Tensor>)| {
                 if ts.len() != dests.len() {
                     return Err(Failure::Value(format!(
                         "{} results for {} output buffers",

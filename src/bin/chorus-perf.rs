@@ -39,11 +39,12 @@
 //! the in-place columns reuse the same buffers op after op. all_gather's
 //! in-place column is a true in-place all_gather (`all_gather_in_place`:
 //! this rank's block already sits in the output, as in nccl-tests);
-//! reduce_scatter's, all_to_all_single's, gather's and scatter's go
-//! through `reduce_scatter_into`, `all_to_all_single_into`,
-//! `gather_single_into` and `scatter_single_into`, which take every buffer.
-//! The list all_to_all consumes what it is given, so its in-place column
-//! hands it a copy made outside the timed region. The
+//! reduce_scatter's, all_to_all_single's, gather's, scatter's and the list
+//! all_to_all's go through `reduce_scatter_into`, `all_to_all_single_into`,
+//! `gather_single_into`, `scatter_single_into` and `all_to_all_into`,
+//! which take every buffer (on a device the list all_to_all keeps its
+//! allocating form, handed a copy of its inputs made outside the timed
+//! region). The
 //! out-of-place columns time an op on a fresh copy of its arguments (the copy
 //! included) with a fresh output, which is what a caller who keeps the input
 //! and uses the allocating forms pays.
@@ -595,6 +596,8 @@ enum Call {
     /// `(input, output)` of the `_into` forms; `(send, recv)` of ping_pong.
     Two(Tensor, Tensor),
     List(Vec<Tensor>),
+    /// `(inputs, outputs)` of `all_to_all_into`.
+    Lists(Vec<Tensor>, Vec<Tensor>),
     Scatter(Tensor, Option<Vec<Tensor>>),
     /// The output of an in-place all_gather (this rank's block in place).
     InPlace(Tensor),
@@ -606,6 +609,8 @@ enum Back {
     /// `(output, input)` of the `_into` forms; `(send, recv)` of ping_pong.
     Two(Tensor, Tensor),
     List(Vec<Tensor>),
+    /// `(outputs, inputs)` of `all_to_all_into`.
+    Lists(Vec<Tensor>, Vec<Tensor>),
     /// The output of an in-place all_gather, to reuse as the next one's.
     Out(Tensor),
 }
@@ -658,6 +663,10 @@ async fn issue(comm: &Comm, op: Op, api: Api, call: Call) -> chorus::Result<Back
         }
         (Op::AllToAll, Call::List(v)) => {
             Back::List(go!(api, comm.all_to_all / all_to_all_async(v)))
+        }
+        (Op::AllToAll, Call::Lists(i, o)) => {
+            let (o, i) = go!(api, comm.all_to_all_into / all_to_all_into_async(i, o));
+            Back::Lists(o, i)
         }
         (Op::AllToAllSingle, Call::One(t)) => Back::One(go!(
             api,
@@ -717,6 +726,8 @@ struct Buffers {
     b: Tensor,
     /// all_to_all's inputs; scatter's inputs on the root.
     list: Vec<Tensor>,
+    /// all_to_all's outputs for `all_to_all_into` (host buffers only).
+    outs: Vec<Tensor>,
     /// With `--device cuda`: the communicator whose device holds the
     /// buffers (device copies go through it).
     dev: Option<Comm>,
@@ -803,12 +814,17 @@ impl Buffers {
             }
         };
         let Some(comm) = dev else {
+            let outs = match op {
+                Op::AllToAll => (0..n).map(|_| fill(per, &|_| 0.0)).collect(),
+                _ => vec![],
+            };
             return Ok(Buffers {
                 op,
                 rank,
                 a,
                 b,
                 list,
+                outs,
                 dev: None,
             });
         };
@@ -822,6 +838,7 @@ impl Buffers {
             a: comm.to_device(&a)?,
             b: comm.to_device(&b)?,
             list,
+            outs: vec![],
             dev: Some(comm.clone()),
         })
     }
@@ -872,7 +889,11 @@ impl Buffers {
                 Call::Two(a, take(&mut self.b))
             }
             Op::AllToAll if fresh => Call::List(dup_list(&self.list)),
-            Op::AllToAll => Call::List(std::mem::take(&mut self.list)),
+            Op::AllToAll if self.outs.is_empty() => Call::List(std::mem::take(&mut self.list)),
+            Op::AllToAll => Call::Lists(
+                std::mem::take(&mut self.list),
+                std::mem::take(&mut self.outs),
+            ),
             Op::AllReduce | Op::Reduce | Op::Broadcast | Op::AllToAllSingle | Op::SendRecv => {
                 Call::One(take(&mut self.a))
             }
@@ -884,11 +905,12 @@ impl Buffers {
         match (self.op, back) {
             (Op::Gather, Back::List(_)) => {}
             (Op::AllToAll, Back::List(v)) => self.list = v,
+            (Op::AllToAll, Back::Lists(o, i)) => (self.outs, self.list) = (o, i),
             (Op::PingPong, Back::Two(s, r)) => (self.a, self.b) = (s, r),
             (_, Back::Two(o, i)) => (self.b, self.a) = (o, i),
             (_, Back::One(t)) => self.a = t,
             (_, Back::Out(t)) => self.b = t,
-            (_, Back::List(_)) => {}
+            (_, Back::List(_) | Back::Lists(..)) => {}
         }
     }
 }
@@ -943,7 +965,7 @@ async fn check(
         (Op::Gather, Back::Two(..)) => true,
         (Op::Scatter, Back::Two(_, t)) => is(t, per, &|i| pair(n, 0, rank, i)),
         (Op::Scatter, Back::One(t)) => is(t, per, &|i| pair(n, 0, rank, i)),
-        (Op::AllToAll, Back::List(v)) => {
+        (Op::AllToAll, Back::List(v) | Back::Lists(v, _)) => {
             v.len() == n
                 && v.iter()
                     .enumerate()
