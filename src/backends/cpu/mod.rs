@@ -1524,6 +1524,20 @@ impl CpuBackend {
                 AfterCarried::Unfused => {}
                 AfterCarried::P2P(s, r) => p2p_done = Some((s, r)),
             },
+            // A world of one: the ops that work in place on one buffer
+            // have nothing to move (`Avg` and `PremulSum` are applied
+            // above the backend).
+            None if self.size == 1
+                && matches!(
+                    data,
+                    OpData::AllReduce { .. }
+                        | OpData::Broadcast { .. }
+                        | OpData::Reduce { .. }
+                        | OpData::Barrier
+                ) =>
+            {
+                return Ok(())
+            }
             // CPU-6: no header exchange ran for this op.
             None => match data {
                 OpData::Barrier => return self.barrier(ctx).await,
