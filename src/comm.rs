@@ -1588,22 +1588,9 @@ impl Comm {
                     self.invalid("all_to_all", "no memory for the concatenated inputs")
                 })?,
             };
-            // Sized from the peers' headers once they are known.
+            // Sized from the peers' messages or headers once they are known.
             let output = self.output_on("all_to_all", dtype, 0, dev)?;
-            Ok(Request::collective(
-                OpKind::AllToAll,
-                None,
-                dtype,
-                None,
-                input.len(),
-                send_counts.clone(),
-                OpData::AllToAll {
-                    input,
-                    output,
-                    send_counts,
-                    recv_counts: vec![],
-                },
-            ))
+            Ok(list_all_to_all(input, output, send_counts, vec![]))
         })
     }
 
@@ -1683,20 +1670,7 @@ impl Comm {
             })?;
             let output = Tensor::try_zeros(dtype, total)
                 .ok_or_else(|| self.invalid("all_to_all", "no memory for the receive buffer"))?;
-            let mut req = Request::collective(
-                OpKind::AllToAll,
-                None,
-                dtype,
-                None,
-                input.len(),
-                send_counts.clone(),
-                OpData::AllToAll {
-                    input,
-                    output,
-                    send_counts,
-                    recv_counts,
-                },
-            );
+            let mut req = list_all_to_all(input, output, send_counts, recv_counts);
             req.fill = Some((outputs, inputs));
             Ok(req)
         })
@@ -2239,4 +2213,30 @@ async fn off_runtime<T: Send + 'static>(
             .map_err(|e| Error::Internal(format!("device copy task failed: {e}")))?,
         Err(_) => f(),
     }
+}
+
+/// The request of a list all_to_all: the inputs concatenated (`input`,
+/// `send_counts` elements per peer), the receive buffer and its sizes
+/// (`recv_counts`, empty when the backend learns them). The header carries
+/// the send sizes.
+fn list_all_to_all(
+    input: Tensor,
+    output: Tensor,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+) -> Request {
+    Request::collective(
+        OpKind::AllToAll,
+        None,
+        input.dtype(),
+        None,
+        input.len(),
+        send_counts.clone(),
+        OpData::AllToAll {
+            input,
+            output,
+            send_counts,
+            recv_counts,
+        },
+    )
 }

@@ -1263,37 +1263,9 @@ async fn all_to_all_single_without_headers_mixes_one_step_and_pairwise_ranks() {
                 |_, _| 0,
             ];
             for (seq, sz) in cases.into_iter().enumerate() {
-                let val =
-                    move |i: usize, j: usize, k: usize| (i * 1_000_000 + j * 10_000 + k) as f32;
-                let mut data: Vec<OpData> = (0..n)
-                    .map(|r| {
-                        let send: Vec<usize> = (0..n).map(|j| sz(r, j)).collect();
-                        let recv: Vec<usize> = (0..n).map(|j| sz(j, r)).collect();
-                        let input: Vec<f32> = (0..n)
-                            .flat_map(|j| (0..sz(r, j)).map(move |k| val(r, j, k)))
-                            .collect();
-                        OpData::AllToAll {
-                            input: Tensor::from_slice(&input),
-                            output: Tensor::full(-1.0f32, recv.iter().sum()),
-                            send_counts: send,
-                            recv_counts: recv,
-                        }
-                    })
-                    .collect();
+                let mut data = a2a_single_data(n, sz);
                 run_all(&mut w, OpKind::AllToAllSingle, seq as u64, &mut data).await;
-                for (r, d) in data.into_iter().enumerate() {
-                    let OpData::AllToAll { output, .. } = d else {
-                        unreachable!()
-                    };
-                    let want: Vec<f32> = (0..n)
-                        .flat_map(|j| (0..sz(j, r)).map(move |k| val(j, r, k)))
-                        .collect();
-                    assert_eq!(
-                        output.to_vec::<f32>(),
-                        want,
-                        "{n} ranks, case {seq}, rank {r}"
-                    );
-                }
+                check_a2a_single(data, sz, &format!("{n} ranks, case {seq}"));
             }
             for b in &mut w {
                 b.finalize().await;
@@ -1301,6 +1273,42 @@ async fn all_to_all_single_without_headers_mixes_one_step_and_pairwise_ranks() {
         }
     })
     .await;
+}
+
+/// The element `k` that rank `i` sends rank `j` in [`a2a_single_data`].
+fn a2a_val(i: usize, j: usize, k: usize) -> f32 {
+    (i * 1_000_000 + j * 10_000 + k) as f32
+}
+
+/// Every rank's all_to_all_single on `n` ranks, rank `i` sending rank `j`
+/// `sz(i, j)` elements ([`a2a_val`]), into an output of -1s.
+fn a2a_single_data(n: usize, sz: fn(usize, usize) -> usize) -> Vec<OpData> {
+    (0..n)
+        .map(|r| OpData::AllToAll {
+            input: Tensor::from_vec(
+                (0..n)
+                    .flat_map(|j| (0..sz(r, j)).map(move |k| a2a_val(r, j, k)))
+                    .collect(),
+            ),
+            output: Tensor::full(-1.0f32, (0..n).map(|j| sz(j, r)).sum()),
+            send_counts: (0..n).map(|j| sz(r, j)).collect(),
+            recv_counts: (0..n).map(|j| sz(j, r)).collect(),
+        })
+        .collect()
+}
+
+/// Check every rank's output of [`a2a_single_data`]'s op.
+fn check_a2a_single(data: Vec<OpData>, sz: fn(usize, usize) -> usize, what: &str) {
+    let n = data.len();
+    for (r, d) in data.into_iter().enumerate() {
+        let OpData::AllToAll { output, .. } = d else {
+            unreachable!()
+        };
+        let want: Vec<f32> = (0..n)
+            .flat_map(|j| (0..sz(j, r)).map(move |k| a2a_val(j, r, k)))
+            .collect();
+        assert!(output.to_vec::<f32>() == want, "{what}, rank {r}");
+    }
 }
 
 /// Run one op on every rank of `w` at once, without a header exchange (the
@@ -1322,6 +1330,35 @@ async fn run_all(w: &mut [CpuBackend], kind: OpKind, seq: u64, data: &mut [OpDat
     }
 }
 
+/// `n` ranks in one process, rank `r` on host `h{host(r)}`
+/// (`BackendInit::host_id`), with links on demand; `None` under
+/// `CHORUS_SHM=0`, where host ids, and with them the hierarchy, are off
+/// (checked here).
+async fn across_hosts(
+    n: usize,
+    prefix: &str,
+    host: impl Fn(usize) -> usize,
+) -> Option<Vec<CpuBackend>> {
+    let store = Arc::new(MemoryStore::new());
+    let w: Vec<CpuBackend> = join_all((0..n).map(|r| {
+        CpuBackend::connect(BackendInit {
+            links: LinkPolicy::Lazy,
+            host_id: Some(format!("h{}", host(r))),
+            peers_failed: chorus::backends::PeerFailures::none(),
+            ..init(&store, prefix, r, n, b"s", Duration::from_secs(10))
+        })
+    }))
+    .await
+    .into_iter()
+    .map(|b| b.expect("connect"))
+    .collect();
+    if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") {
+        assert!(w.iter().all(|b| b.topology().is_none()));
+        return None;
+    }
+    Some(w)
+}
+
 /// On a communicator that spans hosts (three of four ranks, named by
 /// `BackendInit::host_id`), all-reduce, all-gather, broadcast, reduce,
 /// reduce-scatter, gather, scatter and barrier run in two levels: their results are right, and the links a rank opens off its
@@ -1332,25 +1369,9 @@ async fn run_all(w: &mut [CpuBackend], kind: OpKind, seq: u64, data: &mut [OpDat
 async fn ops_across_hosts_run_in_two_levels_over_leaders_and_rails() {
     bounded(async {
         let (n, per_host) = (12usize, 4usize);
-        let store = Arc::new(MemoryStore::new());
-        let prefix = "comm/hier#0/epoch/3";
-        let mut w: Vec<CpuBackend> = join_all((0..n).map(|r| {
-            CpuBackend::connect(BackendInit {
-                links: LinkPolicy::Lazy,
-                host_id: Some(format!("h{}", r / per_host)),
-                peers_failed: chorus::backends::PeerFailures::none(),
-                ..init(&store, prefix, r, n, b"s", Duration::from_secs(10))
-            })
-        }))
-        .await
-        .into_iter()
-        .map(|b| b.expect("connect"))
-        .collect();
-        if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") {
-            // No host ids without shared memory, so no hierarchy.
-            assert!(w.iter().all(|b| b.topology().is_none()));
+        let Some(mut w) = across_hosts(n, "comm/hier#0/epoch/3", |r| r / per_host).await else {
             return;
-        }
+        };
         for b in &w {
             assert_eq!(
                 b.topology().map(|t| (t.hosts(), t.uniform())),
@@ -1523,39 +1544,8 @@ async fn all_to_all_across_hosts_runs_on_rails() {
     bounded(async {
         let (n, hosts) = (12usize, 3usize);
         let host = |r: usize| r % hosts;
-        let store = Arc::new(MemoryStore::new());
-        let prefix = "comm/rails#0/epoch/3";
-        let mut w: Vec<CpuBackend> = join_all((0..n).map(|r| {
-            CpuBackend::connect(BackendInit {
-                links: LinkPolicy::Lazy,
-                host_id: Some(format!("h{}", host(r))),
-                peers_failed: chorus::backends::PeerFailures::none(),
-                ..init(&store, prefix, r, n, b"s", Duration::from_secs(10))
-            })
-        }))
-        .await
-        .into_iter()
-        .map(|b| b.expect("connect"))
-        .collect();
-        if std::env::var("CHORUS_SHM").is_ok_and(|v| v == "0") {
-            // No host ids without shared memory, so no hierarchy.
-            assert!(w.iter().all(|b| b.topology().is_none()));
+        let Some(mut w) = across_hosts(n, "comm/rails#0/epoch/3", host).await else {
             return;
-        }
-        let val = |i: usize, j: usize, k: usize| (i * 1_000_000 + j * 10_000 + k) as f32;
-        let single = |sz: fn(usize, usize) -> usize| -> Vec<OpData> {
-            (0..n)
-                .map(|r| OpData::AllToAll {
-                    input: Tensor::from_vec(
-                        (0..n)
-                            .flat_map(|j| (0..sz(r, j)).map(move |k| val(r, j, k)))
-                            .collect(),
-                    ),
-                    output: Tensor::full(-1.0f32, (0..n).map(|j| sz(j, r)).sum()),
-                    send_counts: (0..n).map(|j| sz(r, j)).collect(),
-                    recv_counts: (0..n).map(|j| sz(j, r)).collect(),
-                })
-                .collect()
         };
         let cases: [fn(usize, usize) -> usize; 2] = [
             |i, j| {
@@ -1568,17 +1558,9 @@ async fn all_to_all_across_hosts_runs_on_rails() {
             |i, j| 3000 + i + j,
         ];
         for (seq, sz) in cases.into_iter().enumerate() {
-            let mut data = single(sz);
+            let mut data = a2a_single_data(n, sz);
             run_all(&mut w, OpKind::AllToAllSingle, seq as u64, &mut data).await;
-            for (r, d) in data.into_iter().enumerate() {
-                let OpData::AllToAll { output, .. } = d else {
-                    unreachable!()
-                };
-                let want: Vec<f32> = (0..n)
-                    .flat_map(|j| (0..sz(j, r)).map(move |k| val(j, r, k)))
-                    .collect();
-                assert!(output.to_vec::<f32>() == want, "case {seq}, rank {r}");
-            }
+            check_a2a_single(data, sz, &format!("case {seq}"));
         }
         // The list form: receive sizes learned from the frames.
         let sz = |i: usize, j: usize| (i + 2 * j) % 4;
@@ -1631,7 +1613,7 @@ async fn all_to_all_across_hosts_runs_on_rails() {
         // RA-3: rank 1 (host 1, index 0) sends rank 5 (host 2, index 1) 3
         // elements where rank 5 expects 2; rank 2 (host 2, index 0)
         // forwards them.
-        let mut data = single(|i, j| if (i, j) == (1, 5) { 3 } else { 2 });
+        let mut data = a2a_single_data(n, |i, j| if (i, j) == (1, 5) { 3 } else { 2 });
         if let OpData::AllToAll {
             recv_counts,
             output,
