@@ -1600,8 +1600,9 @@ impl Comm {
     /// here lands in `outputs[j]`, whose length says how many elements this
     /// rank expects from `j`. Returns `(outputs, inputs)`, the outputs
     /// filled, so both lists can go round again. Nothing is allocated for
-    /// the results (the op's receive buffer is one tensor of the outputs'
-    /// total length, copied into them at completion), and
+    /// the results: the `cpu` backend sends from the inputs and receives
+    /// into the outputs directly (other backends get them concatenated and
+    /// copied out), and
     /// every block's length is checked pair by pair, as
     /// [`Comm::all_to_all_v_single`] checks them.
     ///
@@ -1611,9 +1612,10 @@ impl Comm {
     /// [`Comm::all_to_all_v_single`] there); [`Error::Mismatch`] if rank
     /// `i` sends rank `j` a different number of elements than `outputs[i]`
     /// on rank `j` holds, or ranks use different dtypes: on every rank on
-    /// the `cpu` backend with fingerprint checks (the default), as for
-    /// `all_to_all_v_single`; on rank `j` alone where the sizes travel in
-    /// a header exchange (`CHORUS_CHECKS=strict`, `gloo`, `mpi`).
+    /// the `cpu` backend, which receives each block only into an output of
+    /// exactly its length, as for `all_to_all_v_single`; on rank `j` alone
+    /// on the backends that take the lists concatenated (`gloo`, `mpi`),
+    /// which learn the sizes from a header exchange.
     ///
     /// ```no_run
     /// # fn demo(comm: &chorus::Comm) -> chorus::Result<()> {
@@ -1663,16 +1665,22 @@ impl Comm {
                 ));
             }
             let send_counts: Vec<usize> = inputs.iter().map(Tensor::len).collect();
-            let recv_counts: Vec<usize> = outputs.iter().map(Tensor::len).collect();
-            let total = self.checked_total("all_to_all", &recv_counts)?;
-            let input = Tensor::concat(dtype, &inputs).ok_or_else(|| {
-                self.invalid("all_to_all", "no memory for the concatenated inputs")
-            })?;
-            let output = Tensor::try_zeros(dtype, total)
-                .ok_or_else(|| self.invalid("all_to_all", "no memory for the receive buffer"))?;
-            let mut req = list_all_to_all(input, output, send_counts, recv_counts);
-            req.fill = Some((outputs, inputs));
-            Ok(req)
+            let total_in = self.checked_total("all_to_all", &send_counts)?;
+            self.checked_total(
+                "all_to_all",
+                &outputs.iter().map(Tensor::len).collect::<Vec<_>>(),
+            )?;
+            // A backend that takes one tensor each way gets the lists
+            // concatenated by the executor.
+            Ok(Request::collective(
+                OpKind::AllToAll,
+                None,
+                dtype,
+                None,
+                total_in,
+                send_counts,
+                OpData::AllToAllList { inputs, outputs },
+            ))
         })
     }
 

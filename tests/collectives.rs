@@ -344,6 +344,7 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
                     in_place_all_gather: false,
                     in_band_checks: false,
                     headerless_ops: false,
+                    list_all_to_all: false,
                 }
             ),
             "cpu" => assert_eq!(
@@ -352,6 +353,7 @@ fn split_and_reconfigure_follow_capabilities(n: usize) {
                     in_place_all_gather: true,
                     in_band_checks: true,
                     headerless_ops: true,
+                    list_all_to_all: true,
                     ..Default::default()
                 }
             ),

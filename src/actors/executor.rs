@@ -250,6 +250,10 @@ pub(crate) struct Core {
     /// The backend checks every message in band, lengths included
     /// ([`Capabilities::in_band_checks`](crate::backends::Capabilities::in_band_checks)).
     in_band: bool,
+    /// The backend runs a list all_to_all from and into the caller's
+    /// tensors ([`Capabilities::list_all_to_all`](crate::backends::Capabilities::list_all_to_all));
+    /// for the others [`lower_list`] concatenates them.
+    lists: bool,
 }
 
 /// Counts a live backend (its links open) in [`crate::debug::live_backends`].
@@ -278,6 +282,7 @@ impl Core {
             mem: backend.device_memory(),
             skip: info.checks != Checks::Strict && backend.capabilities().headerless_ops,
             in_band: backend.capabilities().in_band_checks,
+            lists: backend.capabilities().list_all_to_all,
             skip_pairs: info.checks != Checks::Strict
                 && backend.capabilities().headerless_ops
                 && (backend.capabilities().in_band_checks || info.checks == Checks::Off),
@@ -328,6 +333,12 @@ impl Core {
             return TurnEnd::Done;
         };
         self.stamp(&mut req);
+        if !self.lists {
+            if let Err(e) = lower_list(&mut req, self.info.name.as_str(), self.info.rank) {
+                completer.complete(Err(e));
+                return TurnEnd::Done;
+            }
+        }
         let signature = self.signature(&req);
         // One clock read for the turn (none when it starts on the issuing
         // thread right after the issue was recorded): the timeout counts
@@ -990,6 +1001,39 @@ async fn average(ctx: &OpCtx, req: &mut Request) {
     crate::pace::paced_pass(t.as_bytes_mut(), |p| kernels::divide(dtype, p, n)).await;
 }
 
+/// A list all_to_all for a backend that takes one tensor each way: the
+/// inputs concatenated, a receive buffer of the outputs' total length, and
+/// the lists kept in `req.fill` for [`finish`] to fill and hand back. O(the
+/// data) copied in, and out again at completion.
+fn lower_list(req: &mut Request, comm: &str, rank: usize) -> Result<()> {
+    let OpData::AllToAllList { inputs, outputs } = &mut req.data else {
+        return Ok(());
+    };
+    let (inputs, outputs) = (std::mem::take(inputs), std::mem::take(outputs));
+    let dtype = req.dtype;
+    let send_counts: Vec<usize> = inputs.iter().map(Tensor::len).collect();
+    let recv_counts: Vec<usize> = outputs.iter().map(Tensor::len).collect();
+    let no_memory = |what: &str| Error::InvalidArgument {
+        comm: comm.to_string(),
+        rank,
+        op: "all_to_all",
+        reason: format!("no memory for {what}"),
+    };
+    let input =
+        Tensor::concat(dtype, &inputs).ok_or_else(|| no_memory("the concatenated inputs"))?;
+    let output = crate::tensor::checked_sum(&recv_counts)
+        .and_then(|total| Tensor::try_zeros(dtype, total))
+        .ok_or_else(|| no_memory("the receive buffer"))?;
+    req.data = OpData::AllToAll {
+        input,
+        output,
+        send_counts,
+        recv_counts,
+    };
+    req.fill = Some((outputs, inputs));
+    Ok(())
+}
+
 fn finish(
     ctx: &OpCtx,
     req: &mut Request,
@@ -999,6 +1043,13 @@ fn finish(
     let data = std::mem::replace(&mut req.data, OpData::Barrier);
     Ok(match data {
         OpData::AllReduce { buf, .. } => Completion::Tensor(buf),
+        OpData::AllToAllList {
+            mut outputs,
+            inputs,
+        } => {
+            outputs.extend(inputs);
+            Completion::Tensors(outputs)
+        }
         OpData::Reduce { buf, root, .. } => {
             if ctx.rank == root {
                 Completion::Tensor(buf)
@@ -1212,6 +1263,7 @@ mod tests {
                 in_place_all_gather: false,
                 in_band_checks: false,
                 headerless_ops: false,
+                list_all_to_all: false,
             }
         }
         async fn split(&mut self, args: SplitArgs) -> Result<Option<Box<dyn Backend>>> {

@@ -499,6 +499,10 @@ pub struct Capabilities {
     /// [`Checks::Fingerprint`]: crate::checks::Checks::Fingerprint
     /// [`Checks::Off`]: crate::checks::Checks::Off
     pub headerless_ops: bool,
+    /// Whether the backend runs [`OpData::AllToAllList`], the list
+    /// all_to_all straight from and into the caller's tensors. If not, the
+    /// executor hands it an [`OpData::AllToAll`] over their concatenation.
+    pub list_all_to_all: bool,
 }
 
 impl Default for Capabilities {
@@ -510,6 +514,7 @@ impl Default for Capabilities {
             in_place_all_gather: false,
             in_band_checks: false,
             headerless_ops: false,
+            list_all_to_all: false,
         }
     }
 }
@@ -642,6 +647,19 @@ pub enum OpData {
         send_counts: Vec<usize>,
         /// Elements received from each rank.
         recv_counts: Vec<usize>,
+    },
+    /// The list form into given outputs
+    /// ([`Comm::all_to_all_into`](crate::Comm::all_to_all_into)): `inputs[j]`
+    /// goes to rank `j`, and what rank `j` sends lands in `outputs[j]`, of
+    /// exactly its length. Only a backend whose
+    /// [`Capabilities::list_all_to_all`] is true is given it; for the
+    /// others the executor concatenates the lists into an
+    /// [`OpData::AllToAll`] and copies the result out.
+    AllToAllList {
+        /// One send block per rank.
+        inputs: Vec<Tensor>,
+        /// One receive block per rank.
+        outputs: Vec<Tensor>,
     },
     /// Synchronise; the header exchange already did, nothing more to move.
     Barrier,

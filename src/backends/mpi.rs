@@ -444,6 +444,7 @@ impl VendorComm for MpiComm {
         elastic: false,
         in_place_all_gather: false,
         in_band_checks: false,
+        list_all_to_all: false,
         // The exchange stays, as a guard: with its default error handler
         // (MPI_ERRORS_ARE_FATAL) Open MPI ends the job on MPI_ERR_TRUNCATE,
         // so ranks whose sizes disagree must be stopped before MPI is
@@ -583,6 +584,7 @@ fn run(
         _ => {}
     }
     match data {
+        OpData::AllToAllList { .. } => return Err(Error::Internal("the list all_to_all reaches this backend as an all_to_all over the concatenated lists (Capabilities::list_all_to_all)".into())),
         OpData::AllReduce { buf, op } => all_reduce(calls, comm, buf, *op),
         OpData::Reduce { buf, op, root } => {
             let dt = buf.dtype();

@@ -586,6 +586,7 @@ mod tests {
             in_place_all_gather: false,
             in_band_checks: false,
             headerless_ops: false,
+            list_all_to_all: false,
         };
 
         fn run(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {

@@ -57,13 +57,15 @@
 //! rank and the `(H - 1)(L - 1)` forwarded to it, in O(N) reusable
 //! vectors; after each op only [`RETAIN_BYTES`] of their capacity is kept.
 
+use smallvec::SmallVec;
+
 use super::hier::Topology;
 use super::link::{FrameKind, RecvFrames, RecvInto, Recvs, SendFrames, Sends, Tag};
 use super::{builders, class_of, fused, run_links, CpuBackend, Links};
 use crate::backends::{OpCtx, OpData};
 use crate::error::{Error, Result};
 use crate::op::OpKind;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The staging capacity the rails algorithm keeps from one op to the next,
 /// all vectors together; the rest is freed after the op.
@@ -188,19 +190,11 @@ pub fn rail_steps(rank: usize, topo: &Topology) -> [RailStep; 2] {
 
 impl CpuBackend {
     /// CPU-6: all_to_all without a header exchange (see the module doc):
-    /// on rails across hosts when [`rails_apply`] holds, else pairwise.
+    /// on rails across hosts when [`rails_apply`] holds, else pairwise;
+    /// from and into one tensor each ([`OpData::AllToAll`]) or the
+    /// caller's lists ([`OpData::AllToAllList`]).
     pub(super) async fn all_to_all(&mut self, ctx: &OpCtx, data: &mut OpData) -> Result<()> {
-        let OpData::AllToAll {
-            input,
-            output,
-            send_counts,
-            recv_counts,
-        } = data
-        else {
-            return Err(Error::Internal("all_to_all without all_to_all data".into()));
-        };
         let (rank, size) = (self.rank, self.size);
-        let es = input.dtype().size();
         let bad = |what: String| {
             Error::Internal(format!(
                 "{} #{} on rank {rank} of {size}: {what}",
@@ -208,77 +202,112 @@ impl CpuBackend {
                 ctx.seq
             ))
         };
-        // Element offsets of every block, checked against the buffer once.
-        let byte_ranges = |counts: &[usize], len: usize| {
-            let offs = builders::offsets(counts);
-            let total = offs.last().copied().unwrap_or(0).checked_mul(es);
-            match total {
-                Some(t) if counts.len() == size && t <= len => Ok(offs),
-                _ => Err(bad(format!(
-                    "{} split sizes {counts:?} for {size} ranks and {len} bytes",
-                    counts.len()
-                ))),
-            }
+        let own_mismatch = |sent: usize, expected: usize| {
+            ctx.mismatch(format!(
+                "this rank sends itself {sent} elements but expects {expected} from itself"
+            ))
         };
-        let so = byte_ranges(send_counts, input.len_bytes())?;
-        let learn = ctx.kind == OpKind::AllToAll && recv_counts.is_empty();
-        let ro = if learn {
-            Vec::new()
-        } else {
-            let ro = byte_ranges(recv_counts, output.len_bytes())?;
-            if send_counts[rank] != recv_counts[rank] {
-                return Err(ctx.mismatch(format!(
-                    "this rank sends itself {} elements but expects {} from itself",
-                    send_counts[rank], recv_counts[rank]
-                )));
+        match data {
+            OpData::AllToAllList { inputs, outputs } => {
+                if inputs.len() != size || outputs.len() != size {
+                    return Err(bad(format!(
+                        "{} inputs and {} outputs for {size} ranks",
+                        inputs.len(),
+                        outputs.len()
+                    )));
+                }
+                if inputs.iter().chain(outputs.iter()).any(Tensor::is_device) {
+                    return Err(bad("a device tensor in a list all_to_all".into()));
+                }
+                if inputs[rank].len_bytes() != outputs[rank].len_bytes() {
+                    return Err(own_mismatch(inputs[rank].len(), outputs[rank].len()));
+                }
+                let send: SmallVec<[&[u8]; fused::FUSE_MAX_RANKS]> =
+                    inputs.iter().map(Tensor::as_bytes).collect();
+                let recv = outputs.iter_mut().map(|t| Some(t.as_bytes_mut())).collect();
+                self.exchange_blocks(ctx, &send, Recv::Into(recv)).await
             }
-            ro
-        };
-        if let Some(topo) = self.topo.as_ref().filter(|t| rails_apply(t)) {
-            let r = on_rails(
-                &mut self.links,
-                &mut self.a2a,
-                ctx,
-                topo,
-                (input, &so),
+            OpData::AllToAll {
+                input,
                 output,
-                (recv_counts, &ro, learn),
-            )
-            .await;
+                send_counts,
+                recv_counts,
+            } => {
+                let es = input.dtype().size();
+                // Element offsets of every block, checked against the buffer once.
+                let byte_ranges = |counts: &[usize], len: usize| {
+                    let offs = builders::offsets(counts);
+                    let total = offs.last().copied().unwrap_or(0).checked_mul(es);
+                    match total {
+                        Some(t) if counts.len() == size && t <= len => Ok(offs),
+                        _ => Err(bad(format!(
+                            "{} split sizes {counts:?} for {size} ranks and {len} bytes",
+                            counts.len()
+                        ))),
+                    }
+                };
+                let so = byte_ranges(send_counts, input.len_bytes())?;
+                let inp = input.as_bytes();
+                let send: SmallVec<[&[u8]; fused::FUSE_MAX_RANKS]> =
+                    so.windows(2).map(|w| &inp[w[0] * es..w[1] * es]).collect();
+                if ctx.kind == OpKind::AllToAll && recv_counts.is_empty() {
+                    let recv = Recv::Learn(input.dtype(), output, recv_counts);
+                    return self.exchange_blocks(ctx, &send, recv).await;
+                }
+                let ro = byte_ranges(recv_counts, output.len_bytes())?;
+                if send_counts[rank] != recv_counts[rank] {
+                    return Err(own_mismatch(send_counts[rank], recv_counts[rank]));
+                }
+                let recv = split_blocks(output.as_bytes_mut(), &ro, es);
+                self.exchange_blocks(ctx, &send, Recv::Into(recv)).await
+            }
+            _ => Err(bad("all_to_all without all_to_all data".into())),
+        }
+    }
+
+    /// Move `send[j]` to rank `j` and each rank's block for this one into
+    /// `recv`: on rails when [`rails_apply`] holds, else pairwise.
+    async fn exchange_blocks(
+        &mut self,
+        ctx: &OpCtx,
+        send: &[&[u8]],
+        recv: Recv<'_, '_>,
+    ) -> Result<()> {
+        if let Some(topo) = self.topo.as_ref().filter(|t| rails_apply(t)) {
+            let r = on_rails(&mut self.links, &mut self.a2a, ctx, topo, send, recv).await;
             trim(&mut self.a2a.stage, &mut self.a2a.got);
             return r;
         }
-        if learn {
-            return self
-                .all_to_all_learned(ctx, input, &so, output, recv_counts)
-                .await;
+        match recv {
+            Recv::Into(blocks) => self.all_to_all_pairs(ctx, send, blocks).await,
+            Recv::Learn(dtype, output, counts) => {
+                self.all_to_all_learned(ctx, send, dtype, output, counts)
+                    .await
+            }
         }
-        self.all_to_all_pairs(ctx, (input, &so), output, &ro).await
     }
 
-    /// The pairwise exchange of all_to_all_single (`so`, `ro`: the element
-    /// offsets of the input's and the output's blocks, checked by the
-    /// caller).
+    /// The pairwise exchange into blocks of known lengths (`send`: this
+    /// rank's block for each rank; `blocks`: where each rank's block for
+    /// this one lands, its own included, lengths checked by the caller).
     async fn all_to_all_pairs(
         &mut self,
         ctx: &OpCtx,
-        (input, so): (&Tensor, &[usize]),
-        output: &mut Tensor,
-        ro: &[usize],
+        send: &[&[u8]],
+        mut blocks: Blocks<'_>,
     ) -> Result<()> {
         let (rank, size) = (self.rank, self.size);
-        let es = input.dtype().size();
-        let inp = input.as_bytes();
-        let mut blocks = split_blocks(output.as_bytes_mut(), ro, es);
-        let block = |k: usize| &inp[so[k] * es..so[k + 1] * es];
-        if let Some(own) = blocks[rank].as_deref_mut() {
-            own.copy_from_slice(block(rank));
+        if let Some(own) = blocks.get_mut(rank).and_then(Option::as_deref_mut) {
+            own.copy_from_slice(send[rank]);
         }
         let tag = Tag::of(ctx);
         let class = class_of(ctx);
         let peer_max = (0..size)
             .filter(|&p| p != rank)
-            .map(|p| (so[p + 1] - so[p]).max(ro[p + 1] - ro[p]) * es)
+            .map(|p| {
+                let out = blocks[p].as_ref().map_or(0, |b| b.len());
+                send[p].len().max(out)
+            })
             .max()
             .unwrap_or(0);
         let taken = |k: usize| {
@@ -293,7 +322,7 @@ impl CpuBackend {
             let mut recvs = Recvs::new();
             for (p, out) in blocks.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
                 let out = out.take().ok_or_else(|| taken(p))?;
-                sends.push((p, smallvec::smallvec![(FrameKind::Data, tag, block(p))]));
+                sends.push((p, smallvec::smallvec![(FrameKind::Data, tag, send[p])]));
                 recvs.push((
                     p,
                     smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(out))],
@@ -305,7 +334,7 @@ impl CpuBackend {
             let (to, from) = ((rank + s) % size, (rank + size - s) % size);
             let out = blocks[from].take().ok_or_else(|| taken(from))?;
             let mut sends: Sends<'_> =
-                smallvec::smallvec![(to, smallvec::smallvec![(FrameKind::Data, tag, block(to))])];
+                smallvec::smallvec![(to, smallvec::smallvec![(FrameKind::Data, tag, send[to])])];
             let mut recvs: Recvs<'_> = smallvec::smallvec![(
                 from,
                 smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Exact(out))]
@@ -324,22 +353,19 @@ impl CpuBackend {
     async fn all_to_all_learned(
         &mut self,
         ctx: &OpCtx,
-        input: &Tensor,
-        so: &[usize],
+        send: &[&[u8]],
+        dtype: DType,
         output: &mut Tensor,
         recv_counts: &mut Vec<usize>,
     ) -> Result<()> {
         let (rank, size) = (self.rank, self.size);
-        let es = input.dtype().size();
-        let inp = input.as_bytes();
-        let block = |k: usize| &inp[so[k] * es..so[k + 1] * es];
         let mut got: Vec<Vec<u8>> = vec![Vec::new(); size];
         {
             let tag = Tag::of(ctx);
             let mut sends = Sends::new();
             let mut recvs = Recvs::new();
             for (p, slot) in got.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
-                sends.push((p, smallvec::smallvec![(FrameKind::Data, tag, block(p))]));
+                sends.push((p, smallvec::smallvec![(FrameKind::Data, tag, send[p])]));
                 recvs.push((
                     p,
                     smallvec::smallvec![(FrameKind::Data, tag, RecvInto::Bounded(slot, u64::MAX))],
@@ -347,13 +373,13 @@ impl CpuBackend {
             }
             run_links(&mut self.links, ctx, class_of(ctx), &mut sends, &mut recvs).await?;
         }
-        assemble_learned(ctx, input, block(rank), &got, output, recv_counts)
+        assemble_learned(ctx, dtype, send[rank], &got, output, recv_counts)
     }
 }
 
 /// `out` cut into one block per rank at the element offsets `offs`; `None`
 /// for a rank past the offsets (never, once the caller checked them).
-fn split_blocks<'b>(out: &'b mut [u8], offs: &[usize], es: usize) -> Vec<Option<&'b mut [u8]>> {
+fn split_blocks<'b>(out: &'b mut [u8], offs: &[usize], es: usize) -> Blocks<'b> {
     let mut blocks = Vec::with_capacity(offs.len().saturating_sub(1));
     let mut rest = out;
     for w in offs.windows(2) {
@@ -371,13 +397,12 @@ fn split_blocks<'b>(out: &'b mut [u8], offs: &[usize], es: usize) -> Vec<Option<
 /// `Mismatch`.
 fn assemble_learned(
     ctx: &OpCtx,
-    input: &Tensor,
+    dtype: DType,
     own: &[u8],
     got: &[Vec<u8>],
     output: &mut Tensor,
     recv_counts: &mut Vec<usize>,
 ) -> Result<()> {
-    let dtype = input.dtype();
     let es = dtype.size();
     let rank = ctx.rank;
     let part = |p: usize| if p == rank { own } else { &got[p][..] };
@@ -410,23 +435,33 @@ fn assemble_learned(
     Ok(())
 }
 
+/// Where an all_to_all's received blocks go.
+enum Recv<'a, 'b> {
+    /// Into these blocks, one per source rank, each of exactly the length
+    /// expected from it.
+    Into(Blocks<'a>),
+    /// Into an output of the dtype, built from what arrived, with the
+    /// receive sizes learned (the list form without given outputs).
+    Learn(DType, &'b mut Tensor, &'b mut Vec<usize>),
+}
+
+/// One mutable block per rank.
+type Blocks<'a> = Vec<Option<&'a mut [u8]>>;
+
 /// The rails all_to_all on one rank: [`rail_steps`] run over the links.
-/// `input` with its blocks' element offsets; `recv`: the receive counts,
-/// the output's offsets and whether they are learned (the list form,
-/// whose output is then built here).
+/// `send`: this rank's block for each rank; `recv`: where each rank's
+/// block for this rank lands, of exactly its length, or, for the list form
+/// that learns its sizes, where the output is built from what arrived.
 async fn on_rails(
     links: &mut Links,
     staging: &mut Staging,
     ctx: &OpCtx,
     topo: &Topology,
-    (input, so): (&Tensor, &[usize]),
-    output: &mut Tensor,
-    (recv_counts, ro, learn): (&mut Vec<usize>, &[usize], bool),
+    send: &[&[u8]],
+    recv: Recv<'_, '_>,
 ) -> Result<()> {
     let (rank, size) = (ctx.rank, topo.size());
-    let es = input.dtype().size();
-    let inp = input.as_bytes();
-    let block = |k: usize| &inp[so[k] * es..so[k + 1] * es];
+    let block = |k: usize| send[k];
     let [first, second] = rail_steps(rank, topo);
     let slots = topo.hosts() * topo.members(0).len();
     let Staging { stage, got } = staging;
@@ -446,10 +481,9 @@ async fn on_rails(
     };
     // Known sizes: each source's block of the output, filled in place by
     // the blocks that come from their source and after step 2 from `got`.
-    let mut direct = if learn {
-        Vec::new()
-    } else {
-        split_blocks(output.as_bytes_mut(), ro, es)
+    let (mut direct, learned) = match recv {
+        Recv::Into(blocks) => (blocks, None),
+        Recv::Learn(dtype, output, counts) => (Vec::new(), Some((dtype, output, counts))),
     };
     {
         let mut stage_in: Vec<Option<&mut Vec<u8>>> = stage.iter_mut().map(Some).collect();
@@ -528,8 +562,8 @@ async fn on_rails(
         }
         run_links(links, ctx, class, &mut sends, &mut recvs).await?;
     }
-    if learn {
-        return assemble_learned(ctx, input, block(rank), &got[..size], output, recv_counts);
+    if let Some((dtype, output, counts)) = learned {
+        return assemble_learned(ctx, dtype, block(rank), &got[..size], output, counts);
     }
     // What is left of the output: this rank's own block and the forwarded
     // ones, each checked against the length this rank expects.

@@ -290,6 +290,8 @@ pub(super) fn plan(rank: usize, size: usize, data: &OpData) -> Option<Plan<'_>> 
                 }
             }
         }
+        // Not fused: it runs as all_to_all's own exchange.
+        OpData::AllToAllList { .. } => return None,
         // The single-tensor form (the list form's receive sizes are only
         // known from the peers' headers, so it arrives here without them).
         OpData::AllToAll {
@@ -533,6 +535,9 @@ pub(super) fn apply(
                     .ok_or_else(|| bad("all_gather block of the wrong length"))?;
                 dst.copy_from_slice(src);
             }
+        }
+        OpData::AllToAllList { .. } => {
+            return Err(bad("a list all_to_all is never fused"));
         }
         OpData::AllToAll {
             input,

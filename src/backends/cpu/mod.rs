@@ -791,6 +791,11 @@ impl CpuBackend {
     fn op_buffers<'d>(&self, data: &'d mut OpData) -> Result<Option<Planned<'d>>> {
         let (rank, size) = (self.rank, self.size);
         let p = match data {
+            OpData::AllToAllList { .. } => {
+                return Err(Error::Internal(
+                    "a list all_to_all runs as all_to_all, not as a schedule".into(),
+                ))
+            }
             OpData::AllReduce { buf, op } => Planned {
                 schedule: match &self.topo {
                     _ if !small_all_reduce_enabled() => builders::all_reduce(rank, size, buf.len()),
@@ -1339,6 +1344,7 @@ impl Backend for CpuBackend {
             in_place_all_gather: true,
             in_band_checks: true,
             headerless_ops: true,
+            list_all_to_all: true,
             ..Default::default()
         }
     }
@@ -1541,7 +1547,9 @@ impl CpuBackend {
             // CPU-6: no header exchange ran for this op.
             None => match data {
                 OpData::Barrier => return self.barrier(ctx).await,
-                OpData::AllToAll { .. } => return self.all_to_all(ctx, data).await,
+                OpData::AllToAll { .. } | OpData::AllToAllList { .. } => {
+                    return self.all_to_all(ctx, data).await
+                }
                 OpData::P2P { .. } => {}
                 _ => {
                     if self.direct(ctx, data).await? {
@@ -1549,6 +1557,10 @@ impl CpuBackend {
                     }
                 }
             },
+        }
+        if let OpData::AllToAllList { .. } = data {
+            // After a header exchange (strict checks): the same exchange.
+            return self.all_to_all(ctx, data).await;
         }
         if let OpData::P2P { ops } = data {
             let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();

@@ -353,6 +353,7 @@ impl GlooComm {
         let tag = ctx.seq as u32;
         let me = self.rank;
         match data {
+            OpData::AllToAllList { .. } => Err("the list all_to_all reaches this backend as an all_to_all over the concatenated lists (Capabilities::list_all_to_all)".into()),
             OpData::AllReduce { buf, op } => all_reduce(g, buf, *op, tag),
             OpData::Reduce { buf, op, root } => {
                 let dtype = buf.dtype();
@@ -511,6 +512,7 @@ impl VendorComm for GlooComm {
         elastic: true,
         in_place_all_gather: false,
         in_band_checks: false,
+        list_all_to_all: false,
         // The exchange stays, as a guard: Gloo's TCP pair calls
         // std::terminate when a message is longer than the receive posted
         // for it, so ranks whose sizes disagree must be stopped before

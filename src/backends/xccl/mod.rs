@@ -1067,6 +1067,7 @@ impl XcclBackend {
             .collect();
         let addr = |t: &Tensor| t.device_ptr().map_or(0, |p| p as usize);
         let (p, dtype, redop, esize, din, dout) = match &*data {
+            OpData::AllToAllList { .. } => return Err(plan_err("the list all_to_all reaches this backend as an all_to_all over the concatenated lists (Capabilities::list_all_to_all)".into())),
             OpData::P2P { ops } => {
                 // Each transfer on its own buffer; bytes as ncclUint8.
                 let calls = ops
@@ -1275,6 +1276,7 @@ fn tensors(d: &OpData) -> Vec<&Tensor> {
         | OpData::Scatter { input, output, .. }
         | OpData::Gather { input, output, .. }
         | OpData::AllToAll { input, output, .. } => vec![input, output],
+        OpData::AllToAllList { inputs, outputs } => inputs.iter().chain(outputs).collect(),
         OpData::P2P { ops } => ops.iter().map(|t| &t.buf).collect(),
         OpData::Barrier => vec![],
     }
@@ -1289,6 +1291,9 @@ fn op_of(d: &OpData) -> (DType, Option<crate::op::ReduceOp>) {
         | OpData::Scatter { input, .. }
         | OpData::Gather { input, .. }
         | OpData::AllToAll { input, .. } => (input.dtype(), None),
+        OpData::AllToAllList { inputs, .. } => {
+            (inputs.first().map_or(DType::U8, Tensor::dtype), None)
+        }
         OpData::Broadcast { buf, .. } => (buf.dtype(), None),
         OpData::Barrier | OpData::P2P { .. } => (DType::U8, None),
     }
@@ -1305,6 +1310,7 @@ fn inputs(d: &OpData) -> Vec<&Tensor> {
         | OpData::Scatter { input, .. }
         | OpData::Gather { input, .. }
         | OpData::AllToAll { input, .. } => vec![input],
+        OpData::AllToAllList { inputs, .. } => inputs.iter().collect(),
         OpData::P2P { ops } => ops.iter().filter(|t| t.send).map(|t| &t.buf).collect(),
         OpData::Barrier => vec![],
     }
@@ -1323,6 +1329,7 @@ fn outputs(d: &mut OpData, rank: usize) -> Vec<&mut Tensor> {
         | OpData::Scatter { output, .. }
         | OpData::Gather { output, .. }
         | OpData::AllToAll { output, .. } => vec![output],
+        OpData::AllToAllList { outputs, .. } => outputs.iter_mut().collect(),
         OpData::P2P { ops } => ops
             .iter_mut()
             .filter(|t| !t.send)
@@ -1773,6 +1780,7 @@ impl Backend for XcclBackend {
             // and history checks find (XC-6).
             in_band_checks: false,
             headerless_ops: true,
+            list_all_to_all: false,
         }
     }
 

@@ -212,6 +212,9 @@ pub fn plan(data: &OpData, rank: usize, size: usize) -> Plan {
         grouped: false,
     };
     match data {
+        // Never given (Capabilities::list_all_to_all is false): the
+        // executor hands it over as an AllToAll. Nothing to plan.
+        OpData::AllToAllList { .. } => single(vec![], 0, 0),
         OpData::AllReduce { buf, .. } => {
             let n = buf.len();
             single(vec![Call::AllReduce(0..n)], n, n)
