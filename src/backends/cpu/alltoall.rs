@@ -10,6 +10,12 @@
 //! `Mismatch` on the rank it was meant for, and the abort that follows
 //! reaches every rank.
 //!
+//! Both algorithms move one send slice and one receive block per rank:
+//! cut from one tensor each way at the split sizes ([`OpData::AllToAll`]),
+//! or the caller's own tensors ([`OpData::AllToAllList`], from
+//! `Comm::all_to_all_into`), so a list is sent and received in place,
+//! without a copy.
+//!
 //! # Pairwise (one host, hosts of unequal sizes, or `CHORUS_HIER=0`)
 //! Every ordered pair of ranks exchanges one frame. A rank whose blocks are
 //! small (the direct algorithm's limits, `fused`) moves all of them in one
