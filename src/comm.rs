@@ -1590,7 +1590,20 @@ impl Comm {
             };
             // Sized from the peers' messages or headers once they are known.
             let output = self.output_on("all_to_all", dtype, 0, dev)?;
-            Ok(list_all_to_all(input, output, send_counts, vec![]))
+            Ok(Request::collective(
+                OpKind::AllToAll,
+                None,
+                dtype,
+                None,
+                input.len(),
+                send_counts.clone(),
+                OpData::AllToAll {
+                    input,
+                    output,
+                    send_counts,
+                    recv_counts: vec![],
+                },
+            ))
         })
     }
 
@@ -2221,30 +2234,4 @@ async fn off_runtime<T: Send + 'static>(
             .map_err(|e| Error::Internal(format!("device copy task failed: {e}")))?,
         Err(_) => f(),
     }
-}
-
-/// The request of a list all_to_all: the inputs concatenated (`input`,
-/// `send_counts` elements per peer), the receive buffer and its sizes
-/// (`recv_counts`, empty when the backend learns them). The header carries
-/// the send sizes.
-fn list_all_to_all(
-    input: Tensor,
-    output: Tensor,
-    send_counts: Vec<usize>,
-    recv_counts: Vec<usize>,
-) -> Request {
-    Request::collective(
-        OpKind::AllToAll,
-        None,
-        input.dtype(),
-        None,
-        input.len(),
-        send_counts.clone(),
-        OpData::AllToAll {
-            input,
-            output,
-            send_counts,
-            recv_counts,
-        },
-    )
 }
