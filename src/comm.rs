@@ -52,7 +52,7 @@ use crate::actors::status::{State, Status};
 use crate::actors::{CommMsg, Home, Queued, Request};
 use crate::backends::{DeviceMemory, OpData, P2PTransfer};
 use crate::error::{Error, Result};
-use crate::flight_recorder::{FlightEntry, OpDesc};
+use crate::flight_recorder::{FlightEntry, OpDesc, Peers};
 use crate::hints::Hints;
 use crate::hooks::{AbortHookArgs, PostHookArgs, PreHookArgs, RemovableHandle};
 use crate::op::{OpKind, ReduceOp};
@@ -2182,7 +2182,7 @@ impl Comm {
 fn describe(req: &Request) -> OpDesc {
     let (op, count, peers) = match &req.data {
         OpData::P2P { ops } => {
-            let mut peers: Vec<usize> = ops.iter().map(|t| t.peer).collect();
+            let mut peers: Peers = ops.iter().map(|t| t.peer).collect();
             peers.sort_unstable();
             peers.dedup();
             let name = match ops.as_slice() {
@@ -2196,13 +2196,13 @@ fn describe(req: &Request) -> OpDesc {
             Some(w) => {
                 let peers = match w {
                     crate::backends::WindowOp::Put { dst, .. }
-                    | crate::backends::WindowOp::Signal { dst, .. } => vec![*dst],
-                    crate::backends::WindowOp::WaitSignal { src, .. } => vec![*src],
-                    _ => vec![],
+                    | crate::backends::WindowOp::Signal { dst, .. } => Peers::from_slice(&[*dst]),
+                    crate::backends::WindowOp::WaitSignal { src, .. } => Peers::from_slice(&[*src]),
+                    _ => Peers::new(),
                 };
                 (w.name(), req.count, peers)
             }
-            None => (req.kind.name(), req.count, vec![]),
+            None => (req.kind.name(), req.count, Peers::new()),
         },
     };
     OpDesc {

@@ -24,9 +24,8 @@
 //!   critical section; the dump runs off the communicator's threads, bounded
 //!   by [`DUMP_DEADLINE`].
 
-use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -125,11 +124,117 @@ pub struct FlightDump {
     pub entries: Vec<FlightEntry>,
 }
 
+/// One op as the ring holds it: the fields of a [`FlightEntry`], with the
+/// times as the clock's `Instant`s and the peers and tag in forms that
+/// recording copies without allocating. A slot is overwritten in place
+/// when the ring wraps; [`Slot::entry`] turns it into the public entry.
+struct Slot {
+    id: u64,
+    op_id: u64,
+    seq: Option<u64>,
+    op: &'static str,
+    dtype: DType,
+    count: usize,
+    bytes: usize,
+    root: Option<usize>,
+    peers: Peers,
+    tag: Option<Arc<str>>,
+    state: FlightState,
+    error: Option<String>,
+    issued: Instant,
+    started: Option<Instant>,
+    completed: Option<Instant>,
+}
+
+impl Slot {
+    fn new(id: u64, op_id: u64, desc: &OpDesc, tag: Option<&Arc<str>>, now: Instant) -> Slot {
+        Slot {
+            id,
+            op_id,
+            seq: None,
+            op: desc.op,
+            dtype: desc.dtype,
+            count: desc.count,
+            bytes: desc.bytes,
+            root: desc.root,
+            peers: desc.peers.clone(),
+            tag: tag.cloned(),
+            state: FlightState::Queued,
+            error: None,
+            issued: now,
+            started: None,
+            completed: None,
+        }
+    }
+
+    /// Make this slot entry `id`, reusing what it holds: no allocation
+    /// unless the new op has more peers than a slot holds inline.
+    fn reuse(&mut self, id: u64, op_id: u64, desc: &OpDesc, tag: Option<&Arc<str>>, now: Instant) {
+        self.id = id;
+        self.op_id = op_id;
+        self.seq = None;
+        self.op = desc.op;
+        self.dtype = desc.dtype;
+        self.count = desc.count;
+        self.bytes = desc.bytes;
+        self.root = desc.root;
+        self.peers.clear();
+        self.peers.extend_from_slice(&desc.peers);
+        if self.tag.as_ref().map(Arc::as_ptr) != tag.map(Arc::as_ptr) {
+            self.tag = tag.cloned();
+        }
+        self.state = FlightState::Queued;
+        self.error = None;
+        self.issued = now;
+        self.started = None;
+        self.completed = None;
+    }
+
+    fn entry(&self, us: impl Fn(Instant) -> u64) -> FlightEntry {
+        FlightEntry {
+            id: self.id,
+            op_id: self.op_id,
+            seq: self.seq,
+            op: self.op,
+            dtype: self.dtype,
+            count: self.count,
+            bytes: self.bytes,
+            root: self.root,
+            peers: self.peers.to_vec(),
+            tag: self.tag.as_deref().map(str::to_string),
+            state: self.state,
+            error: self.error.clone(),
+            issued_us: us(self.issued),
+            started_us: self.started.map(&us),
+            completed_us: self.completed.map(&us),
+        }
+    }
+}
+
+/// The ring: entry `id` lives in `slots[id % capacity]` while it is one of
+/// the last `capacity` ids. O(capacity) memory, allocated as ops arrive;
+/// O(1) per record and update.
 struct Ring {
-    entries: VecDeque<FlightEntry>,
+    slots: Vec<Slot>,
     /// The id the next entry gets.
     next: u64,
 }
+
+impl Ring {
+    /// The slot of entry `id`, if it is still in the ring.
+    fn get_mut(&mut self, id: u64) -> Option<&mut Slot> {
+        let first = self.next - self.slots.len() as u64;
+        if id < first || id >= self.next {
+            return None;
+        }
+        let cap = self.slots.len() as u64;
+        self.slots.get_mut((id % cap) as usize)
+    }
+}
+
+/// The peers of a point-to-point op: inline up to two, so recording a send
+/// or a receive allocates nothing.
+pub(crate) type Peers = smallvec::SmallVec<[usize; 2]>;
 
 /// What the recorder needs to describe a new op.
 pub(crate) struct OpDesc {
@@ -138,7 +243,7 @@ pub(crate) struct OpDesc {
     pub(crate) count: usize,
     pub(crate) bytes: usize,
     pub(crate) root: Option<usize>,
-    pub(crate) peers: Vec<usize>,
+    pub(crate) peers: Peers,
 }
 
 /// A communicator's ring of recent ops.
@@ -162,7 +267,7 @@ impl FlightRecorder {
             capacity,
             anchor: (Instant::now(), unix_us(SystemTime::now())),
             ring: Mutex::new(Ring {
-                entries: VecDeque::with_capacity(capacity.min(4096)),
+                slots: Vec::with_capacity(capacity.min(4096)),
                 next: 0,
             }),
         })
@@ -178,62 +283,50 @@ impl FlightRecorder {
         us + t.saturating_duration_since(at).as_micros() as u64
     }
 
-    /// Record a newly issued op; returns its id.
-    pub(crate) fn push(&self, op_id: u64, desc: &OpDesc, tag: Option<&str>, now: Instant) -> u64 {
-        let entry = FlightEntry {
-            id: 0,
-            op_id,
-            seq: None,
-            op: desc.op,
-            dtype: desc.dtype,
-            count: desc.count,
-            bytes: desc.bytes,
-            root: desc.root,
-            peers: desc.peers.clone(),
-            tag: tag.map(str::to_string),
-            state: FlightState::Queued,
-            error: None,
-            issued_us: self.us(now),
-            started_us: None,
-            completed_us: None,
-        };
+    /// Record a newly issued op; returns its id. Once the ring is full the
+    /// oldest entry's slot is overwritten in place (FR-1).
+    pub(crate) fn push(
+        &self,
+        op_id: u64,
+        desc: &OpDesc,
+        tag: Option<&Arc<str>>,
+        now: Instant,
+    ) -> u64 {
         let mut ring = self.lock();
         let id = ring.next;
         ring.next += 1;
-        if ring.entries.len() == self.capacity {
-            ring.entries.pop_front();
+        if ring.slots.len() < self.capacity {
+            ring.slots.push(Slot::new(id, op_id, desc, tag, now));
+        } else {
+            let at = (id % self.capacity as u64) as usize;
+            if let Some(slot) = ring.slots.get_mut(at) {
+                slot.reuse(id, op_id, desc, tag, now);
+            }
         }
-        ring.entries.push_back(FlightEntry { id, ..entry });
         id
     }
 
     /// Update entry `id`, if it is still in the ring.
-    fn update(&self, id: u64, f: impl FnOnce(&mut FlightEntry)) {
+    fn update(&self, id: u64, f: impl FnOnce(&mut Slot)) {
         let mut ring = self.lock();
-        let first = ring.next - ring.entries.len() as u64;
-        if let Some(e) = id
-            .checked_sub(first)
-            .and_then(|i| ring.entries.get_mut(i as usize))
-        {
+        if let Some(e) = ring.get_mut(id) {
             f(e);
         }
     }
 
     /// Entry `id`'s turn started.
     pub(crate) fn started(&self, id: u64, seq: Option<u64>, now: Instant) {
-        let us = self.us(now);
         self.update(id, |e| {
             if e.state == FlightState::Queued {
                 e.state = FlightState::Started;
                 e.seq = seq;
-                e.started_us = Some(us);
+                e.started = Some(now);
             }
         });
     }
 
     /// Entry `id` completed (`error: None`) or failed.
     pub(crate) fn finished(&self, id: u64, error: Option<String>, now: Instant) {
-        let us = self.us(now);
         self.update(id, |e| {
             if matches!(e.state, FlightState::Queued | FlightState::Started) {
                 e.state = if error.is_some() {
@@ -242,7 +335,7 @@ impl FlightRecorder {
                     FlightState::Completed
                 };
                 e.error = error;
-                e.completed_us = Some(us);
+                e.completed = Some(now);
             }
         });
     }
@@ -250,8 +343,13 @@ impl FlightRecorder {
     /// The entries, oldest first, and how many were pushed out.
     pub(crate) fn snapshot(&self) -> (Vec<FlightEntry>, u64) {
         let ring = self.lock();
-        let dropped = ring.next - ring.entries.len() as u64;
-        (ring.entries.iter().cloned().collect(), dropped)
+        let kept = ring.slots.len() as u64;
+        let first = ring.next - kept;
+        let entries = (first..ring.next)
+            .filter_map(|id| ring.slots.get((id % kept.max(1)) as usize))
+            .map(|s| s.entry(|t| self.us(t)))
+            .collect();
+        (entries, first)
     }
 
     /// The dump document.
@@ -323,7 +421,7 @@ mod tests {
             count: 2,
             bytes: 8,
             root: None,
-            peers: vec![],
+            peers: Peers::new(),
         }
     }
 
@@ -353,7 +451,7 @@ mod tests {
     fn fr_2_states_only_move_forward() {
         let r = FlightRecorder::new(4).unwrap();
         let t0 = Instant::now();
-        let id = r.push(1, &desc(), Some("tag"), t0);
+        let id = r.push(1, &desc(), Some(&Arc::from("tag")), t0);
         r.started(id, Some(7), t0 + Duration::from_micros(10));
         r.finished(id, None, t0 + Duration::from_micros(30));
         r.started(id, Some(9), t0 + Duration::from_micros(40));
@@ -365,6 +463,32 @@ mod tests {
         assert_eq!(e.tag.as_deref(), Some("tag"));
         assert_eq!(e.started_us, Some(e.issued_us + 10));
         assert_eq!(e.completed_us, Some(e.issued_us + 30));
+    }
+
+    #[test]
+    fn fr_1_an_overwritten_slot_holds_only_the_new_op() {
+        let r = FlightRecorder::new(2).unwrap();
+        let t0 = Instant::now();
+        let tag: Arc<str> = Arc::from("old");
+        let send = OpDesc {
+            op: "send",
+            peers: Peers::from_slice(&[3]),
+            ..desc()
+        };
+        let a = r.push(1, &send, Some(&tag), t0);
+        r.started(a, Some(4), t0);
+        r.finished(a, Some("boom".into()), t0);
+        r.push(2, &desc(), None, t0);
+        // Entry 2 takes entry 0's slot.
+        let c = r.push(3, &desc(), None, t0 + Duration::from_micros(5));
+        let (entries, dropped) = r.snapshot();
+        assert_eq!(dropped, 1);
+        let e = &entries[1];
+        assert_eq!((e.id, e.op_id, e.op), (c, 3, "all_reduce"));
+        assert_eq!(e.state, FlightState::Queued);
+        assert!(e.peers.is_empty() && e.tag.is_none() && e.error.is_none());
+        assert_eq!((e.seq, e.started_us, e.completed_us), (None, None, None));
+        assert_eq!(e.issued_us, entries[0].issued_us + 5);
     }
 
     #[test]

@@ -481,7 +481,7 @@ impl Observer {
         let op_id = next_op_id();
         let now = Instant::now();
         let rec = match &self.recorder {
-            Some(r) if hints.record => Some(r.push(op_id, &desc, hints.tag.as_deref(), now)),
+            Some(r) if hints.record => Some(r.push(op_id, &desc, hints.tag.as_ref(), now)),
             _ => None,
         };
         let pre_sent = self.hooks.has(Kind::Pre);
@@ -495,7 +495,7 @@ impl Observer {
                 count: desc.count,
                 bytes: desc.bytes,
                 root: desc.root,
-                peers: desc.peers,
+                peers: desc.peers.to_vec(),
                 tag: hints.tag.as_deref().map(str::to_string),
                 hints: hints.map.clone(),
             };
