@@ -715,7 +715,7 @@ impl Comm {
             if inline {
                 req.issued = req.completer.as_ref().and_then(|c| c.issued());
                 // A turn on this (blocked) thread, which may sleep in the kernel.
-                crate::runtime::run_here(&home.rt, lease.run(req, true));
+                crate::runtime::run_here(&home.rt, || lease.run(req, true));
             } else {
                 // A turn as a task next to the caller (the caller's
                 // runtime, else the communicator's): one hand-off, and

@@ -148,15 +148,17 @@ pub(crate) fn blocking<T>(op: &'static str, wait: impl FnOnce() -> Result<T>) ->
     }
 }
 
-/// Run `fut` to its end on this (blocking) thread, inside `rt`'s context.
+/// Run the future `make` returns to its end on this (blocking) thread,
+/// inside `rt`'s context. The future is built where it is pinned: a
+/// turn's future is several kilobytes, and moving it in would copy them.
 /// It is polled once first, with a no-op waker: a future that finishes in
 /// that poll (a small op) costs no runtime entry, no parker and no waker.
 /// Only one that must wait goes on under [`Handle::block_on`], which polls
 /// it again with a real waker (every future registers its waker anew on
 /// each poll, so the no-op one is never relied on). Call only where the
 /// thread may block.
-pub(crate) fn run_here<F: Future>(rt: &Handle, fut: F) -> F::Output {
-    let mut fut = std::pin::pin!(fut);
+pub(crate) fn run_here<F: Future>(rt: &Handle, make: impl FnOnce() -> F) -> F::Output {
+    let mut fut = std::pin::pin!(make());
     {
         let _in_rt = rt.enter();
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());

@@ -307,7 +307,7 @@ impl Core {
     /// The communicator's tracing span.
     pub(crate) fn span(&self) -> tracing::Span {
         let info = &self.info;
-        crate::active_span(
+        crate::hot_span!(
             tracing::info_span!("comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch),
         )
     }
@@ -382,7 +382,7 @@ impl Core {
             completer: Some(completer),
         };
         let bytes = req.count * req.dtype.size();
-        let span = crate::active_span(tracing::debug_span!(
+        let span = crate::hot_span!(tracing::debug_span!(
             "op",
             op = req.kind.name(),
             seq = req.seq,

@@ -289,7 +289,7 @@ impl CpuBackend {
         op: ReduceOp,
     ) -> Result<()> {
         let bytes = dst.len_bytes();
-        let span = crate::active_span(
+        let span = crate::hot_span!(
             tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes),
         );
         self.enter(ctx)?;
@@ -1564,7 +1564,7 @@ impl CpuBackend {
         }
         if let OpData::P2P { ops } = data {
             let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();
-            let span = crate::active_span(
+            let span = crate::hot_span!(
                 tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes),
             );
             return self.p2p_inner(ctx, ops, p2p_done).instrument(span).await;
@@ -1603,7 +1603,7 @@ impl CpuBackend {
             None => (src, dst),
         };
         let bytes = dst.len_bytes();
-        let span = crate::active_span(
+        let span = crate::hot_span!(
             tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len()),
         );
         self.schedule_inner(ctx, &schedule, src, dst, op)
