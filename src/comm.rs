@@ -695,7 +695,12 @@ impl Comm {
             Ok(r) => r,
             Err(e) => return Work::ready(map, Err(e)),
         };
-        let (work, mut completer) = Work::new(map);
+        // WK-4: a fence slot of its own only for an op ordered with a stream.
+        let (work, mut completer) = if self.stream.is_some() {
+            Work::ordered(map)
+        } else {
+            Work::new(map)
+        };
         let home = &self.shared.home;
         if home.obs.watching(&self.hints) {
             completer.track(home.obs.issue(describe(&req), &self.hints));
@@ -2000,9 +2005,7 @@ impl Comm {
 
     /// Async form of [`Comm::send`].
     pub fn send_async(&self, tensor: Tensor, dst: usize) -> Work<Tensor> {
-        self.submit(first_tensor, || {
-            self.p2p_request(vec![P2POp::send(tensor, dst)])
-        })
+        self.submit(first_tensor, || self.p2p_one(tensor, dst, true))
     }
 
     /// Receive into `tensor` from rank `src` (its length and dtype say what is
@@ -2016,9 +2019,7 @@ impl Comm {
 
     /// Async form of [`Comm::recv`].
     pub fn recv_async(&self, tensor: Tensor, src: usize) -> Work<Tensor> {
-        self.submit(first_tensor, || {
-            self.p2p_request(vec![P2POp::recv(tensor, src)])
-        })
+        self.submit(first_tensor, || self.p2p_one(tensor, src, false))
     }
 
     /// Issue several sends and receives together; they run concurrently and
@@ -2035,6 +2036,20 @@ impl Comm {
     /// Async form of [`Comm::batch_p2p`].
     pub fn batch_p2p_async(&self, ops: Vec<P2POp>) -> Work<Vec<Tensor>> {
         self.submit(to_tensors, || self.p2p_request(ops))
+    }
+
+    /// The request of a lone send (`send`) or receive: what
+    /// [`Comm::p2p_request`] builds for one op, without the list around it.
+    fn p2p_one(&self, tensor: Tensor, peer: usize, send: bool) -> Result<Request> {
+        let op = if send { "send" } else { "recv" };
+        self.placement(op, &[&tensor])?;
+        self.check_peer(op, peer)?;
+        Ok(Request::p2p(vec![P2PTransfer {
+            peer,
+            seq: 0,
+            send,
+            buf: tensor,
+        }]))
     }
 
     fn p2p_request(&self, ops: Vec<P2POp>) -> Result<Request> {
@@ -2216,6 +2231,9 @@ fn describe(req: &Request) -> OpDesc {
 }
 
 fn first_tensor(c: Completion) -> Result<Tensor> {
+    if let Completion::Tensor(t) = c {
+        return Ok(t);
+    }
     let mut v = to_tensors(c)?;
     v.pop()
         .ok_or_else(|| Error::Internal("point-to-point op returned no buffer".into()))

@@ -213,8 +213,11 @@ struct Done {
 
 /// The sending half: completes one [`Work`] exactly once.
 pub(crate) struct Completer {
-    tx: Option<oneshot::Sender<Done>>,
-    fence: Arc<FenceSlot>,
+    tx: Option<oneshot::Sender<Done, FenceSlot>>,
+    /// The fence slot of an op ordered with a device stream, which the
+    /// backend may keep past the turn; `None` for other ops, whose slot
+    /// lives in the one-shot's allocation (one allocation fewer per op).
+    fence: Option<Arc<FenceSlot>>,
     /// The op as its communicator's hooks and flight recorder follow it.
     tracked: Option<Tracked>,
 }
@@ -229,8 +232,10 @@ impl std::fmt::Debug for Completer {
 
 impl Completer {
     /// The op's fence slot, for a backend to publish a fence in (WK-4).
+    /// `None` once completed, and for a work made without one
+    /// ([`Work::new`] rather than [`Work::ordered`]).
     pub(crate) fn fence_slot(&self) -> Option<Arc<FenceSlot>> {
-        self.tx.as_ref().map(|_| self.fence.clone())
+        self.tx.as_ref().and(self.fence.clone())
     }
 
     /// Have the observer follow this op (hooks, flight recorder).
@@ -264,7 +269,9 @@ impl Completer {
             .take()
             .and_then(|t| t.finish(result.as_ref().map(|_| ())));
         if let Some(tx) = self.tx.take() {
-            self.fence.close();
+            if let Some(slot) = self.fence.as_deref().or(tx.side()) {
+                slot.close();
+            }
             // `Err` hands the result back when the `Work` was dropped: it
             // is discarded (WK-3).
             let _ = tx.send(Done { result, hooks });
@@ -277,7 +284,7 @@ impl Drop for Completer {
         if self.tx.is_some() {
             let me = Completer {
                 tx: self.tx.take(),
-                fence: self.fence.clone(),
+                fence: self.fence.take(),
                 tracked: self.tracked.take(),
             };
             me.complete(Err(Error::Internal(
@@ -300,14 +307,16 @@ impl Drop for Completer {
 /// ```
 #[must_use = "a Work does nothing unless waited on; dropping it discards the result"]
 pub struct Work<T> {
-    rx: oneshot::Receiver<Done>,
+    rx: oneshot::Receiver<Done, FenceSlot>,
     /// The result, received, while its hooks still run (WK-7).
     held: Option<Box<(Result<Completion>, HookTicket)>>,
     /// Chorus's own awaits of an op it issued (the agreement inside
     /// `split`): they need the result, not the hooks, and may run where a
     /// hook waits for them.
     skip_hooks: bool,
-    fence: Arc<FenceSlot>,
+    /// The stream-ordered op's own fence slot (see [`Completer`]); else
+    /// the one in the one-shot.
+    fence: Option<Arc<FenceSlot>>,
     map: fn(Completion) -> Result<T>,
 }
 
@@ -334,9 +343,24 @@ fn finish<T>(map: fn(Completion) -> Result<T>, got: Option<Result<Completion>>) 
 }
 
 impl<T> Work<T> {
+    /// A work and its completer: one allocation, the one-shot, which
+    /// also holds the fence slot `wait_stream` looks at.
     pub(crate) fn new(map: fn(Completion) -> Result<T>) -> (Work<T>, Completer) {
-        let (tx, rx) = oneshot::channel();
-        let fence = Arc::new(FenceSlot::default());
+        Work::with_fence(map, None)
+    }
+
+    /// A work for an op ordered with a device stream: its fence slot is an
+    /// `Arc` of its own, which the backend may hold past the turn
+    /// ([`Completer::fence_slot`]).
+    pub(crate) fn ordered(map: fn(Completion) -> Result<T>) -> (Work<T>, Completer) {
+        Work::with_fence(map, Some(Arc::new(FenceSlot::default())))
+    }
+
+    fn with_fence(
+        map: fn(Completion) -> Result<T>,
+        fence: Option<Arc<FenceSlot>>,
+    ) -> (Work<T>, Completer) {
+        let (tx, rx) = oneshot::channel_with(FenceSlot::default());
         (
             Work {
                 rx,
@@ -467,9 +491,10 @@ impl<T> Work<T> {
     /// tokio runtime (await the `Work` first there: then it returns at
     /// once).
     pub fn wait_stream(&self, stream: DeviceStream) -> Result<()> {
-        let fence = match self.fence.try_get() {
+        let slot = self.fence.as_deref().unwrap_or(self.rx.side());
+        let fence = match slot.try_get() {
             Ok(fence) => fence,
-            Err(()) => crate::runtime::blocking("Work::wait_stream", || Ok(self.fence.wait()))?,
+            Err(()) => crate::runtime::blocking("Work::wait_stream", || Ok(slot.wait()))?,
         };
         match fence {
             Some(f) => f
@@ -566,6 +591,8 @@ pub(crate) fn to_tensor(c: Completion) -> Result<Tensor> {
 pub(crate) fn to_tensors(c: Completion) -> Result<Vec<Tensor>> {
     match c {
         Completion::Tensors(t) => Ok(t),
+        // A batch of one point-to-point transfer completes with its buffer.
+        Completion::Tensor(t) => Ok(vec![t]),
         other => Err(Error::Internal(format!("expected tensors, got {other:?}"))),
     }
 }
@@ -782,7 +809,7 @@ mod tests {
     /// completion there is nothing to order.
     #[test]
     fn wk_4_wait_stream_waits_for_the_fence_then_orders_the_stream() {
-        let (w, c) = Work::new(to_unit);
+        let (w, c) = Work::ordered(to_unit);
         let slot = c.fence_slot().expect("a pending op has a fence slot");
         let fence = Arc::new(RecordFence(Mutex::new(Vec::new())));
         // SAFETY: the fake fence only records the stream; it is never used.

@@ -6,12 +6,16 @@
 //! binary counts the allocations each rank's thread makes per op, in
 //! steady state, for the `cpu` backend over shared memory on 2 in-process
 //! ranks. What is left, and why:
-//! - the `Work`'s completion cell and its stream-fence slot (two `Arc`s the
-//!   caller and the turn share);
+//! - the `Work`'s completion cell (one `Arc` the caller and the turn
+//!   share; an op's stream-fence slot lives in it unless the op is
+//!   ordered with a device stream);
 //! - the boxed request, which the ordering gate queues when the op cannot
 //!   run at once;
 //! - the backend's boxed op future (`Backend::execute` is an async trait
 //!   method).
+//!
+//! A send or a receive also allocates its one-element transfer list (the
+//! request's `OpData::P2P`); the flight recorder keeps its peers inline.
 //!
 //! A non-root rank of a small `reduce` makes no working copy: its buffer
 //! is only sent, so the caller's tensor is lent to the op as it is.
@@ -72,7 +76,9 @@ fn allocs() -> u64 {
 
 /// The allocations a small collective makes on its caller's thread (see
 /// the module docs).
-const PER_OP: f64 = 4.0;
+const PER_OP: f64 = 3.0;
+/// ... and a send or a receive, with its transfer list.
+const PER_P2P: f64 = 4.0;
 /// Slack for the rare step that builds its list of peers to check.
 const SLACK: f64 = 0.05;
 const WARMUP: usize = 200;
@@ -156,5 +162,16 @@ fn a_small_broadcast_allocates_only_its_work_request_and_future() {
 fn a_small_reduce_allocates_only_its_work_request_and_future() {
     assert_bounded("alloc-reduce", PER_OP, |c, t| {
         c.reduce(t, ReduceOp::Sum, 0).expect("reduce")
+    });
+}
+
+#[test]
+fn a_small_send_or_recv_allocates_only_its_work_request_transfer_and_future() {
+    assert_bounded("alloc-send-recv", PER_P2P, |c, t| {
+        if c.rank() == 0 {
+            c.send(t, 1).expect("send")
+        } else {
+            c.recv(t, 0).expect("recv")
+        }
     });
 }

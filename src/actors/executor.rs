@@ -1153,6 +1153,12 @@ fn finish(
             }
         }
         OpData::Barrier => Completion::Unit,
+        // A lone send or receive gives its buffer back as it is (no
+        // vector to build for it).
+        OpData::P2P { mut ops } if ops.len() == 1 => match ops.pop() {
+            Some(t) => Completion::Tensor(t.buf),
+            None => Completion::Tensors(Vec::new()),
+        },
         OpData::P2P { ops } => Completion::Tensors(ops.into_iter().map(|t| t.buf).collect()),
     })
 }

@@ -101,20 +101,24 @@ impl Waiter {
     }
 }
 
-struct Inner<T> {
+struct Inner<T, S> {
     state: AtomicUsize,
     value: UnsafeCell<Option<T>>,
     waiter: UnsafeCell<Option<Waiter>>,
+    /// What the two halves share besides the value ([`channel_with`]):
+    /// set at creation, then only read through shared references.
+    side: S,
 }
 
 // SAFETY: the cells are only accessed as the protocol allows (OS-1, OS-2):
 // `value` by one side at a time, `waiter` written by the receiver only
 // while the sender does not read it. A `T` moves from one thread to
 // another, hence `T: Send`; `Waker` and `Thread` are `Send + Sync`.
-unsafe impl<T: Send> Send for Inner<T> {}
+// `side` is an ordinary field, shared as `&S`, hence `S: Send + Sync`.
+unsafe impl<T: Send, S: Send + Sync> Send for Inner<T, S> {}
 // SAFETY: as above; shared references only reach the cells through the
 // protocol.
-unsafe impl<T: Send> Sync for Inner<T> {}
+unsafe impl<T: Send, S: Send + Sync> Sync for Inner<T, S> {}
 
 /// A timed receive ([`Receiver::recv_blocking_timeout`]) ran out of time
 /// before the value arrived. The receiver is still usable.
@@ -124,16 +128,16 @@ pub struct Elapsed;
 
 /// The sending half: sends one value, or closes the one-shot when dropped
 /// without sending.
-pub struct Sender<T> {
-    inner: Option<Arc<Inner<T>>>,
+pub struct Sender<T, S = ()> {
+    inner: Option<Arc<Inner<T, S>>>,
 }
 
 /// The receiving half: waits for the value as a task or as a thread.
-pub struct Receiver<T> {
-    inner: Arc<Inner<T>>,
+pub struct Receiver<T, S = ()> {
+    inner: Arc<Inner<T, S>>,
 }
 
-impl<T> fmt::Debug for Sender<T> {
+impl<T, S> fmt::Debug for Sender<T, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Sender")
             .field("sent", &self.inner.is_none())
@@ -141,7 +145,7 @@ impl<T> fmt::Debug for Sender<T> {
     }
 }
 
-impl<T> fmt::Debug for Receiver<T> {
+impl<T, S> fmt::Debug for Receiver<T, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Receiver")
             .field("complete", &self.is_complete())
@@ -151,10 +155,20 @@ impl<T> fmt::Debug for Receiver<T> {
 
 /// A new one-shot: its sending and receiving halves.
 pub fn channel<T>() -> (Sender<T>, Receiver<T>) {
+    channel_with(())
+}
+
+/// A new one-shot whose halves also share `side`, in the same allocation:
+/// for state that lives exactly as long as the one-shot and that both
+/// halves read ([`Sender::side`], [`Receiver::side`]), at no extra
+/// allocation. `side` takes no part in the protocol; it is shared as any
+/// `&S` is, so it synchronises itself where it needs to.
+pub fn channel_with<T, S>(side: S) -> (Sender<T, S>, Receiver<T, S>) {
     let inner = Arc::new(Inner {
         state: AtomicUsize::new(0),
         value: UnsafeCell::new(None),
         waiter: UnsafeCell::new(None),
+        side,
     });
     (
         Sender {
@@ -164,7 +178,7 @@ pub fn channel<T>() -> (Sender<T>, Receiver<T>) {
     )
 }
 
-impl<T> Inner<T> {
+impl<T, S> Inner<T, S> {
     /// Set `COMPLETE` and wake the waiter if there is one (OS-3, OS-4);
     /// the state word it replaced.
     fn complete(&self) -> usize {
@@ -184,7 +198,14 @@ impl<T> Inner<T> {
     }
 }
 
-impl<T> Sender<T> {
+impl<T, S> Sender<T, S> {
+    /// What the halves share besides the value ([`channel_with`]).
+    /// Always `Some` on a sender that can still send (only `send` and
+    /// `drop` give the shared state up).
+    pub fn side(&self) -> Option<&S> {
+        self.inner.as_deref().map(|i| &i.side)
+    }
+
     /// Send `value`, waking the receiver if it waits (and making no system
     /// call if it does not, OS-4).
     ///
@@ -217,7 +238,7 @@ impl<T> Sender<T> {
     }
 }
 
-impl<T> Drop for Sender<T> {
+impl<T, S> Drop for Sender<T, S> {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.take() {
             // Closed: complete with no value, waking a waiter.
@@ -226,7 +247,12 @@ impl<T> Drop for Sender<T> {
     }
 }
 
-impl<T> Receiver<T> {
+impl<T, S> Receiver<T, S> {
+    /// What the halves share besides the value ([`channel_with`]).
+    pub fn side(&self) -> &S {
+        &self.inner.side
+    }
+
     /// Whether the sender is done (sent, or dropped without sending): one
     /// atomic load. Once true, a receive returns at once.
     pub fn is_complete(&self) -> bool {
@@ -361,7 +387,7 @@ impl<T> Receiver<T> {
     }
 }
 
-impl<T> Drop for Receiver<T> {
+impl<T, S> Drop for Receiver<T, S> {
     fn drop(&mut self) {
         // OS-1: from here on the sender may take the value back. A waiter
         // or a value left inside is dropped with the shared state (OS-6).
@@ -391,6 +417,27 @@ mod tests {
 
     fn woken(c: &StdArc<Count>) -> usize {
         c.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The side value is shared by both halves until the sender sends,
+    /// and dropped once, with the last half (OS-6 holds for it too).
+    #[test]
+    fn the_side_value_is_shared_and_dropped_once() {
+        struct Side(StdArc<StdAtomicUsize>);
+        impl Drop for Side {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let drops = StdArc::new(StdAtomicUsize::new(0));
+        let (tx, mut rx) = channel_with::<u8, _>(Side(drops.clone()));
+        assert!(std::ptr::eq(tx.side().expect("before sending"), rx.side()));
+        assert_eq!(tx.send(3), Ok(()));
+        assert_eq!(rx.recv_blocking(), Some(3));
+        assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), 0);
+        let _ = rx.side();
+        drop(rx);
+        assert_eq!(drops.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     #[test]
