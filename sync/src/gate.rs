@@ -249,16 +249,10 @@ mod tests {
         assert!(matches!(g.issue(4, true), Issue::Queued { wake: false }));
         assert!(g.take_idle().is_none());
         let mut ran = vec![];
-        loop {
-            match g.next() {
-                Next::Run(c, r) => {
-                    ran.push(r);
-                    if g.put_back(c, false).unwrap().drainer {
-                        continue;
-                    }
-                    break;
-                }
-                Next::Idle => break,
+        while let Next::Run(c, r) = g.next() {
+            ran.push(r);
+            if !g.put_back(c, false).unwrap().drainer {
+                break;
             }
         }
         assert_eq!(ran, vec![2, 3, 4]);
