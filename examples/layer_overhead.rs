@@ -7,11 +7,17 @@
 //!
 //! ```text
 //! cargo run --release --example layer_overhead [iters]
+//! cargo run --release --example layer_overhead <iters> one
 //! ```
 //!
 //! Prints the median time per op of each layer for 8 B, 64 KiB and 1 MiB,
 //! and of the same blocking op on a world of one rank (the layers alone:
 //! that backend moves nothing).
+//!
+//! With `one`, it only runs `iters` blocking 8 B all_reduces on a world of
+//! one and prints nothing: the loop to count the layers' instructions per
+//! op with, deterministically, e.g. as the difference of two
+//! `valgrind --tool=callgrind` runs at 20 000 and 60 000 iterations.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -268,6 +274,16 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(200);
+    if std::env::args().nth(2).as_deref() == Some("one") {
+        let comm =
+            new_comm("cpu", Device::Cpu, "layers-one", CommOptions::single()).expect("new_comm");
+        let mut t = Tensor::zeros(chorus::DType::F32, 2);
+        for _ in 0..iters {
+            t = comm.all_reduce(t, ReduceOp::Sum).expect("all_reduce");
+        }
+        comm.finalize().expect("finalize");
+        return;
+    }
     // Interleave the layers so machine load hits them alike.
     let (mut direct, mut comm, mut own, mut callers, mut one) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
