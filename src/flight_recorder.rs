@@ -212,8 +212,9 @@ impl Slot {
 }
 
 /// The ring: entry `id` lives in `slots[id % capacity]` while it is one of
-/// the last `capacity` ids. O(capacity) memory, allocated as ops arrive;
-/// O(1) per record and update.
+/// the last `capacity` ids. O(capacity) memory (reserved at the start up
+/// to 4 096 slots, grown past that as ops arrive); O(1) per record and
+/// update.
 struct Ring {
     slots: Vec<Slot>,
     /// The id the next entry gets.

@@ -825,4 +825,27 @@ mod tests {
         w.wait_stream(stream).expect("closed fence");
         assert_eq!(fence.0.lock().expect("fence").len(), 1);
     }
+
+    /// WK-4 for an op not ordered with a stream: no slot is handed to a
+    /// backend, and `wait_stream` (on the slot inside the one-shot) blocks
+    /// until the op completed, leaving its result to `wait`.
+    #[test]
+    fn wk_4_wait_stream_on_an_unordered_op_waits_for_its_completion() {
+        let (w, c) = Work::new(to_unit);
+        assert!(c.fence_slot().is_none());
+        // SAFETY: no fence is ever published, so the stream is never used.
+        let stream = unsafe { DeviceStream::from_raw(std::ptr::null_mut()) };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let r = w.wait_stream(stream);
+            let _ = tx.send(());
+            (r, w)
+        });
+        // Still blocked while the op runs.
+        assert!(rx.recv_timeout(Duration::from_millis(50)).is_err());
+        c.complete(Ok(Completion::Unit));
+        let (r, w) = within("wait_stream", move || waiter.join().expect("waiter"));
+        r.expect("wait_stream after completion");
+        w.wait().expect("the result is still there");
+    }
 }
