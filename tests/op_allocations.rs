@@ -16,6 +16,7 @@
 //!
 //! A send or a receive also allocates its one-element transfer list (the
 //! request's `OpData::P2P`); the flight recorder keeps its peers inline.
+//! A barrier computes its rounds as it goes.
 //!
 //! A non-root rank of a small `reduce` makes no working copy: its buffer
 //! is only sent, so the caller's tensor is lent to the op as it is.
@@ -173,5 +174,13 @@ fn a_small_send_or_recv_allocates_only_its_work_request_transfer_and_future() {
         } else {
             c.recv(t, 0).expect("recv")
         }
+    });
+}
+
+#[test]
+fn a_barrier_allocates_only_its_work_request_and_future() {
+    assert_bounded("alloc-barrier", PER_OP, |c, t| {
+        c.barrier().expect("barrier");
+        t
     });
 }

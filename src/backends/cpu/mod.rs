@@ -1461,13 +1461,22 @@ impl CpuBackend {
     /// the two-level rounds of [`hier::barrier_rounds`].
     async fn barrier(&mut self, ctx: &OpCtx) -> Result<()> {
         let class = class_of(ctx);
-        let rounds: Vec<(Option<usize>, Option<usize>)> = match &self.topo {
-            Some(t) => hier::barrier_rounds(self.rank, t),
-            None => builders::barrier_rounds(self.rank, self.size)
-                .into_iter()
-                .map(|(to, from)| (Some(to), Some(from)))
-                .collect(),
+        // Across hosts the two-level rounds (a short list); on one host
+        // the dissemination rounds, computed as they go: no allocation.
+        let (two_level, flat) = match &self.topo {
+            Some(t) => (Some(hier::barrier_rounds(self.rank, t)), None),
+            None => (
+                None,
+                Some(
+                    builders::barrier_round_iter(self.rank, self.size)
+                        .map(|(to, from)| (Some(to), Some(from))),
+                ),
+            ),
         };
+        let rounds = two_level
+            .into_iter()
+            .flatten()
+            .chain(flat.into_iter().flatten());
         for (to, from) in rounds {
             let mut none: [u8; 0] = [];
             let mut sends = to

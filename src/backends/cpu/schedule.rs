@@ -763,16 +763,15 @@ pub fn all_to_all(
 /// assert!(barrier_rounds(0, 1).is_empty());
 /// ```
 pub fn barrier_rounds(rank: usize, size: usize) -> Vec<(usize, usize)> {
-    if rank >= size {
-        return Vec::new();
-    }
-    let mut rounds = Vec::new();
-    let mut d = 1;
-    while d < size {
-        rounds.push(((rank + d) % size, (rank + size - d % size) % size));
-        d *= 2;
-    }
-    rounds
+    barrier_round_iter(rank, size).collect()
+}
+
+/// The rounds of [`barrier_rounds`] one by one, without collecting them:
+/// O(1) memory, so a barrier allocates nothing for its plan.
+pub fn barrier_round_iter(rank: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+    std::iter::successors(Some(1usize), |d| d.checked_mul(2))
+        .take_while(move |&d| rank < size && d < size)
+        .map(move |d| ((rank + d) % size, (rank + size - d) % size))
 }
 
 /// Byte bound of the latency-minded rooted algorithms: [`reduce_tree`]
