@@ -514,18 +514,18 @@ pub(crate) fn active_span(span: tracing::Span) -> tracing::Span {
     }
 }
 
-/// A span for the per-op path: the span macro call `$span` through
-/// [`active_span`], evaluated only once a `tracing` subscriber has been
-/// installed (globally or as a scoped default); before that,
-/// [`tracing::Span::none`] at the cost of one relaxed load. Building even
-/// a disabled span costs a few hundred instructions per op (its fields,
-/// and tracing's `log` compatibility on creation and drop), about a tenth
-/// of a small blocking op's software. Without a subscriber these spans are
-/// therefore not forwarded to a `log` logger either.
+/// A span for the per-op path: `tracing::span!($level, ...)` through
+/// [`active_span`], built only when some subscriber enables `$level`
+/// ([`tracing::level_filters::LevelFilter::current`], one relaxed load);
+/// otherwise [`tracing::Span::none`]. Building even a disabled span costs
+/// a few hundred instructions per op (its fields, and tracing's `log`
+/// compatibility on creation and drop), about a tenth of a small blocking
+/// op's software. Without a subscriber these spans are therefore not
+/// forwarded to a `log` logger either.
 macro_rules! hot_span {
-    ($span:expr $(,)?) => {
-        if tracing::dispatcher::has_been_set() {
-            $crate::active_span($span)
+    ($level:ident, $($span:tt)+) => {
+        if tracing::Level::$level <= tracing::level_filters::LevelFilter::current() {
+            $crate::active_span(tracing::span!(tracing::Level::$level, $($span)+))
         } else {
             tracing::Span::none()
         }

@@ -307,9 +307,7 @@ impl Core {
     /// The communicator's tracing span.
     pub(crate) fn span(&self) -> tracing::Span {
         let info = &self.info;
-        crate::hot_span!(
-            tracing::info_span!("comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch),
-        )
+        crate::hot_span!(INFO, "comm", name = %info.name, rank = info.rank, size = info.size, epoch = info.epoch)
     }
 
     /// Whether the backend asks to be polled while idle (EX-7).
@@ -382,12 +380,7 @@ impl Core {
             completer: Some(completer),
         };
         let bytes = req.count * req.dtype.size();
-        let span = crate::hot_span!(tracing::debug_span!(
-            "op",
-            op = req.kind.name(),
-            seq = req.seq,
-            bytes
-        ));
+        let span = crate::hot_span!(DEBUG, "op", op = req.kind.name(), seq = req.seq, bytes);
         let timeout = req.timeout;
         // EX-10: the stall check sees this op while it runs.
         let log = self

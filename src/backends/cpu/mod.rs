@@ -289,9 +289,7 @@ impl CpuBackend {
         op: ReduceOp,
     ) -> Result<()> {
         let bytes = dst.len_bytes();
-        let span = crate::hot_span!(
-            tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes),
-        );
+        let span = crate::hot_span!(DEBUG, "cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes);
         self.enter(ctx)?;
         let r = self
             .schedule_inner(ctx, schedule, src, dst, op)
@@ -1573,9 +1571,7 @@ impl CpuBackend {
         }
         if let OpData::P2P { ops } = data {
             let bytes: usize = ops.iter().map(|t| t.buf.len_bytes()).sum();
-            let span = crate::hot_span!(
-                tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes),
-            );
+            let span = crate::hot_span!(DEBUG, "cpu_op", comm = %ctx.comm, rank = ctx.rank, op = "p2p", transfers = ops.len(), bytes);
             return self.p2p_inner(ctx, ops, p2p_done).instrument(span).await;
         }
         let Some(plan) = self.op_buffers(data)? else {
@@ -1612,9 +1608,7 @@ impl CpuBackend {
             None => (src, dst),
         };
         let bytes = dst.len_bytes();
-        let span = crate::hot_span!(
-            tracing::debug_span!("cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len()),
-        );
+        let span = crate::hot_span!(DEBUG, "cpu_op", comm = %ctx.comm, rank = ctx.rank, op = ctx.kind.name(), seq = ctx.seq, bytes, steps = schedule.steps.len());
         self.schedule_inner(ctx, &schedule, src, dst, op)
             .instrument(span)
             .await?;
