@@ -2041,15 +2041,19 @@ impl Comm {
     /// The request of a lone send (`send`) or receive: what
     /// [`Comm::p2p_request`] builds for one op, without the list around it.
     fn p2p_one(&self, tensor: Tensor, peer: usize, send: bool) -> Result<Request> {
-        let op = if send { "send" } else { "recv" };
-        self.placement(op, &[&tensor])?;
-        self.check_peer(op, peer)?;
-        Ok(Request::p2p(vec![P2PTransfer {
+        self.placement(if send { "send" } else { "recv" }, &[&tensor])?;
+        Ok(Request::p2p(vec![self.p2p_transfer(tensor, peer, send)?]))
+    }
+
+    /// One transfer of a point-to-point request, its peer checked.
+    fn p2p_transfer(&self, buf: Tensor, peer: usize, send: bool) -> Result<P2PTransfer> {
+        self.check_peer(if send { "send" } else { "recv" }, peer)?;
+        Ok(P2PTransfer {
             peer,
             seq: 0,
             send,
-            buf: tensor,
-        }]))
+            buf,
+        })
     }
 
     fn p2p_request(&self, ops: Vec<P2POp>) -> Result<Request> {
@@ -2074,13 +2078,7 @@ impl Comm {
                 P2POp::Send { tensor, peer } => (tensor, peer, true),
                 P2POp::Recv { tensor, peer } => (tensor, peer, false),
             };
-            self.check_peer(if send { "send" } else { "recv" }, peer)?;
-            transfers.push(P2PTransfer {
-                peer,
-                seq: 0,
-                send,
-                buf: tensor,
-            });
+            transfers.push(self.p2p_transfer(tensor, peer, send)?);
         }
         Ok(Request::p2p(transfers))
     }
